@@ -1,0 +1,315 @@
+//! skewless's datapath: loads the eBPF programs built from `ebpf/programs`, attaches them to
+//! pod cgroups and owns the maps that say which Service addresses are redirected where.
+//!
+//! This is the only crate of the agent that talks to the kernel. Attachments use bpf_link, so
+//! they live exactly as long as the [`Datapath`] (and the process) does: if the agent dies, the
+//! kernel detaches every program and new connections go straight to the Service again — the
+//! fail-open behaviour skewless promises.
+
+use std::{
+    fs::File,
+    net::{Ipv4Addr, SocketAddrV4},
+    path::{Path, PathBuf},
+};
+
+use aya::{
+    Ebpf,
+    maps::{HashMap, MapData, PerCpuArray},
+    programs::{
+        CgroupAttachMode, CgroupSockAddr, ProgramError, cgroup_sock_addr::CgroupSockAddrLinkId,
+    },
+};
+use skewless_common::{
+    COUNTERS_MAP, Counter, REDIRECT4_CAPACITY, REDIRECT4_MAP, Redirect4, ServiceKey4,
+};
+use tracing::{debug, info};
+
+/// The programs' ELF object, built by `build.rs` from `ebpf/programs`.
+static PROGRAMS: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/skewless"));
+
+const CONNECT4: &str = "connect4";
+
+/// Errors from loading programs, attaching them, or updating their maps.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("loading the eBPF object into the kernel")]
+    Load(#[source] aya::EbpfError),
+    #[error("eBPF object has no program {0:?}")]
+    MissingProgram(&'static str),
+    #[error("eBPF object has no map {0:?}")]
+    MissingMap(&'static str),
+    #[error("program {name:?}")]
+    Program {
+        name: &'static str,
+        #[source]
+        source: ProgramError,
+    },
+    #[error("map {name:?}")]
+    Map {
+        name: &'static str,
+        #[source]
+        source: aya::maps::MapError,
+    },
+    #[error("opening cgroup {path}")]
+    OpenCgroup {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("redirect map is full ({capacity} Service addresses); {addr} is not redirected")]
+    RedirectMapFull { addr: SocketAddrV4, capacity: u32 },
+}
+
+/// A handle to one cgroup attachment; pass it back to [`Datapath::detach`].
+#[derive(Debug)]
+pub struct Attachment {
+    cgroup: PathBuf,
+    connect4: CgroupSockAddrLinkId,
+}
+
+impl Attachment {
+    #[must_use]
+    pub fn cgroup(&self) -> &Path {
+        &self.cgroup
+    }
+}
+
+/// Kernel-side counters, summed over CPUs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Counters {
+    pub connect4_seen: u64,
+    pub connect4_redirected: u64,
+    pub connect4_disabled: u64,
+}
+
+/// The loaded programs and their maps.
+pub struct Datapath {
+    ebpf: Ebpf,
+    redirect4: HashMap<MapData, ServiceKey4, Redirect4>,
+    counters: PerCpuArray<MapData, u64>,
+}
+
+impl std::fmt::Debug for Datapath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Datapath").finish_non_exhaustive()
+    }
+}
+
+impl Datapath {
+    /// Loads the programs and creates their maps. Nothing is attached yet, so this changes
+    /// no traffic.
+    ///
+    /// # Errors
+    /// When the kernel refuses the object (no privileges, verifier rejection).
+    pub fn load() -> Result<Self, Error> {
+        let mut ebpf = Ebpf::load(PROGRAMS).map_err(Error::Load)?;
+        let connect4: &mut CgroupSockAddr = ebpf
+            .program_mut(CONNECT4)
+            .ok_or(Error::MissingProgram(CONNECT4))?
+            .try_into()
+            .map_err(|source| Error::Program {
+                name: CONNECT4,
+                source,
+            })?;
+        connect4.load().map_err(|source| Error::Program {
+            name: CONNECT4,
+            source,
+        })?;
+        let redirect4 = take_map(&mut ebpf, REDIRECT4_MAP)?;
+        let counters = take_map(&mut ebpf, COUNTERS_MAP)?;
+        info!("eBPF programs loaded");
+        Ok(Self {
+            ebpf,
+            redirect4,
+            counters,
+        })
+    }
+
+    /// Attaches the socket hooks to the cgroup v2 directory `cgroup` (a pod's cgroup — never
+    /// the root of the hierarchy, which would affect the whole machine).
+    ///
+    /// # Errors
+    /// When the cgroup cannot be opened or the kernel refuses the attachment.
+    pub fn attach(&mut self, cgroup: &Path) -> Result<Attachment, Error> {
+        let file = File::open(cgroup).map_err(|source| Error::OpenCgroup {
+            path: cgroup.to_owned(),
+            source,
+        })?;
+        let connect4 = self
+            .connect4()?
+            .attach(&file, CgroupAttachMode::Single)
+            .map_err(|source| Error::Program {
+                name: CONNECT4,
+                source,
+            })?;
+        debug!(cgroup = %cgroup.display(), "attached");
+        Ok(Attachment {
+            cgroup: cgroup.to_owned(),
+            connect4,
+        })
+    }
+
+    /// Detaches the hooks from one cgroup.
+    ///
+    /// # Errors
+    /// When the attachment is unknown to the program.
+    pub fn detach(&mut self, attachment: Attachment) -> Result<(), Error> {
+        let Attachment { cgroup, connect4 } = attachment;
+        self.connect4()?
+            .detach(connect4)
+            .map_err(|source| Error::Program {
+                name: CONNECT4,
+                source,
+            })?;
+        debug!(cgroup = %cgroup.display(), "detached");
+        Ok(())
+    }
+
+    /// Makes the next connect() to `service` from an attached cgroup go to `target` instead.
+    ///
+    /// # Errors
+    /// When the map is full (the entry is not added and the Service stays plain L4) or the
+    /// update fails.
+    pub fn set_redirect(
+        &mut self,
+        service: SocketAddrV4,
+        target: SocketAddrV4,
+    ) -> Result<(), Error> {
+        let key = service_key(service);
+        let value = Redirect4 {
+            addr: u32::from(*target.ip()).to_be(),
+            port: target.port().to_be(),
+            _pad: 0,
+            enabled: 1,
+        };
+        self.redirect4.insert(key, value, 0).map_err(|source| {
+            if is_full(&source) {
+                Error::RedirectMapFull {
+                    addr: service,
+                    capacity: REDIRECT4_CAPACITY,
+                }
+            } else {
+                Error::Map {
+                    name: REDIRECT4_MAP,
+                    source,
+                }
+            }
+        })?;
+        debug!(%service, %target, "redirect set");
+        Ok(())
+    }
+
+    /// Stops redirecting `service`; the next connect() goes through the VIP as before.
+    /// Removing an address that is not redirected is not an error.
+    ///
+    /// # Errors
+    /// When the kernel refuses the deletion for another reason than a missing key.
+    pub fn remove_redirect(&mut self, service: SocketAddrV4) -> Result<(), Error> {
+        match self.redirect4.remove(&service_key(service)) {
+            Ok(()) | Err(aya::maps::MapError::KeyNotFound) => {
+                debug!(%service, "redirect removed");
+                Ok(())
+            }
+            Err(source) => Err(Error::Map {
+                name: REDIRECT4_MAP,
+                source,
+            }),
+        }
+    }
+
+    /// The redirect entries currently in the kernel map, as (service, target) pairs.
+    #[must_use]
+    pub fn redirects(&self) -> Vec<(SocketAddrV4, SocketAddrV4)> {
+        self.redirect4
+            .iter()
+            .filter_map(Result::ok)
+            .filter(|(_, v)| v.enabled != 0)
+            .map(|(k, v)| (socket_addr(k.addr, k.port), socket_addr(v.addr, v.port)))
+            .collect()
+    }
+
+    /// Reads the kernel counters, summed over CPUs.
+    ///
+    /// # Errors
+    /// When the counter map cannot be read.
+    pub fn counters(&self) -> Result<Counters, Error> {
+        let read = |c: Counter| -> Result<u64, Error> {
+            let per_cpu = self
+                .counters
+                .get(&(c as u32), 0)
+                .map_err(|source| Error::Map {
+                    name: COUNTERS_MAP,
+                    source,
+                })?;
+            Ok(per_cpu.iter().sum())
+        };
+        Ok(Counters {
+            connect4_seen: read(Counter::Connect4Seen)?,
+            connect4_redirected: read(Counter::Connect4Redirected)?,
+            connect4_disabled: read(Counter::Connect4Disabled)?,
+        })
+    }
+
+    fn connect4(&mut self) -> Result<&mut CgroupSockAddr, Error> {
+        self.ebpf
+            .program_mut(CONNECT4)
+            .ok_or(Error::MissingProgram(CONNECT4))?
+            .try_into()
+            .map_err(|source| Error::Program {
+                name: CONNECT4,
+                source,
+            })
+    }
+}
+
+fn take_map<T>(ebpf: &mut Ebpf, name: &'static str) -> Result<T, Error>
+where
+    T: TryFrom<aya::maps::Map, Error = aya::maps::MapError>,
+{
+    let map = ebpf.take_map(name).ok_or(Error::MissingMap(name))?;
+    T::try_from(map).map_err(|source| Error::Map { name, source })
+}
+
+fn service_key(addr: SocketAddrV4) -> ServiceKey4 {
+    ServiceKey4::new(u32::from(*addr.ip()).to_be(), addr.port().to_be())
+}
+
+fn socket_addr(addr_be: u32, port_be: u16) -> SocketAddrV4 {
+    SocketAddrV4::new(Ipv4Addr::from(u32::from_be(addr_be)), u16::from_be(port_be))
+}
+
+fn is_full(err: &aya::maps::MapError) -> bool {
+    matches!(
+        err,
+        aya::maps::MapError::SyscallError(e) if e.io_error.raw_os_error() == Some(libc_e2big())
+    )
+}
+
+/// `E2BIG`: what the kernel returns when inserting a new key into a full hash map.
+const fn libc_e2big() -> i32 {
+    7
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn service_key_is_network_order() {
+        let key = service_key("10.96.0.10:8080".parse().unwrap());
+        assert_eq!(
+            key.addr.to_ne_bytes(),
+            [10, 96, 0, 10],
+            "address bytes must be in wire order"
+        );
+        assert_eq!(
+            key.port.to_ne_bytes(),
+            8080u16.to_be_bytes(),
+            "port must be in wire order"
+        );
+        assert_eq!(
+            socket_addr(key.addr, key.port),
+            "10.96.0.10:8080".parse().unwrap()
+        );
+    }
+}

@@ -1,0 +1,75 @@
+//! Types shared by the kernel programs (`skewless-ebpf`) and the agent's datapath.
+//!
+//! Every map key and value is `#[repr(C)]`, `Copy`, and has no implicit padding: the verifier
+//! rejects reads of uninitialised padding on the stack, and the user side reads the same bytes.
+//! Sizes are asserted at compile time so a change to a layout cannot go unnoticed on one side.
+#![no_std]
+
+/// Name of the map of redirected IPv4 Service addresses (`ServiceKey4` -> `Redirect4`).
+pub const REDIRECT4_MAP: &str = "REDIRECT4";
+/// Capacity of [`REDIRECT4_MAP`]: one entry per opted-in ClusterIP:port.
+pub const REDIRECT4_CAPACITY: u32 = 4096;
+/// Name of the per-CPU counter array (indexed by [`Counter`]).
+pub const COUNTERS_MAP: &str = "COUNTERS";
+
+/// An IPv4 Service address as the connect4 hook sees it: both fields in network byte order,
+/// exactly as `bpf_sock_addr.user_ip4` / `user_port` carry them.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ServiceKey4 {
+    /// IPv4 address, network byte order.
+    pub addr: u32,
+    /// TCP port, network byte order in the low 16 bits.
+    pub port: u16,
+    pub _pad: u16,
+}
+const _: () = assert!(core::mem::size_of::<ServiceKey4>() == 8);
+
+impl ServiceKey4 {
+    #[must_use]
+    pub const fn new(addr_be: u32, port_be: u16) -> Self {
+        Self {
+            addr: addr_be,
+            port: port_be,
+            _pad: 0,
+        }
+    }
+}
+
+/// Where connect()s to a [`ServiceKey4`] are sent instead: the node balancer's listener.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Redirect4 {
+    /// IPv4 address of the listener, network byte order.
+    pub addr: u32,
+    /// Listener port, network byte order in the low 16 bits.
+    pub port: u16,
+    pub _pad: u16,
+    /// Non-zero while the redirect is live; zero makes the hook pass the connect through
+    /// untouched (fail open) without removing the entry.
+    pub enabled: u32,
+}
+const _: () = assert!(core::mem::size_of::<Redirect4>() == 12);
+
+/// Indices into the per-CPU [`COUNTERS_MAP`] array.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Counter {
+    /// connect4 calls seen (any destination).
+    Connect4Seen = 0,
+    /// connect4 calls rewritten to a balancer listener.
+    Connect4Redirected = 1,
+    /// connect4 calls whose destination matched a disabled entry (fail open).
+    Connect4Disabled = 2,
+}
+/// Number of entries in [`COUNTERS_MAP`].
+pub const COUNTERS_LEN: u32 = 3;
+
+#[cfg(feature = "user")]
+mod user {
+    // SAFETY: both types are repr(C), Copy, contain only integers and have no padding (sizes
+    // asserted above), so every bit pattern is valid.
+    unsafe impl aya::Pod for super::ServiceKey4 {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::Redirect4 {}
+}
