@@ -56,7 +56,7 @@ mod programs {
         }
         let key = ServiceKey4::new(sa.user_ip4, sa.user_port as u16);
         // SAFETY: the value is copied out before the map can change under us.
-        let Some(target) = (unsafe { REDIRECT4.get(&key) }).copied() else {
+        let Some(target) = (unsafe { REDIRECT4.get(key) }).copied() else {
             return Ok(ALLOW);
         };
         if target.enabled == 0 {

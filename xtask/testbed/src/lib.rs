@@ -22,6 +22,7 @@
 //! left behind.
 #![forbid(unsafe_code)]
 
+pub mod fixtures;
 pub mod scripts;
 
 use std::{

@@ -1,0 +1,283 @@
+//! `cargo xtask setup`: installs everything skewless needs on a fresh Debian 12 machine.
+//!
+//! Every step checks first and installs only what is missing, so running it again is cheap.
+//! On failure the error names the step and the command that failed.
+
+use std::{
+    path::PathBuf,
+    process::{Command, Stdio},
+    time::Instant,
+};
+
+use anyhow::{Context as _, Result, bail, ensure};
+
+/// Debian packages: the eBPF toolchain (rustc-web with its prebuilt `core` for
+/// bpfel-unknown-none, and its clippy for linting the programs), the network tools the testbed
+/// drives, and the peers the benchmark compares against.
+const DEBIAN_PACKAGES: &[&str] = &[
+    "rustc-web",
+    "cargo-web",
+    "libstd-rust-web-dev-bpf",
+    "rust-web-clippy",
+    "iproute2",
+    "nftables",
+    "conntrack",
+    "util-linux",
+    "procps",
+    "haproxy",
+    "nginx-light",
+];
+
+/// bpf-linker version that links objects from Debian's rustc-web (see EBPF-TOOLCHAIN.md).
+const BPF_LINKER_VERSION: &str = "0.13.0";
+
+/// Python packages for the independent gRPC peers (grpcio clients and servers).
+const PYTHON_PACKAGES: &[&str] = &[
+    "grpcio==1.85.*",
+    "grpcio-tools==1.85.*",
+    "grpcio-health-checking==1.85.*",
+];
+
+struct Step {
+    name: &'static str,
+    missing: fn() -> Option<String>,
+    install: fn() -> Result<()>,
+}
+
+const STEPS: &[Step] = &[
+    Step {
+        name: "Debian packages",
+        missing: missing_packages,
+        install: install_packages,
+    },
+    Step {
+        name: "rustup toolchain `debian`",
+        missing: missing_debian_toolchain,
+        install: link_debian_toolchain,
+    },
+    Step {
+        name: "bpf-linker",
+        missing: missing_bpf_linker,
+        install: install_bpf_linker,
+    },
+    Step {
+        name: "Python venv with grpcio",
+        missing: missing_venv,
+        install: install_venv,
+    },
+    Step {
+        name: "rustfmt and clippy",
+        missing: missing_rust_components,
+        install: install_rust_components,
+    },
+];
+
+/// Where the Python venv lives: outside the checkout, so fresh clones on the same machine
+/// reuse it.
+pub fn venv() -> PathBuf {
+    let home = std::env::var_os("HOME").map_or_else(|| PathBuf::from("/root"), PathBuf::from);
+    home.join(".cache/skewless/venv")
+}
+
+pub fn venv_python() -> PathBuf {
+    venv().join("bin/python")
+}
+
+/// Runs every step whose check finds something missing. With `verbose`, also reports steps
+/// that are already satisfied.
+pub fn ensure_installed(verbose: bool) -> Result<()> {
+    let todo: Vec<(usize, &Step, String)> = STEPS
+        .iter()
+        .enumerate()
+        .filter_map(|(i, s)| (s.missing)().map(|why| (i, s, why)))
+        .collect();
+    if todo.is_empty() {
+        if verbose {
+            println!(
+                "setup: everything is installed ({} steps checked)",
+                STEPS.len()
+            );
+        }
+        return Ok(());
+    }
+    for (i, step, why) in todo {
+        let started = Instant::now();
+        println!("==> setup [{}/{}] {}: {why}", i + 1, STEPS.len(), step.name);
+        (step.install)().with_context(|| {
+            format!(
+                "setup step {}/{} ({}) failed",
+                i + 1,
+                STEPS.len(),
+                step.name
+            )
+        })?;
+        if let Some(still) = (step.missing)() {
+            bail!(
+                "setup step {}/{} ({}) ran but is still incomplete: {still}",
+                i + 1,
+                STEPS.len(),
+                step.name
+            );
+        }
+        println!(
+            "==> setup [{}/{}] {}: done in {:.0?}",
+            i + 1,
+            STEPS.len(),
+            step.name,
+            started.elapsed()
+        );
+    }
+    Ok(())
+}
+
+fn missing_packages() -> Option<String> {
+    let missing = packages_missing();
+    (!missing.is_empty()).then(|| format!("installing {}", missing.join(" ")))
+}
+
+fn packages_missing() -> Vec<&'static str> {
+    DEBIAN_PACKAGES
+        .iter()
+        .copied()
+        .filter(|p| {
+            !Command::new("dpkg-query")
+                .args(["-W", "-f=${Status}", p])
+                .output()
+                .is_ok_and(|o| o.status.success() && o.stdout.ends_with(b"installed"))
+        })
+        .collect()
+}
+
+fn install_packages() -> Result<()> {
+    let missing = packages_missing();
+    run(Command::new("apt-get").args(["update", "-q"]))?;
+    run(Command::new("apt-get")
+        .args(["install", "-y", "-q", "--no-install-recommends"])
+        .args(&missing)
+        .env("DEBIAN_FRONTEND", "noninteractive"))
+}
+
+fn missing_debian_toolchain() -> Option<String> {
+    let listed = output(Command::new("rustup").args(["toolchain", "list"])).unwrap_or_default();
+    (!listed.lines().any(|l| l.starts_with("debian")))
+        .then(|| "linking /usr as `debian`".to_owned())
+}
+
+fn link_debian_toolchain() -> Result<()> {
+    run(Command::new("rustup").args(["toolchain", "link", "debian", "/usr"]))
+}
+
+fn missing_bpf_linker() -> Option<String> {
+    match output(Command::new("bpf-linker").arg("--version")) {
+        Ok(v) if v.contains(BPF_LINKER_VERSION) => None,
+        Ok(v) => Some(format!("found {}, need {BPF_LINKER_VERSION}", v.trim())),
+        Err(_) => Some(format!(
+            "building bpf-linker {BPF_LINKER_VERSION} against rustc-web's LLVM"
+        )),
+    }
+}
+
+/// Builds bpf-linker against the same libLLVM that rustc-web uses: bitcode from one LLVM major
+/// cannot be linked by another.
+fn install_bpf_linker() -> Result<()> {
+    let vv = output(Command::new("rustup").args(["run", "debian", "rustc", "-vV"]))?;
+    let major = vv
+        .lines()
+        .find_map(|l| l.strip_prefix("LLVM version: "))
+        .and_then(|v| v.split('.').next())
+        .context("rustc-web did not report its LLVM version")?
+        .to_owned();
+    let lib = std::fs::read_dir("/usr/lib/x86_64-linux-gnu")?
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| {
+            p.file_name().and_then(|n| n.to_str()).is_some_and(|n| {
+                n.starts_with(&format!("libLLVM.so.{major}")) || n == format!("libLLVM-{major}.so")
+            })
+        })
+        .with_context(|| format!("no libLLVM for LLVM {major} in /usr/lib/x86_64-linux-gnu"))?;
+    // bpf-linker's build script only needs a prefix containing lib/libLLVM.so.
+    let prefix = std::env::temp_dir().join(format!("skewless-llvm-{major}"));
+    std::fs::create_dir_all(prefix.join("lib"))?;
+    let link = prefix.join("lib/libLLVM.so");
+    let _ = std::fs::remove_file(&link);
+    std::os::unix::fs::symlink(&lib, &link)?;
+    run(Command::new("cargo")
+        .args([
+            "+stable",
+            "install",
+            "bpf-linker",
+            "--version",
+            BPF_LINKER_VERSION,
+            "--locked",
+        ])
+        .args([
+            "--no-default-features",
+            "--features",
+            &format!("llvm-{major}"),
+        ])
+        .env("LLVM_PREFIX", &prefix))
+}
+
+fn missing_venv() -> Option<String> {
+    let ok = Command::new(venv_python())
+        .args(["-c", "import grpc, grpc_tools, grpc_health"])
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    (!ok).then(|| {
+        format!(
+            "creating {} with {}",
+            venv().display(),
+            PYTHON_PACKAGES.join(" ")
+        )
+    })
+}
+
+fn install_venv() -> Result<()> {
+    if !venv_python().exists() {
+        run(Command::new("python3").arg("-m").arg("venv").arg(venv()))?;
+    }
+    run(Command::new(venv_python())
+        .args([
+            "-m",
+            "pip",
+            "install",
+            "--disable-pip-version-check",
+            "--progress-bar",
+            "off",
+        ])
+        .args(PYTHON_PACKAGES))
+}
+
+fn missing_rust_components() -> Option<String> {
+    let ok = |sub: &str| {
+        Command::new("cargo")
+            .args([sub, "--version"])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    (!(ok("fmt") && ok("clippy"))).then(|| "adding rustfmt and clippy".to_owned())
+}
+
+fn install_rust_components() -> Result<()> {
+    run(Command::new("rustup").args(["component", "add", "rustfmt", "clippy"]))
+}
+
+/// Runs a command with inherited output (so its progress is visible) and fails with the
+/// command line if it exits non-zero.
+pub fn run(cmd: &mut Command) -> Result<()> {
+    let status = cmd
+        .status()
+        .with_context(|| format!("could not start {cmd:?}"))?;
+    ensure!(status.success(), "{cmd:?} exited with {status}");
+    Ok(())
+}
+
+fn output(cmd: &mut Command) -> Result<String> {
+    let out = cmd
+        .output()
+        .with_context(|| format!("could not start {cmd:?}"))?;
+    ensure!(out.status.success(), "{cmd:?} exited with {}", out.status);
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}

@@ -1,0 +1,147 @@
+//! Ready-made topologies shared by privileged tests.
+
+use std::{
+    collections::BTreeMap,
+    net::{Ipv4Addr, SocketAddrV4},
+    time::Duration,
+};
+
+use crate::{BALANCER_IP, Place, Result, Testbed, scripts};
+
+/// One node; pods `client` and `bystander`; three ident servers (`server-N`, answering their
+/// name on [`IdentBed::PORT`] and [`IdentBed::OTHER_PORT`]) behind Service `echo`
+/// ([`IdentBed::VIP`] on both ports) and Service `other` ([`IdentBed::OTHER_VIP`]); and an
+/// ident server answering `balancer` on [`BALANCER_IP`]:[`IdentBed::BALANCER_PORT`] in the
+/// node, standing in for the node balancer. Tells, per connection, where it really went.
+pub struct IdentBed {
+    pub tb: Testbed,
+}
+
+impl IdentBed {
+    pub const VIP: Ipv4Addr = Ipv4Addr::new(198, 19, 0, 10);
+    pub const OTHER_VIP: Ipv4Addr = Ipv4Addr::new(198, 19, 0, 11);
+    pub const PORT: u16 = 8080;
+    pub const OTHER_PORT: u16 = 9090;
+    pub const BALANCER_PORT: u16 = 15001;
+    pub const SERVERS: [&'static str; 3] = ["server-0", "server-1", "server-2"];
+
+    /// # Errors
+    /// When the testbed cannot be built or a server does not come up.
+    pub fn new() -> Result<Self> {
+        let servers = Self::SERVERS;
+        let mut tb = Testbed::builder()
+            .nodes(1)
+            .pod("client", 0)
+            .pod("bystander", 0)
+            .pod(servers[0], 0)
+            .pod(servers[1], 0)
+            .pod(servers[2], 0)
+            .service("echo", Self::VIP, Self::PORT, Self::PORT, &servers)
+            .service(
+                "echo-admin",
+                Self::VIP,
+                Self::OTHER_PORT,
+                Self::OTHER_PORT,
+                &servers,
+            )
+            .service("other", Self::OTHER_VIP, Self::PORT, Self::PORT, &servers)
+            .build()?;
+        let (port, other) = (Self::PORT.to_string(), Self::OTHER_PORT.to_string());
+        for s in servers {
+            tb.spawn(
+                Place::Pod(s),
+                &[
+                    "python3",
+                    "-c",
+                    scripts::IDENT_SERVER,
+                    s,
+                    "0.0.0.0",
+                    &port,
+                    &other,
+                ],
+            )?;
+        }
+        let balancer = SocketAddrV4::new(BALANCER_IP, Self::BALANCER_PORT);
+        let (ip, bport) = (BALANCER_IP.to_string(), Self::BALANCER_PORT.to_string());
+        tb.spawn(
+            Place::Node(0),
+            &[
+                "python3",
+                "-c",
+                scripts::IDENT_SERVER,
+                "balancer",
+                &ip,
+                &bport,
+            ],
+        )?;
+        let timeout = Duration::from_secs(10);
+        for s in servers {
+            let pod_ip = tb.pod(s)?.ip;
+            for p in [Self::PORT, Self::OTHER_PORT] {
+                tb.wait_for_tcp(Place::Node(0), SocketAddrV4::new(pod_ip, p), timeout)?;
+            }
+        }
+        tb.wait_for_tcp(Place::Node(0), balancer, timeout)?;
+        Ok(Self { tb })
+    }
+
+    #[must_use]
+    pub fn vip() -> SocketAddrV4 {
+        SocketAddrV4::new(Self::VIP, Self::PORT)
+    }
+
+    #[must_use]
+    pub fn balancer() -> SocketAddrV4 {
+        SocketAddrV4::new(BALANCER_IP, Self::BALANCER_PORT)
+    }
+
+    /// Opens `n` connections from `pod` to `addr` one after another and tallies who answered
+    /// (`ERR` for failed connects).
+    ///
+    /// # Errors
+    /// When the probe cannot run or does not report every connection.
+    pub fn probe(&self, pod: &str, addr: SocketAddrV4, n: usize) -> Result<Tally> {
+        let (host, port, count) = (
+            addr.ip().to_string(),
+            addr.port().to_string(),
+            n.to_string(),
+        );
+        let out = self.tb.run(
+            Place::Pod(pod),
+            &["python3", "-c", scripts::PROBE, &host, &port, &count],
+        )?;
+        let mut tally = BTreeMap::new();
+        for line in String::from_utf8_lossy(&out.stdout).lines() {
+            let who = line.split_whitespace().next().unwrap_or("EMPTY").to_owned();
+            *tally.entry(who).or_default() += 1;
+        }
+        let tally = Tally(tally);
+        assert_eq!(tally.total(), n, "every probe must report: {tally:?}");
+        Ok(tally)
+    }
+}
+
+/// Who answered how many connections.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Tally(pub BTreeMap<String, usize>);
+
+impl Tally {
+    #[must_use]
+    pub fn total(&self) -> usize {
+        self.0.values().sum()
+    }
+
+    /// Whether `who` answered every connection.
+    #[must_use]
+    pub fn only(&self, who: &str) -> bool {
+        self.0.len() == 1 && self.0.contains_key(who)
+    }
+
+    /// Whether only the ident servers (never the balancer, never an error) answered.
+    #[must_use]
+    pub fn all_servers(&self) -> bool {
+        self.0
+            .keys()
+            .all(|k| IdentBed::SERVERS.contains(&k.as_str()))
+    }
+}
