@@ -130,10 +130,14 @@ fn test(args: TestArgs) -> Result<()> {
         tiers.push(("privileged tests (real kernel)", privileged_tests));
     }
     let total = tiers.len();
+    let mut counts = TestCounts::default();
     for (i, (name, mut cmd)) in tiers.into_iter().enumerate() {
         let t = Instant::now();
         println!("==> test [{}/{total}] {name}", i + 1);
-        setup::run(&mut cmd).map_err(|e| e.context(format!("test tier `{name}` failed")))?;
+        if let Err(e) = run_counting(&mut cmd, &mut counts) {
+            println!("{} passed, {} failed", counts.passed, counts.failed.max(1));
+            return Err(e.context(format!("test tier `{name}` failed")));
+        }
         println!(
             "==> test [{}/{total}] {name}: ok in {:.1?}",
             i + 1,
@@ -144,7 +148,51 @@ fn test(args: TestArgs) -> Result<()> {
         "==> all {total} test tiers passed in {:.1?}",
         started.elapsed()
     );
+    // One closing line over every tier, so the total is not just the last test binary's.
+    println!("{} passed, {} failed", counts.passed, counts.failed);
     Ok(())
+}
+
+#[derive(Default)]
+struct TestCounts {
+    passed: u64,
+    failed: u64,
+}
+
+/// Runs a tier, echoing its output, and adds up libtest's `test result:` lines.
+fn run_counting(cmd: &mut Command, counts: &mut TestCounts) -> Result<()> {
+    use std::io::{BufRead as _, BufReader};
+    let mut child = cmd
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .map_err(|e| anyhow::anyhow!("could not start {cmd:?}: {e}"))?;
+    if let Some(out) = child.stdout.take() {
+        for line in BufReader::new(out).lines() {
+            let line = line?;
+            println!("{line}");
+            if let Some(rest) = line.strip_prefix("test result: ") {
+                let (passed, failed) = parse_test_result(rest);
+                counts.passed += passed;
+                counts.failed += failed;
+            }
+        }
+    }
+    let status = child.wait()?;
+    anyhow::ensure!(status.success(), "{cmd:?} exited with {status}");
+    Ok(())
+}
+
+/// Parses the part after `test result: ` of libtest's summary, e.g.
+/// `ok. 2 passed; 0 failed; 1 ignored; 0 measured; 0 filtered out; finished in 0.00s`.
+fn parse_test_result(rest: &str) -> (u64, u64) {
+    let rest = rest.split_once(". ").map_or(rest, |(_, r)| r);
+    let field = |word: &str| -> u64 {
+        rest.split(';')
+            .find_map(|f| f.trim().strip_suffix(word))
+            .and_then(|n| n.trim().parse().ok())
+            .unwrap_or(0)
+    };
+    (field(" passed"), field(" failed"))
 }
 
 /// Clippy for the eBPF crate must run with the toolchain that builds it (Debian's rustc-web,
@@ -186,4 +234,25 @@ fn is_root() -> bool {
         .arg("-u")
         .output()
         .is_ok_and(|o| o.stdout.starts_with(b"0\n"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_test_result;
+
+    #[test]
+    fn libtest_summaries_are_counted() {
+        assert_eq!(
+            parse_test_result(
+                "ok. 2 passed; 0 failed; 1 ignored; 0 measured; 0 filtered out; finished in 0.00s"
+            ),
+            (2, 0)
+        );
+        assert_eq!(
+            parse_test_result(
+                "FAILED. 3 passed; 4 failed; 0 ignored; 0 measured; 0 filtered out; finished in 1.2s"
+            ),
+            (3, 4)
+        );
+    }
 }
