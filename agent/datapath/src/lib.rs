@@ -27,7 +27,8 @@ use tracing::{debug, info};
 /// The programs' ELF object, built by `build.rs` from `ebpf/programs`.
 static PROGRAMS: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/skewless"));
 
-const CONNECT4: &str = "connect4";
+/// The cgroup sock_addr programs, all attached to every pod cgroup.
+const SOCK_ADDR_PROGRAMS: [&str; 4] = ["connect4", "connect6", "getpeername4", "getpeername6"];
 
 /// Errors from loading programs, attaching them, or updating their maps.
 #[derive(Debug, thiserror::Error)]
@@ -64,7 +65,7 @@ pub enum Error {
 #[derive(Debug)]
 pub struct Attachment {
     cgroup: PathBuf,
-    connect4: CgroupSockAddrLinkId,
+    links: Vec<(&'static str, CgroupSockAddrLinkId)>,
 }
 
 impl Attachment {
@@ -80,6 +81,9 @@ pub struct Counters {
     pub connect4_seen: u64,
     pub connect4_redirected: u64,
     pub connect4_disabled: u64,
+    pub connect6_redirected: u64,
+    pub peername_restored: u64,
+    pub origdst_update_failed: u64,
 }
 
 /// The loaded programs and their maps.
@@ -103,18 +107,11 @@ impl Datapath {
     /// When the kernel refuses the object (no privileges, verifier rejection).
     pub fn load() -> Result<Self, Error> {
         let mut ebpf = Ebpf::load(PROGRAMS).map_err(Error::Load)?;
-        let connect4: &mut CgroupSockAddr = ebpf
-            .program_mut(CONNECT4)
-            .ok_or(Error::MissingProgram(CONNECT4))?
-            .try_into()
-            .map_err(|source| Error::Program {
-                name: CONNECT4,
-                source,
-            })?;
-        connect4.load().map_err(|source| Error::Program {
-            name: CONNECT4,
-            source,
-        })?;
+        for name in SOCK_ADDR_PROGRAMS {
+            sock_addr_program(&mut ebpf, name)?
+                .load()
+                .map_err(|source| Error::Program { name, source })?;
+        }
         let redirect4 = take_map(&mut ebpf, REDIRECT4_MAP)?;
         let counters = take_map(&mut ebpf, COUNTERS_MAP)?;
         info!("eBPF programs loaded");
@@ -135,17 +132,28 @@ impl Datapath {
             path: cgroup.to_owned(),
             source,
         })?;
-        let connect4 = self
-            .connect4()?
-            .attach(&file, CgroupAttachMode::Single)
-            .map_err(|source| Error::Program {
-                name: CONNECT4,
-                source,
-            })?;
+        let mut links = Vec::with_capacity(SOCK_ADDR_PROGRAMS.len());
+        for name in SOCK_ADDR_PROGRAMS {
+            let attached = sock_addr_program(&mut self.ebpf, name).and_then(|p| {
+                p.attach(&file, CgroupAttachMode::Single)
+                    .map_err(|source| Error::Program { name, source })
+            });
+            match attached {
+                Ok(link) => links.push((name, link)),
+                Err(e) => {
+                    // All or nothing: a pod with connect4 but no getpeername4 would see the
+                    // balancer's address as its peer.
+                    if let Err(undo) = self.detach_links(links) {
+                        tracing::warn!(error = %undo, "undoing a partial attachment");
+                    }
+                    return Err(e);
+                }
+            }
+        }
         debug!(cgroup = %cgroup.display(), "attached");
         Ok(Attachment {
             cgroup: cgroup.to_owned(),
-            connect4,
+            links,
         })
     }
 
@@ -154,13 +162,8 @@ impl Datapath {
     /// # Errors
     /// When the attachment is unknown to the program.
     pub fn detach(&mut self, attachment: Attachment) -> Result<(), Error> {
-        let Attachment { cgroup, connect4 } = attachment;
-        self.connect4()?
-            .detach(connect4)
-            .map_err(|source| Error::Program {
-                name: CONNECT4,
-                source,
-            })?;
+        let Attachment { cgroup, links } = attachment;
+        self.detach_links(links)?;
         debug!(cgroup = %cgroup.display(), "detached");
         Ok(())
     }
@@ -247,19 +250,39 @@ impl Datapath {
             connect4_seen: read(Counter::Connect4Seen)?,
             connect4_redirected: read(Counter::Connect4Redirected)?,
             connect4_disabled: read(Counter::Connect4Disabled)?,
+            connect6_redirected: read(Counter::Connect6Redirected)?,
+            peername_restored: read(Counter::PeerNameRestored)?,
+            origdst_update_failed: read(Counter::OrigDstUpdateFailed)?,
         })
     }
 
-    fn connect4(&mut self) -> Result<&mut CgroupSockAddr, Error> {
-        self.ebpf
-            .program_mut(CONNECT4)
-            .ok_or(Error::MissingProgram(CONNECT4))?
-            .try_into()
-            .map_err(|source| Error::Program {
-                name: CONNECT4,
-                source,
-            })
+    /// Detaches every link, reporting the first failure after trying all of them.
+    fn detach_links(
+        &mut self,
+        links: Vec<(&'static str, CgroupSockAddrLinkId)>,
+    ) -> Result<(), Error> {
+        let mut first_err = None;
+        for (name, link) in links {
+            let res = sock_addr_program(&mut self.ebpf, name).and_then(|p| {
+                p.detach(link)
+                    .map_err(|source| Error::Program { name, source })
+            });
+            if let Err(e) = res {
+                first_err.get_or_insert(e);
+            }
+        }
+        first_err.map_or(Ok(()), Err)
     }
+}
+
+fn sock_addr_program<'a>(
+    ebpf: &'a mut Ebpf,
+    name: &'static str,
+) -> Result<&'a mut CgroupSockAddr, Error> {
+    ebpf.program_mut(name)
+        .ok_or(Error::MissingProgram(name))?
+        .try_into()
+        .map_err(|source| Error::Program { name, source })
 }
 
 fn take_map<T>(ebpf: &mut Ebpf, name: &'static str) -> Result<T, Error>

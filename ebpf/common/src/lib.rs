@@ -9,6 +9,12 @@
 pub const REDIRECT4_MAP: &str = "REDIRECT4";
 /// Capacity of [`REDIRECT4_MAP`]: one entry per opted-in ClusterIP:port.
 pub const REDIRECT4_CAPACITY: u32 = 4096;
+/// Name of the map from socket cookie to the Service address a redirected socket asked for
+/// (`u64` -> [`ServiceKey4`]); getpeername reads it so the application still sees the VIP.
+pub const ORIGDST_MAP: &str = "ORIGDST";
+/// Capacity of [`ORIGDST_MAP`]. It is an LRU map: when full, the oldest entries go first, so it
+/// never refuses a new connection.
+pub const ORIGDST_CAPACITY: u32 = 65_536;
 /// Name of the per-CPU counter array (indexed by [`Counter`]).
 pub const COUNTERS_MAP: &str = "COUNTERS";
 
@@ -61,9 +67,16 @@ pub enum Counter {
     Connect4Redirected = 1,
     /// connect4 calls whose destination matched a disabled entry (fail open).
     Connect4Disabled = 2,
+    /// connect6 calls to an IPv4-mapped address rewritten to a balancer listener.
+    Connect6Redirected = 3,
+    /// getpeername calls answered with the original Service address.
+    PeerNameRestored = 4,
+    /// Redirects whose original destination could not be recorded (getpeername then shows
+    /// the balancer's address).
+    OrigDstUpdateFailed = 5,
 }
 /// Number of entries in [`COUNTERS_MAP`].
-pub const COUNTERS_LEN: u32 = 3;
+pub const COUNTERS_LEN: u32 = 6;
 
 #[cfg(feature = "user")]
 mod user {

@@ -101,34 +101,65 @@ impl IdentBed {
     /// # Errors
     /// When the probe cannot run or does not report every connection.
     pub fn probe(&self, pod: &str, addr: SocketAddrV4, n: usize) -> Result<Tally> {
-        let (host, port, count) = (
-            addr.ip().to_string(),
-            addr.port().to_string(),
-            n.to_string(),
-        );
+        self.probe_host(pod, &addr.ip().to_string(), addr.port(), n)
+    }
+
+    /// Opens `n` connections like [`IdentBed::probe`], but through an IPv6 socket to the
+    /// IPv4-mapped address `::ffff:a.b.c.d` (what dual-stack clients do).
+    ///
+    /// # Errors
+    /// As [`IdentBed::probe`].
+    pub fn probe_v4_mapped(&self, pod: &str, addr: SocketAddrV4, n: usize) -> Result<Tally> {
+        self.probe_host(pod, &format!("::ffff:{}", addr.ip()), addr.port(), n)
+    }
+
+    /// Connects a UDP socket from `pod` to `addr` and returns what getpeername reports.
+    ///
+    /// # Errors
+    /// When the script cannot run.
+    pub fn udp_peer(&self, pod: &str, addr: SocketAddrV4) -> Result<String> {
+        let (host, port) = (addr.ip().to_string(), addr.port().to_string());
         let out = self.tb.run(
             Place::Pod(pod),
-            &["python3", "-c", scripts::PROBE, &host, &port, &count],
+            &["python3", "-c", scripts::UDP_PEER, &host, &port],
         )?;
-        let mut tally = BTreeMap::new();
+        Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
+    }
+
+    fn probe_host(&self, pod: &str, host: &str, port: u16, n: usize) -> Result<Tally> {
+        let (port, count) = (port.to_string(), n.to_string());
+        let argv = ["python3", "-c", scripts::PROBE, host, &port, &count];
+        let out = self.tb.run(Place::Pod(pod), &argv)?;
+        let mut tally = Tally::default();
         for line in String::from_utf8_lossy(&out.stdout).lines() {
-            let who = line.split_whitespace().next().unwrap_or("EMPTY").to_owned();
-            *tally.entry(who).or_default() += 1;
+            let mut words = line.split_whitespace();
+            let who = words.next().unwrap_or("EMPTY").to_owned();
+            *tally.0.entry(who).or_default() += 1;
+            let peer = words.next().unwrap_or("none").to_owned();
+            *tally.1.entry(peer).or_default() += 1;
         }
-        let tally = Tally(tally);
         assert_eq!(tally.total(), n, "every probe must report: {tally:?}");
         Ok(tally)
     }
 }
 
-/// Who answered how many connections.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Tally(pub BTreeMap<String, usize>);
+/// Who answered how many connections, and which peer address getpeername reported.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Tally(pub BTreeMap<String, usize>, pub Peers);
+
+/// getpeername results as `ip:port` -> count.
+pub type Peers = BTreeMap<String, usize>;
 
 impl Tally {
     #[must_use]
     pub fn total(&self) -> usize {
         self.0.values().sum()
+    }
+
+    /// Whether getpeername reported `peer` (`ip:port`) for every connection.
+    #[must_use]
+    pub fn peer_always(&self, peer: &str) -> bool {
+        self.1.len() == 1 && self.1.contains_key(peer)
     }
 
     /// Whether `who` answered every connection.

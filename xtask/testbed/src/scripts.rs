@@ -46,3 +46,14 @@ for _ in range(n):
         out.append("ERR %s" % e)
 print("\n".join(out))
 "#;
+
+/// `python3 -c UDP_PEER HOST PORT`: connects a UDP socket and prints what getpeername reports
+/// as `ip:port`. No datagram is sent.
+pub const UDP_PEER: &str = r#"
+import socket, sys
+host, port = sys.argv[1], int(sys.argv[2])
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.connect((host, port))
+peer = s.getpeername()
+print("%s:%d" % (peer[0], peer[1]))
+"#;
