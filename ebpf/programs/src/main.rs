@@ -70,7 +70,7 @@ mod programs {
     fn remember(ctx: &SockAddrContext, key: &ServiceKey4) {
         // SAFETY: sock_addr programs may call bpf_get_socket_cookie on their context.
         let cookie = unsafe { bpf_get_socket_cookie(ctx.sock_addr.cast()) };
-        if ORIGDST.insert(&cookie, key, 0).is_err() {
+        if ORIGDST.insert(cookie, key, 0).is_err() {
             count(Counter::OrigDstUpdateFailed);
         }
     }
@@ -80,7 +80,7 @@ mod programs {
         // SAFETY: as in `remember`.
         let cookie = unsafe { bpf_get_socket_cookie(ctx.sock_addr.cast()) };
         // SAFETY: the value is copied out immediately.
-        unsafe { ORIGDST.get(&cookie) }.copied()
+        unsafe { ORIGDST.get(cookie) }.copied()
     }
 
     #[cgroup_sock_addr(connect4)]
