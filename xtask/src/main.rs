@@ -24,6 +24,8 @@ enum Cmd {
     Test(TestArgs),
     /// Show the problem on one machine: a pick_first gRPC client pinned to one of 5 pods.
     Demo(demo::Args),
+    /// Benchmarks. Today: the connect4 hook's run time per call, from the kernel's accounting.
+    Bench,
     /// Testbed maintenance.
     Testbed {
         #[command(subcommand)]
@@ -58,6 +60,25 @@ fn main() -> Result<()> {
         Cmd::Demo(args) => {
             setup::ensure_installed(false)?;
             demo::run(&args)
+        }
+        Cmd::Bench => {
+            setup::ensure_installed(false)?;
+            if !is_root() {
+                bail!("the benchmarks need root (real eBPF, network namespaces)");
+            }
+            println!(
+                "==> bench: connect4 hook run time (kernel BPF stats, one sample per connect)"
+            );
+            let mut cmd = cargo();
+            cmd.args([
+                "run",
+                "--release",
+                "--quiet",
+                "--package",
+                "skewless-datapath",
+            ])
+            .args(["--example", "connect_hook_bench"]);
+            setup::run(&mut cmd)
         }
         Cmd::Testbed {
             cmd: TestbedCmd::Clean,

@@ -57,6 +57,8 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+    #[error("enabling eBPF run time statistics")]
+    Stats(#[source] std::io::Error),
     #[error("redirect map is full ({capacity} Service addresses); {addr} is not redirected")]
     RedirectMapFull { addr: SocketAddrV4, capacity: u32 },
 }
@@ -84,6 +86,23 @@ pub struct Counters {
     pub connect6_redirected: u64,
     pub peername_restored: u64,
     pub origdst_update_failed: u64,
+}
+
+/// Cumulative statistics of one program, from the kernel.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ProgramStats {
+    pub run_count: u64,
+    pub run_time: std::time::Duration,
+}
+
+/// Turns on the kernel's per-program run time accounting (what `kernel.bpf_stats_enabled`
+/// does) for as long as the returned descriptor is open. It costs a little on every program
+/// run, so only benchmarks use it.
+///
+/// # Errors
+/// When the kernel refuses (no privileges).
+pub fn enable_stats() -> Result<std::os::fd::OwnedFd, Error> {
+    aya::sys::enable_stats(aya::sys::Stats::RunTime).map_err(|e| Error::Stats(e.io_error))
 }
 
 /// The loaded programs and their maps.
@@ -253,6 +272,21 @@ impl Datapath {
             connect6_redirected: read(Counter::Connect6Redirected)?,
             peername_restored: read(Counter::PeerNameRestored)?,
             origdst_update_failed: read(Counter::OrigDstUpdateFailed)?,
+        })
+    }
+
+    /// Cumulative run count and run time of one of the socket programs. The kernel only
+    /// accumulates them while statistics are enabled (see [`enable_stats`]).
+    ///
+    /// # Errors
+    /// When the program is unknown or its info cannot be read.
+    pub fn program_stats(&mut self, name: &'static str) -> Result<ProgramStats, Error> {
+        let info = sock_addr_program(&mut self.ebpf, name)?
+            .info()
+            .map_err(|source| Error::Program { name, source })?;
+        Ok(ProgramStats {
+            run_count: info.run_count(),
+            run_time: info.run_time(),
         })
     }
 

@@ -57,3 +57,19 @@ s.connect((host, port))
 peer = s.getpeername()
 print("%s:%d" % (peer[0], peer[1]))
 "#;
+
+/// `python3 -c STEP_CONNECT HOST PORT`: one TCP connect per line read on stdin, answering
+/// `ok` or `ERR <reason>` on stdout after each. Lets a benchmark read kernel counters between
+/// single connects.
+pub const STEP_CONNECT: &str = r#"
+import socket, sys
+host, port = sys.argv[1], int(sys.argv[2])
+for _ in sys.stdin:
+    try:
+        s = socket.create_connection((host, port), timeout=2)
+        s.close()
+        sys.stdout.write("ok\n")
+    except OSError as e:
+        sys.stdout.write("ERR %s\n" % e)
+    sys.stdout.flush()
+"#;
