@@ -1,0 +1,2 @@
+//! Local YAML file source for skewless (in progress).
+#![forbid(unsafe_code)]

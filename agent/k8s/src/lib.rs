@@ -1,0 +1,2 @@
+//! Kubernetes discovery for skewless (in progress).
+#![forbid(unsafe_code)]
