@@ -158,7 +158,10 @@ impl Discovery {
         while let Some(update) = updates.next().await {
             match update {
                 Ok(u) => state.handle(u),
-                Err(error) => warn!(%error, "watch failed; retrying with backoff"),
+                Err(error) => {
+                    state.index.metrics().source_error("kubernetes");
+                    warn!(%error, "watch failed; retrying with backoff");
+                }
             }
         }
     }

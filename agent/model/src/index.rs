@@ -157,6 +157,12 @@ impl Index {
         }
     }
 
+    /// The metrics this index counts into (sources count their own failures here too).
+    #[must_use]
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
     /// A receiver of published snapshots; `has_changed` flips only when some Service's state
     /// actually changed.
     #[must_use]
