@@ -79,6 +79,7 @@ pub struct Discovery {
     config: Config,
     index: Index,
     node_tx: watch::Sender<Option<NodeInfo>>,
+    synced_tx: watch::Sender<bool>,
 }
 
 /// Boxed: the three object types differ a lot in size, and every update is moved through the
@@ -97,7 +98,15 @@ impl Discovery {
             config,
             index: Index::new(metrics),
             node_tx: watch::Sender::new(None),
+            synced_tx: watch::Sender::new(false),
         }
+    }
+
+    /// Becomes `true` once Services and EndpointSlices have both been listed: before that a
+    /// snapshot may hold a Service without its endpoints. Gate readiness (and redirects) on it.
+    #[must_use]
+    pub fn synced(&self) -> watch::Receiver<bool> {
+        self.synced_tx.subscribe()
     }
 
     /// Per-Service state: what the datapath reconciler and the balancer read.
@@ -120,6 +129,7 @@ impl Discovery {
             config,
             mut index,
             node_tx,
+            synced_tx,
         } = self;
         let (report_tx, report_rx) = mpsc::unbounded_channel();
         let poster = events::EventPoster::new(client.clone(), config.node_name.clone());
@@ -149,6 +159,9 @@ impl Discovery {
         let mut state = State {
             index: &mut index,
             node_tx: &node_tx,
+            synced_tx: &synced_tx,
+            services_listed: false,
+            slices_listed: false,
             reports: report_tx,
             services_init: Vec::new(),
             slices_init: Vec::new(),
@@ -171,6 +184,9 @@ impl Discovery {
 struct State<'a> {
     index: &'a mut Index,
     node_tx: &'a watch::Sender<Option<NodeInfo>>,
+    synced_tx: &'a watch::Sender<bool>,
+    services_listed: bool,
+    slices_listed: bool,
     reports: mpsc::UnboundedSender<events::Report>,
     /// Services seen since the last `Init`, applied at once on `InitDone`.
     services_init: Vec<Service>,
@@ -202,6 +218,8 @@ impl State<'_> {
                     for r in self.index.reset_services(&inputs) {
                         self.report(Some(r), |k| refs.get(k).cloned());
                     }
+                    self.services_listed = true;
+                    self.update_synced();
                 }
             },
             Update::Slice(ev) => match *ev {
@@ -213,6 +231,8 @@ impl State<'_> {
                     let slices = std::mem::take(&mut self.slices_init);
                     debug!(slices = slices.len(), "endpointslices relisted");
                     self.index.reset_slices(&slices);
+                    self.slices_listed = true;
+                    self.update_synced();
                 }
             },
             Update::Node(ev) => match *ev {
@@ -229,6 +249,13 @@ impl State<'_> {
                 }
                 watcher::Event::Init | watcher::Event::InitDone => {}
             },
+        }
+    }
+
+    fn update_synced(&self) {
+        if self.services_listed && self.slices_listed {
+            self.synced_tx
+                .send_if_modified(|s| !std::mem::replace(s, true));
         }
     }
 

@@ -17,7 +17,9 @@ use skewless_model::{Metrics, Mode, NodeInfo, ServiceKey, Snapshot, annotations}
 use support::{FakeApi, eventually, wait_for};
 use tokio::{sync::watch, task::JoinHandle};
 
-const WAIT: Duration = Duration::from_secs(5);
+/// Upper bound for any single expectation. Recovery paths wait out kube's default backoff
+/// (800 ms doubling, with jitter) once or twice, so this is well above the happy path.
+const WAIT: Duration = Duration::from_secs(10);
 const NODE: &str = "node-a";
 
 fn mk_service(name: &str, annots: &[(&str, &str)]) -> Service {
@@ -107,6 +109,7 @@ fn mk_node(name: &str, zone: &str) -> Node {
 
 struct Agent {
     snapshots: watch::Receiver<Snapshot>,
+    synced: watch::Receiver<bool>,
     node: watch::Receiver<Option<NodeInfo>>,
     metrics: Metrics,
     task: JoinHandle<()>,
@@ -129,10 +132,21 @@ fn start_agent(api: &FakeApi) -> Agent {
     );
     Agent {
         snapshots: d.snapshots(),
+        synced: d.synced(),
         node: d.node(),
         metrics,
         task: tokio::spawn(d.run()),
     }
+}
+
+/// Waits until the agent has a watch open on Services and on EndpointSlices, so that a
+/// `drop_watches` hits both.
+async fn watches_open(api: &FakeApi) {
+    eventually(WAIT, "watches open", || {
+        api.watch_requests("/api/v1/services") >= 1
+            && api.watch_requests("/apis/discovery.k8s.io/v1/endpointslices") >= 1
+    })
+    .await;
 }
 
 fn key(name: &str) -> ServiceKey {
@@ -155,6 +169,15 @@ async fn opt_in_publishes_vip_and_ready_endpoints() {
     api.apply(&mk_service("web", &[(annotations::MODE, "request")]));
     api.apply(&mk_service("other", &[]));
     let mut agent = start_agent(&api);
+    wait_for(&mut agent.synced, WAIT, "initial lists done", |s| {
+        s.then_some(())
+    })
+    .await;
+    assert_eq!(
+        ready(&agent.snapshots.borrow(), "web"),
+        Some(2),
+        "once synced, the Service is published with its endpoints"
+    );
     let state = wait_for(&mut agent.snapshots, WAIT, "web published", |s| {
         s.get(&key("web")).cloned()
     })
@@ -333,6 +356,7 @@ async fn dropped_watch_resumes_from_its_resource_version_without_relist() {
         ready(s, "web").filter(|n| *n == 2)
     })
     .await;
+    watches_open(&api).await;
     let lists = api.list_requests("/apis/discovery.k8s.io/v1/endpointslices");
     let watches = api.watch_requests("/apis/discovery.k8s.io/v1/endpointslices");
     api.drop_watches();
@@ -363,13 +387,14 @@ async fn gone_410_forces_a_relist_that_removes_missed_deletions() {
         (s.len() == 2 && ready(s, "web") == Some(2)).then_some(())
     })
     .await;
+    watches_open(&api).await;
     let lists = api.list_requests("/api/v1/services");
     // The deletion happens while the agent is not watching, and history is compacted, so the
     // DELETED event is lost: only the relist can notice.
-    api.drop_watches();
-    api.delete(&mk_service("old", &[]));
-    api.apply(&mk_slice("web-a", "web", 6));
-    api.compact();
+    api.change_behind_watches(|c| {
+        c.delete(&mk_service("old", &[]));
+        c.apply(&mk_slice("web-a", "web", 6));
+    });
     wait_for(&mut agent.snapshots, WAIT, "relist applied", |s| {
         (s.get(&key("old")).is_none() && ready(s, "web") == Some(6)).then_some(())
     })

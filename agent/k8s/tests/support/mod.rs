@@ -149,52 +149,32 @@ impl FakeApi {
 
     /// Creates or replaces an object (any k8s-openapi resource), like `kubectl apply`.
     pub fn apply<K: serde::Serialize + kube::Resource<DynamicType = ()>>(&self, obj: &K) {
-        let kind = kind_of::<K>();
-        let mut v = serde_json::to_value(obj).expect("serialize object");
-        let (api_version, k) = kind.object_meta();
-        v["apiVersion"] = json!(api_version);
-        v["kind"] = json!(k);
-        let key = obj_key(kind, &v);
-        let mut st = self.shared.state.lock().expect("state");
-        st.rv += 1;
-        let rv = st.rv;
-        v["metadata"]["resourceVersion"] = json!(rv.to_string());
-        if v["metadata"]["uid"].is_null() {
-            v["metadata"]["uid"] = json!(format!("uid-{}-{}", key.1, key.2));
-        }
-        let type_ = if st.objects.insert(key, v.clone()).is_some() {
-            "MODIFIED"
-        } else {
-            "ADDED"
-        };
-        st.log.push(Change {
-            rv,
-            kind,
-            type_,
-            object: v,
-        });
-        drop(st);
-        self.shared.changed.send_replace(rv);
+        self.change(|c| c.apply(obj));
     }
 
     /// Deletes an object.
     pub fn delete<K: serde::Serialize + kube::Resource<DynamicType = ()>>(&self, obj: &K) {
-        let kind = kind_of::<K>();
-        let v = serde_json::to_value(obj).expect("serialize object");
-        let key = obj_key(kind, &v);
+        self.change(|c| c.delete(obj));
+    }
+
+    /// Makes changes under one lock, so no watch can observe an intermediate state.
+    pub fn change(&self, f: impl FnOnce(&mut Changes<'_>)) {
         let mut st = self.shared.state.lock().expect("state");
-        let Some(mut old) = st.objects.remove(&key) else {
-            return;
-        };
-        st.rv += 1;
+        f(&mut Changes { st: &mut st });
         let rv = st.rv;
-        old["metadata"]["resourceVersion"] = json!(rv.to_string());
-        st.log.push(Change {
-            rv,
-            kind,
-            type_: "DELETED",
-            object: old,
-        });
+        drop(st);
+        self.shared.changed.send_replace(rv);
+    }
+
+    /// Changes the agent can only learn by relisting: cuts every watch, makes the changes and
+    /// compacts history, atomically. Watches resuming from before get `410 Gone`.
+    pub fn change_behind_watches(&self, f: impl FnOnce(&mut Changes<'_>)) {
+        let mut st = self.shared.state.lock().expect("state");
+        self.shared.drop_gen.send_modify(|g| *g += 1);
+        f(&mut Changes { st: &mut st });
+        st.compacted_below = st.rv + 1;
+        st.log.clear();
+        let rv = st.rv;
         drop(st);
         self.shared.changed.send_replace(rv);
     }
@@ -265,6 +245,61 @@ impl Drop for FakeApi {
     }
 }
 
+/// Mutations of the fake server's objects; see [`FakeApi::change`].
+pub struct Changes<'a> {
+    st: &'a mut State,
+}
+
+impl Changes<'_> {
+    /// Creates or replaces an object.
+    pub fn apply<K: serde::Serialize + kube::Resource<DynamicType = ()>>(&mut self, obj: &K) {
+        let kind = kind_of::<K>();
+        let mut v = serde_json::to_value(obj).expect("serialize object");
+        let (api_version, k) = kind.object_meta();
+        v["apiVersion"] = json!(api_version);
+        v["kind"] = json!(k);
+        let key = obj_key(kind, &v);
+        let st = &mut *self.st;
+        st.rv += 1;
+        let rv = st.rv;
+        v["metadata"]["resourceVersion"] = json!(rv.to_string());
+        if v["metadata"]["uid"].is_null() {
+            v["metadata"]["uid"] = json!(format!("uid-{}-{}", key.1, key.2));
+        }
+        let type_ = if st.objects.insert(key, v.clone()).is_some() {
+            "MODIFIED"
+        } else {
+            "ADDED"
+        };
+        st.log.push(Change {
+            rv,
+            kind,
+            type_,
+            object: v,
+        });
+    }
+
+    /// Deletes an object (no-op if absent).
+    pub fn delete<K: serde::Serialize + kube::Resource<DynamicType = ()>>(&mut self, obj: &K) {
+        let kind = kind_of::<K>();
+        let v = serde_json::to_value(obj).expect("serialize object");
+        let key = obj_key(kind, &v);
+        let st = &mut *self.st;
+        let Some(mut old) = st.objects.remove(&key) else {
+            return;
+        };
+        st.rv += 1;
+        let rv = st.rv;
+        old["metadata"]["resourceVersion"] = json!(rv.to_string());
+        st.log.push(Change {
+            rv,
+            kind,
+            type_: "DELETED",
+            object: old,
+        });
+    }
+}
+
 fn kind_of<K: kube::Resource<DynamicType = ()>>() -> Kind {
     match (K::group(&()).as_ref(), K::kind(&()).as_ref()) {
         ("", "Service") => Kind::Service,
@@ -287,6 +322,9 @@ async fn serve(listener: TcpListener, shared: Arc<Shared>) {
         let Ok((io, _)) = listener.accept().await else {
             continue;
         };
+        // Without it, Nagle + delayed ACK add ~40 ms to small watch events, which would be
+        // measured as agent latency.
+        let _ = io.set_nodelay(true);
         let shared = shared.clone();
         conns.spawn(async move {
             let svc = hyper::service::service_fn(move |req| {
@@ -342,6 +380,9 @@ fn matches(q: &BTreeMap<String, String>, kind: Kind, obj: &Value) -> bool {
 
 async fn handle(shared: &Arc<Shared>, req: Request<Incoming>) -> Response<Body> {
     let path = req.uri().path().to_owned();
+    // Subscribed before the request is visible to tests, so a `drop_watches` issued after a
+    // test saw this request always reaches the watch.
+    let dropped = shared.drop_gen.subscribe();
     shared.state.lock().expect("state").requests.push(format!(
         "{} {}?{}",
         req.method(),
@@ -359,7 +400,7 @@ async fn handle(shared: &Arc<Shared>, req: Request<Incoming>) -> Response<Body> 
     };
     let q = query(&req);
     if q.get("watch").map(String::as_str) == Some("true") {
-        return watch_response(shared, kind, &q);
+        return watch_response(shared, kind, &q, dropped);
     }
     let st = shared.state.lock().expect("state");
     let items: Vec<&Value> = st
@@ -402,6 +443,7 @@ fn watch_response(
     shared: &Arc<Shared>,
     kind: Kind,
     q: &BTreeMap<String, String>,
+    mut dropped: watch::Receiver<u64>,
 ) -> Response<Body> {
     let from: u64 = q
         .get("resourceVersion")
@@ -430,8 +472,6 @@ fn watch_response(
         }
         let deadline = tokio::time::Instant::now() + asked.min(max_watch);
         let mut changed = shared.changed.subscribe();
-        let mut dropped = shared.drop_gen.subscribe();
-        dropped.mark_unchanged();
         let mut sent = from;
         if from == 0 {
             // "Any" semantics: start with every current object as ADDED.
