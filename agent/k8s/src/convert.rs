@@ -123,3 +123,78 @@ pub fn node_info(node: &Node) -> NodeInfo {
             .unwrap_or_default(),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use k8s_openapi::{
+        api::core::v1::{ServicePort, ServiceSpec},
+        apimachinery::pkg::apis::meta::v1::ObjectMeta,
+    };
+    use skewless_model::ConfigError;
+
+    use super::*;
+
+    fn mk_service(spec: ServiceSpec) -> Service {
+        Service {
+            metadata: ObjectMeta {
+                name: Some("web".into()),
+                namespace: Some("ns".into()),
+                annotations: Some([("skewless.io/mode".to_owned(), "request".to_owned())].into()),
+                ..ObjectMeta::default()
+            },
+            spec: Some(spec),
+            ..Service::default()
+        }
+    }
+
+    fn mk_port(target: Option<IntOrString>) -> ServicePort {
+        ServicePort {
+            port: 80,
+            target_port: target,
+            ..ServicePort::default()
+        }
+    }
+
+    #[test]
+    fn dual_stack_cluster_ips_win_over_the_legacy_field() {
+        let input = service_input(&mk_service(ServiceSpec {
+            cluster_ip: Some("10.96.0.10".into()),
+            cluster_ips: Some(vec!["10.96.0.10".into(), "fd00::10".into()]),
+            ports: Some(vec![mk_port(None)]),
+            ..ServiceSpec::default()
+        }));
+        let config = input.config().expect("valid").expect("opted in");
+        assert_eq!(config.cluster_ips.len(), 2);
+        assert_eq!(config.ports[0].target_port, TargetPort::Number(80));
+    }
+
+    #[test]
+    fn external_name_service_has_no_cluster_ip() {
+        let input = service_input(&mk_service(ServiceSpec {
+            type_: Some("ExternalName".into()),
+            external_name: Some("example.com".into()),
+            ports: Some(vec![mk_port(None)]),
+            ..ServiceSpec::default()
+        }));
+        assert_eq!(input.config(), Err(ConfigError::NoClusterIp));
+    }
+
+    #[test]
+    fn out_of_range_numeric_target_port_is_rejected() {
+        let input = service_input(&mk_service(ServiceSpec {
+            cluster_ip: Some("10.96.0.10".into()),
+            ports: Some(vec![mk_port(Some(IntOrString::Int(70_000)))]),
+            ..ServiceSpec::default()
+        }));
+        assert!(matches!(
+            input.config(),
+            Err(ConfigError::InvalidPort { .. })
+        ));
+    }
+
+    #[test]
+    fn slice_without_service_label_belongs_to_no_service() {
+        let input = slice_input(&EndpointSlice::default());
+        assert_eq!(input.service_name, None);
+    }
+}

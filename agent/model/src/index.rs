@@ -61,6 +61,10 @@ impl ServiceState {
 }
 
 /// The state of every opted-in Service with a good config, as published. Cheap to clone.
+///
+/// A Service whose state did not change keeps the same `Arc<ServiceState>` from one snapshot to
+/// the next, so a per-Service consumer (a balancer) detects its own changes with
+/// [`Arc::ptr_eq`] instead of comparing endpoint lists.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Snapshot {
     services: Arc<BTreeMap<ServiceKey, Arc<ServiceState>>>,

@@ -339,3 +339,25 @@ fn slice_relabelled_to_another_service_moves() {
     assert_eq!(ready_addrs(&rx.borrow(), "a").len(), 0);
     assert_eq!(ready_addrs(&rx.borrow(), "b").len(), 1);
 }
+
+#[test]
+fn unchanged_service_keeps_its_arc_across_snapshots() {
+    let mut index = Index::new(Metrics::default());
+    let rx = index.subscribe();
+    index.apply_service(&mk_service("a", Some("request")));
+    index.apply_service(&mk_service("b", Some("request")));
+    let before = rx.borrow().clone();
+    index.apply_slice(&mk_slice("b-1", "b", 8080, &["10.0.0.1"]));
+    let after = rx.borrow().clone();
+    assert!(
+        std::sync::Arc::ptr_eq(
+            before.get(&mk_key("a")).unwrap(),
+            after.get(&mk_key("a")).unwrap()
+        ),
+        "a did not change, so consumers of a must see the same Arc"
+    );
+    assert!(!std::sync::Arc::ptr_eq(
+        before.get(&mk_key("b")).unwrap(),
+        after.get(&mk_key("b")).unwrap()
+    ));
+}
