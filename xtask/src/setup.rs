@@ -70,6 +70,11 @@ const STEPS: &[Step] = &[
         missing: missing_rust_components,
         install: install_rust_components,
     },
+    Step {
+        name: "kubectl (renders deploy/ with kustomize)",
+        missing: missing_kubectl,
+        install: install_kubectl,
+    },
 ];
 
 /// Where the Python venv lives: outside the checkout, so fresh clones on the same machine
@@ -248,6 +253,28 @@ fn install_venv() -> Result<()> {
             "off",
         ])
         .args(PYTHON_PACKAGES))
+}
+
+/// These machines' image ships kubectl; where it does not, Debian's `kubernetes-client`
+/// provides one with `kubectl kustomize`.
+fn missing_kubectl() -> Option<String> {
+    let ok = Command::new("kubectl")
+        .args(["version", "--client"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    (!ok).then(|| "installing Debian's kubernetes-client".to_owned())
+}
+
+fn install_kubectl() -> Result<()> {
+    run(Command::new("apt-get")
+        .args([
+            "install",
+            "-y",
+            "-q",
+            "--no-install-recommends",
+            "kubernetes-client",
+        ])
+        .env("DEBIAN_FRONTEND", "noninteractive"))
 }
 
 fn missing_rust_components() -> Option<String> {

@@ -25,7 +25,7 @@ use skewless_common::{
 use tracing::{debug, info};
 
 /// The programs' ELF object, built by `build.rs` from `ebpf/programs`.
-static PROGRAMS: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/skewless"));
+static PROGRAMS: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/skewless-ebpf"));
 
 /// The cgroup sock_addr programs, all attached to every pod cgroup.
 const SOCK_ADDR_PROGRAMS: [&str; 4] = ["connect4", "connect6", "getpeername4", "getpeername6"];

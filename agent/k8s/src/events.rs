@@ -1,0 +1,166 @@
+//! Warning Events for rejected Service configs.
+//!
+//! Every node's agent sees the same bad annotation at about the same time. kube's `Recorder`
+//! names events by timestamp, so a 1000-node cluster would get 1000 Events per mistake. We name
+//! the Event after the Service's UID and the error instead: the first agent creates it, the
+//! others get `409 AlreadyExists` and stop there. One Event per distinct error, cluster-wide.
+
+use k8s_openapi::{
+    api::{core::v1::ObjectReference, events::v1::Event},
+    apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta},
+    jiff::Timestamp,
+};
+use kube::{
+    Api, Client,
+    api::{PostParams, Resource},
+};
+use skewless_model::Rejection;
+use tracing::{debug, warn};
+
+/// `reportingController` of our Events.
+pub const REPORTING_CONTROLLER: &str = "skewless.io/agent";
+/// `action` of our Events: the agent tried to apply the Service's config.
+pub const ACTION: &str = "ApplyConfig";
+
+/// A rejected config and the Service it belongs to.
+#[derive(Clone, Debug)]
+pub(crate) struct Report {
+    pub(crate) rejection: Rejection,
+    pub(crate) regarding: ObjectReference,
+}
+
+/// Posts Events; owned by one task so that a slow API server never delays the index.
+pub(crate) struct EventPoster {
+    client: Client,
+    instance: String,
+}
+
+impl EventPoster {
+    pub(crate) fn new(client: Client, instance: String) -> Self {
+        Self { client, instance }
+    }
+
+    pub(crate) async fn post(&self, report: &Report) {
+        let Report {
+            rejection,
+            regarding,
+        } = report;
+        let event = build_event(rejection, regarding, &self.instance);
+        let ns = rejection.service.namespace.as_str();
+        let api: Api<Event> = Api::namespaced(self.client.clone(), ns);
+        match api.create(&PostParams::default(), &event).await {
+            Ok(_) => {
+                debug!(service = %rejection.service, reason = rejection.error.reason(), "warning event posted")
+            }
+            Err(kube::Error::Api(status)) if status.code == 409 => {
+                debug!(service = %rejection.service, "warning event already posted by another node");
+            }
+            Err(error) => {
+                warn!(service = %rejection.service, %error, "posting warning event failed");
+            }
+        }
+    }
+}
+
+/// The Event for a rejection, named deterministically (see the module docs).
+pub(crate) fn build_event(
+    rejection: &Rejection,
+    regarding: &ObjectReference,
+    instance: &str,
+) -> Event {
+    let note = if rejection.kept_last_good {
+        format!("{}; keeping the last good skewless config", rejection.error)
+    } else {
+        format!("{}; skewless does not handle this Service", rejection.error)
+    };
+    let uid = regarding.uid.as_deref().unwrap_or_default();
+    let name = format!(
+        "{}.skewless.{:016x}",
+        rejection.service.name,
+        fnv1a(&[uid.as_bytes(), note.as_bytes()])
+    );
+    Event {
+        metadata: ObjectMeta {
+            name: Some(name),
+            namespace: Some(rejection.service.namespace.clone()),
+            ..ObjectMeta::default()
+        },
+        event_time: Some(MicroTime(Timestamp::now())),
+        type_: Some("Warning".to_owned()),
+        reason: Some(rejection.error.reason().to_owned()),
+        action: Some(ACTION.to_owned()),
+        note: Some(note),
+        regarding: Some(regarding.clone()),
+        reporting_controller: Some(REPORTING_CONTROLLER.to_owned()),
+        reporting_instance: Some(instance.chars().take(128).collect()),
+        ..Event::default()
+    }
+}
+
+/// Reference to the Service an Event is about.
+pub(crate) fn service_ref(svc: &k8s_openapi::api::core::v1::Service) -> ObjectReference {
+    svc.object_ref(&())
+}
+
+/// FNV-1a, 64 bit: a stable hash (unlike `DefaultHasher`) so all agents pick the same name.
+fn fnv1a(parts: &[&[u8]]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for part in parts {
+        for b in *part {
+            h ^= u64::from(*b);
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+        h ^= 0xff;
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
+#[cfg(test)]
+mod tests {
+    use skewless_model::{ConfigError, ServiceKey};
+
+    use super::*;
+
+    fn mk_rejection(error: ConfigError) -> Rejection {
+        Rejection {
+            service: ServiceKey::new("ns", "web"),
+            error,
+            kept_last_good: true,
+        }
+    }
+
+    fn mk_ref(uid: &str) -> ObjectReference {
+        ObjectReference {
+            api_version: Some("v1".into()),
+            kind: Some("Service".into()),
+            name: Some("web".into()),
+            namespace: Some("ns".into()),
+            uid: Some(uid.into()),
+            ..ObjectReference::default()
+        }
+    }
+
+    #[test]
+    fn same_error_on_two_nodes_gets_the_same_event_name() {
+        let r = mk_rejection(ConfigError::UnknownMode { value: "x".into() });
+        let a = build_event(&r, &mk_ref("u1"), "node-a");
+        let b = build_event(&r, &mk_ref("u1"), "node-b");
+        assert_eq!(a.metadata.name, b.metadata.name);
+        assert_eq!(a.type_.as_deref(), Some("Warning"));
+        assert_eq!(a.reason.as_deref(), Some("UnknownMode"));
+    }
+
+    #[test]
+    fn different_error_or_service_gets_a_new_event_name() {
+        let r1 = mk_rejection(ConfigError::UnknownMode { value: "x".into() });
+        let r2 = mk_rejection(ConfigError::UnknownMode { value: "y".into() });
+        let n = |r: &Rejection, uid: &str| build_event(r, &mk_ref(uid), "n").metadata.name;
+        assert_ne!(n(&r1, "u1"), n(&r2, "u1"));
+        assert_ne!(
+            n(&r1, "u1"),
+            n(&r1, "u2"),
+            "a recreated Service must be told again"
+        );
+    }
+}
