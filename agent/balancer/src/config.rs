@@ -46,6 +46,8 @@ pub struct PickerConfig {
     /// An endpoint whose latency estimate exceeds this many times the median of its peers
     /// (and by more than `degraded_min_gap`) is degraded: it only gets probe requests.
     pub degraded_ratio: f64,
+    /// Latency samples in a row above that threshold that degrade an endpoint.
+    pub degraded_samples: u32,
     /// Smallest absolute excess over the median that can degrade an endpoint, so scheduling
     /// jitter of a few milliseconds does not take healthy pods out of rotation.
     pub degraded_min_gap: Duration,
@@ -66,8 +68,9 @@ impl Default for PickerConfig {
     fn default() -> Self {
         Self {
             decay: Duration::from_secs(1),
-            latency_floor: Duration::from_millis(1),
-            degraded_ratio: 3.0,
+            latency_floor: Duration::from_millis(5),
+            degraded_ratio: 2.0,
+            degraded_samples: 3,
             degraded_min_gap: Duration::from_millis(5),
             probe_interval: Duration::from_millis(200),
             recovery_probes: 2,

@@ -8,18 +8,20 @@
 //!
 //! 1. **Degraded endpoints get probes, not a share.** Peak-EWMA alone keeps paying a slow pod:
 //!    its cost decays, it wins a comparison, and every such request waits the full delay. Here an
-//!    endpoint whose estimate exceeds `degraded_ratio` x the median of its peers (and by at least
-//!    `degraded_min_gap`) leaves the rotation and gets one probe request in flight at most, one
-//!    per `probe_interval`. It is never fully evicted, and `recovery_probes` good probes in a row
-//!    bring it back with its estimate reset to what the probes saw (recovery in well under 5 s).
-//!    The median reference means "everyone is equally slow" degrades nobody, and at most half of
-//!    the ready endpoints can be out of rotation (degraded or ejected) at any time.
+//!    endpoint whose latency samples exceed `degraded_ratio` x the median estimate of its peers
+//!    (and by at least `degraded_min_gap`) `degraded_samples` times in a row leaves the rotation
+//!    and gets one probe request in flight at most, one per `probe_interval`. It is never fully
+//!    evicted, and `recovery_probes` good probes in a row bring it back with its estimate reset
+//!    to what the probes saw (recovery in well under 5 s). The median reference means "everyone
+//!    is equally slow" degrades nobody, and at most half of the ready endpoints can be out of
+//!    rotation (degraded or ejected) at any time.
 //! 2. **One candidate is round robin, the other random.** P2C draws two random candidates; with
 //!    equal loads that is a random spread, not an even one. Drawing the first candidate from a
 //!    round-robin cursor keeps P2C's load awareness (the random one still wins when it is
 //!    cheaper by `tie_ratio`) but gives equal, idle pods exactly round robin's evenness.
-//! 3. **Latencies below `latency_floor` count as equal**, so microsecond jitter on one node does
-//!    not override that evenness.
+//! 3. **Latencies below `latency_floor` (5 ms) count as equal**, so scheduling jitter on a busy
+//!    node does not override that evenness; under load the in-flight factor still separates
+//!    endpoints, and real slowness is handled by degradation.
 //!
 //! Passive health: `failure_threshold` consecutive failures eject an endpoint for an
 //! exponentially growing time; afterwards it is probed like a degraded one.
@@ -84,6 +86,8 @@ struct Slot {
     ewma: Option<(f64, Instant)>,
     in_flight: u32,
     health: Health,
+    /// Latency samples in a row above the degraded threshold.
+    slow_samples: u32,
     consecutive_failures: u32,
     /// Ejections in a row, for the backoff; reset by a success while active.
     ejections: u32,
@@ -126,6 +130,7 @@ impl<R: Rng> Picker<R> {
             ewma: None,
             in_flight: 0,
             health: Health::Active,
+            slow_samples: 0,
             consecutive_failures: 0,
             ejections: 0,
             probe_in_flight: false,
@@ -174,13 +179,23 @@ impl<R: Rng> Picker<R> {
         self.config.latency_floor.as_nanos() as f64
     }
 
-    /// The latency estimate used for comparisons: unknown and sub-floor latencies are the floor.
-    fn latency_ns(&self, s: &Slot) -> f64 {
-        s.ewma.map_or(0.0, |(v, _)| v).max(self.floor_ns())
+    /// The latency estimate used for comparisons: unknown and sub-floor latencies are the floor,
+    /// and the estimate decays toward the floor while no sample arrives (as tower's `PeakEwma`
+    /// decays toward zero), so an endpoint with a stale high estimate is sampled again instead
+    /// of being starved.
+    fn latency_ns(&self, s: &Slot, now: Instant) -> f64 {
+        let floor = self.floor_ns();
+        match s.ewma {
+            Some((v, at)) if v > floor => {
+                let idle = now.saturating_duration_since(at).as_nanos() as f64;
+                floor + (v - floor) * (-idle / self.config.decay.as_nanos() as f64).exp()
+            }
+            _ => floor,
+        }
     }
 
-    fn cost(&self, s: &Slot) -> f64 {
-        self.latency_ns(s) * f64::from(s.in_flight + 1)
+    fn cost(&self, s: &Slot, now: Instant) -> f64 {
+        self.latency_ns(s, now) * f64::from(s.in_flight + 1)
     }
 
     /// Chooses the endpoint for one request, skipping `exclude` (endpoints a retry already
@@ -190,8 +205,11 @@ impl<R: Rng> Picker<R> {
         let pick = self
             .due_probe(now, exclude)
             .map(|id| Pick { id, probe: true })
-            .or_else(|| self.p2c(exclude).map(|id| Pick { id, probe: false }))
-            .or_else(|| self.fallback(exclude).map(|id| Pick { id, probe: false }))?;
+            .or_else(|| self.p2c(exclude, now).map(|id| Pick { id, probe: false }))
+            .or_else(|| {
+                self.fallback(exclude, now)
+                    .map(|id| Pick { id, probe: false })
+            })?;
         self.total_requests += 1;
         let interval = self.config.probe_interval;
         let s = self.slot_mut(pick.id)?;
@@ -231,7 +249,7 @@ impl<R: Rng> Picker<R> {
             .map(|s| s.id)
     }
 
-    fn p2c(&mut self, exclude: &[SlotId]) -> Option<SlotId> {
+    fn p2c(&mut self, exclude: &[SlotId], now: Instant) -> Option<SlotId> {
         let active: Vec<usize> = self
             .slots
             .iter()
@@ -250,7 +268,7 @@ impl<R: Rng> Picker<R> {
                     other += 1;
                 }
                 let (a, b) = (&self.slots[active[rr]], &self.slots[active[other]]);
-                if self.cost(b) * self.config.tie_ratio < self.cost(a) {
+                if self.cost(b, now) * self.config.tie_ratio < self.cost(a, now) {
                     Some(b.id)
                 } else {
                     Some(a.id)
@@ -261,7 +279,7 @@ impl<R: Rng> Picker<R> {
 
     /// Nothing active is ready: rather than fail, use the cheapest ready endpoint, degraded or
     /// even ejected (fail open; a retry elsewhere is not possible anyway).
-    fn fallback(&self, exclude: &[SlotId]) -> Option<SlotId> {
+    fn fallback(&self, exclude: &[SlotId], now: Instant) -> Option<SlotId> {
         self.slots
             .iter()
             .filter(|s| s.ready && !exclude.contains(&s.id))
@@ -269,19 +287,19 @@ impl<R: Rng> Picker<R> {
                 let rank = |s: &Slot| u8::from(matches!(s.health, Health::Ejected { .. }));
                 rank(a)
                     .cmp(&rank(b))
-                    .then(self.cost(a).total_cmp(&self.cost(b)))
+                    .then(self.cost(a, now).total_cmp(&self.cost(b, now)))
             })
             .map(|s| s.id)
     }
 
     /// Median latency estimate of the ready, non-ejected endpoints (the lower median, so with
     /// two endpoints the faster one is the reference).
-    fn reference_ns(&self) -> Option<f64> {
+    fn reference_ns(&self, now: Instant) -> Option<f64> {
         let mut v: Vec<f64> = self
             .slots
             .iter()
             .filter(|s| s.ready && !matches!(s.health, Health::Ejected { .. }))
-            .map(|s| self.latency_ns(s))
+            .map(|s| self.latency_ns(s, now))
             .collect();
         if v.is_empty() {
             return None;
@@ -290,8 +308,8 @@ impl<R: Rng> Picker<R> {
         Some(v[(v.len() - 1) / 2])
     }
 
-    fn threshold_ns(&self) -> Option<f64> {
-        let r = self.reference_ns()?;
+    fn threshold_ns(&self, now: Instant) -> Option<f64> {
+        let r = self.reference_ns(now)?;
         Some(
             (r * self.config.degraded_ratio)
                 .max(r + self.config.degraded_min_gap.as_nanos() as f64),
@@ -327,24 +345,24 @@ impl<R: Rng> Picker<R> {
             None => (rtt_ns, now),
         });
         let health = s.health;
-        let Some(threshold) = self.threshold_ns() else {
+        let Some(threshold) = self.threshold_ns(now) else {
             return;
         };
-        let latency = self
-            .slots
-            .iter()
-            .find(|s| s.id == id)
-            .map(|s| self.latency_ns(s));
         let may_take_out = self.may_take_out();
-        let (recovery_probes, interval, floor) = (
+        let (recovery_probes, degraded_samples, interval, floor) = (
             self.config.recovery_probes,
+            self.config.degraded_samples,
             self.config.probe_interval,
             self.floor_ns(),
         );
         let Some(s) = self.slot_mut(id) else { return };
+        let slow = rtt_ns.max(floor) > threshold;
+        s.slow_samples = if slow { s.slow_samples + 1 } else { 0 };
         match health {
             Health::Active => {
-                if latency.is_some_and(|l| l > threshold) && may_take_out {
+                // Several slow samples in a row, not one: a single hiccup (a fresh connection,
+                // a descheduled thread) must not take a healthy pod out of rotation.
+                if s.slow_samples >= degraded_samples && may_take_out {
                     tracing::info!(
                         addr = %s.addr, name = %s.name,
                         latency_ms = rtt_ns / 1e6, threshold_ms = threshold / 1e6,
@@ -355,7 +373,7 @@ impl<R: Rng> Picker<R> {
                 }
             }
             Health::Degraded { good_probes } if probe => {
-                if rtt_ns.max(floor) <= threshold {
+                if !slow {
                     let good_probes = good_probes + 1;
                     if good_probes >= recovery_probes {
                         tracing::info!(addr = %s.addr, name = %s.name, "endpoint recovered");

@@ -42,6 +42,10 @@ struct Conn {
     endpoint: Endpoint,
     /// The current connection and its generation (to ignore reports about older ones).
     sender: Option<(u64, SendRequest<Incoming>)>,
+    /// Whether the current connection has carried a request yet: the first one pays for the
+    /// connection's warm-up (server-side lazy setup, HPACK tables, TCP windows) and is not a
+    /// sample of the endpoint's latency.
+    warm: bool,
     task: AbortHandle,
 }
 
@@ -51,6 +55,7 @@ pub(crate) struct Lease {
     pub(crate) id: SlotId,
     pub(crate) addr: SocketAddr,
     probe: bool,
+    sample: bool,
     generation: u64,
     pub(crate) sender: SendRequest<Incoming>,
     sent_at: Instant,
@@ -119,6 +124,7 @@ impl Pool {
                 Conn {
                     endpoint: ep.clone(),
                     sender: None,
+                    warm: false,
                     task,
                 },
             );
@@ -132,6 +138,7 @@ impl Pool {
         let ready = sender.is_some();
         if let Some(conn) = state.conns.get_mut(&id) {
             conn.sender = sender;
+            conn.warm = false;
             state.picker.set_ready(id, ready);
         }
         drop(state);
@@ -171,15 +178,16 @@ impl Pool {
                     return Err(ForwardError::NoEndpoints);
                 }
                 if let Some(pick) = state.picker.pick(now, exclude) {
-                    if let Some((generation, sender)) =
-                        state.conns.get(&pick.id).and_then(|c| c.sender.clone())
+                    if let Some(conn) = state.conns.get_mut(&pick.id)
+                        && let Some((generation, sender)) = conn.sender.clone()
                     {
-                        let addr = state.conns[&pick.id].endpoint.addr;
+                        let sample = std::mem::replace(&mut conn.warm, true);
                         return Ok(Lease {
                             pool: self.clone(),
                             id: pick.id,
-                            addr,
+                            addr: conn.endpoint.addr,
                             probe: pick.probe,
+                            sample,
                             generation,
                             sender,
                             sent_at: now,
@@ -221,6 +229,9 @@ impl Lease {
 
     /// The response headers arrived: record the latency sample.
     pub(crate) fn headers_received(&self) {
+        if !self.sample {
+            return;
+        }
         let now = Instant::now();
         let rtt = now.saturating_duration_since(self.sent_at);
         self.pool
@@ -315,7 +326,9 @@ async fn connection_task(pool: Weak<Pool>, id: SlotId, addr: SocketAddr) {
                 let Some(p) = pool.upgrade() else { return };
                 p.connection_closed(id, generation);
                 drop(p);
-                if started.elapsed() >= Duration::from_secs(1) {
+                // Reconnect at once (the upstream restarts or rotates connections), unless
+                // connections keep dying young: then back off so a broken peer is not hammered.
+                if started.elapsed() >= Duration::from_millis(100) {
                     backoff = base;
                     continue;
                 }
