@@ -35,6 +35,9 @@ pub(crate) enum ConnectError {
     /// TCP connect or the handshake took longer than the connect timeout.
     #[error("connect timed out")]
     Timeout,
+    /// The connection closed before the server sent anything (nobody serves the listener).
+    #[error("server closed the connection without speaking HTTP/2")]
+    Silent,
     /// The HTTP/2 handshake failed.
     #[error("http/2 handshake failed")]
     Handshake(#[source] hyper::Error),

@@ -31,6 +31,7 @@ pub mod config;
 pub mod endpoint;
 mod error;
 pub mod grpc;
+mod io;
 pub mod picker;
 mod pool;
 mod proxy;

@@ -20,6 +20,7 @@ use tracing::Instrument as _;
 use crate::config::Config;
 use crate::endpoint::Endpoint;
 use crate::error::{ConnectError, ForwardError};
+use crate::io::FirstRead;
 use crate::picker::{Outcome, Picker, SlotId};
 use crate::stats::EndpointStats;
 
@@ -264,32 +265,42 @@ impl Drop for Lease {
 
 static GENERATION: AtomicU64 = AtomicU64::new(0);
 
+type UpstreamConn = hyper::client::conn::http2::Connection<
+    TokioIo<FirstRead<tokio::net::TcpStream>>,
+    Incoming,
+    TokioExecutor,
+>;
+
+/// Connects and handshakes, and returns once the server has sent its first frame, with the
+/// connection future that must be polled for the connection to make progress.
 async fn connect(
     addr: SocketAddr,
     timeout: Duration,
-) -> Result<
-    (
-        SendRequest<Incoming>,
-        hyper::client::conn::http2::Connection<
-            TokioIo<tokio::net::TcpStream>,
-            Incoming,
-            TokioExecutor,
-        >,
-    ),
-    ConnectError,
-> {
+) -> Result<(SendRequest<Incoming>, UpstreamConn), ConnectError> {
     let attempt = async {
         let tcp = tokio::net::TcpStream::connect(addr)
             .await
             .map_err(ConnectError::Tcp)?;
         // gRPC is latency bound: small messages must not wait for Nagle.
         tcp.set_nodelay(true).map_err(ConnectError::Tcp)?;
-        hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+        let (io, spoke) = FirstRead::new(tcp);
+        let (sender, mut conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
             .timer(TokioTimer::new())
             .adaptive_window(true)
-            .handshake(TokioIo::new(tcp))
+            .handshake(TokioIo::new(io))
             .await
-            .map_err(ConnectError::Handshake)
+            .map_err(ConnectError::Handshake)?;
+        // Drive the connection until the server has spoken; if it ends first, it never served.
+        tokio::select! {
+            res = &mut conn => {
+                return Err(match res {
+                    Ok(()) => ConnectError::Silent,
+                    Err(error) => ConnectError::Handshake(error),
+                });
+            }
+            res = spoke => res.map_err(|_| ConnectError::Silent)?,
+        }
+        Ok((sender, conn))
     };
     tokio::time::timeout(timeout, attempt)
         .await

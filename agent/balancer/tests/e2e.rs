@@ -571,3 +571,24 @@ async fn endpoint_changes_take_effect() {
     assert!(stats[0].requests >= 10, "{stats:?}");
     b.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn listener_that_never_serves_gets_no_calls() {
+    // A listener whose backlog accepts TCP but nobody serves HTTP/2 on it (a pod going away).
+    let silent = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let silent_addr = silent.local_addr().expect("addr");
+    let pods = pods(1).await;
+    let mut eps = endpoints(&pods);
+    eps.push(Endpoint::new(silent_addr, "silent"));
+    let b = balancer(short_drain(), eps).await;
+    let mut c = client(b.addr).await;
+    for _ in 0..20 {
+        let r = tokio::time::timeout(Duration::from_secs(2), c.echo(req(b"s")))
+            .await
+            .expect("no call hangs on the silent endpoint")
+            .expect("every call succeeds");
+        assert_eq!(r.into_inner().pod, "pod-0");
+    }
+    drop(silent);
+    b.stop().await;
+}
