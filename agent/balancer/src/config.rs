@@ -15,8 +15,15 @@ pub struct Config {
     pub reconnect_backoff: (Duration, Duration),
     /// Picker tuning.
     pub picker: PickerConfig,
-    /// Bounds re-dispatching a request that never reached an upstream (its connection had
-    /// been told GOAWAY): at most `4 x max_attempts` dispatches.
+    /// Retry budget: each original request deposits `retry_ratio` tokens (up to
+    /// `retry_burst`) and each retry spends one, so retries stay a bounded fraction of traffic
+    /// even when every endpoint refuses (the retry budgets of Finagle and linkerd).
+    pub retry_ratio: f64,
+    /// Most tokens the retry budget holds (also its starting balance).
+    pub retry_burst: f64,
+    /// Most attempts per request that reach an upstream, the first one included. Re-dispatching
+    /// a request that never left the balancer (its connection had been told GOAWAY) is not a
+    /// retry and costs no budget, but is bounded too (`4 x max_attempts`).
     pub max_attempts: u32,
     /// How long in-flight requests may run after shutdown starts before connections are cut.
     pub drain_grace: Duration,
@@ -29,6 +36,8 @@ impl Default for Config {
             ready_timeout: Duration::from_secs(1),
             reconnect_backoff: (Duration::from_millis(50), Duration::from_secs(5)),
             picker: PickerConfig::default(),
+            retry_ratio: 0.2,
+            retry_burst: 10.0,
             max_attempts: 3,
             drain_grace: Duration::from_secs(10),
         }
@@ -70,7 +79,7 @@ impl Default for PickerConfig {
             decay: Duration::from_secs(1),
             latency_floor: Duration::from_millis(5),
             degraded_ratio: 2.0,
-            degraded_samples: 3,
+            degraded_samples: 5,
             degraded_min_gap: Duration::from_millis(5),
             probe_interval: Duration::from_millis(200),
             recovery_probes: 2,

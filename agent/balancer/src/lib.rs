@@ -27,6 +27,7 @@
 //! GOAWAY) are sent to another endpoint; nothing that reached a server is retried.
 #![forbid(unsafe_code)]
 
+mod body;
 pub mod config;
 pub mod endpoint;
 mod error;
@@ -81,10 +82,13 @@ impl Balancer {
     #[must_use]
     pub fn with_rng(
         config: Config,
-        endpoints: watch::Receiver<Vec<Endpoint>>,
+        mut endpoints: watch::Receiver<Vec<Endpoint>>,
         rng: impl rand::RngCore + Send + 'static,
     ) -> Self {
         let pool = Pool::new(config, Box::new(rng));
+        // Take the current set now, so a request arriving right after construction does not
+        // see an empty Service.
+        pool.update(&endpoints.borrow_and_update());
         let discovery = tokio::spawn(
             pool::discovery_task(Arc::downgrade(&pool), endpoints)
                 .instrument(tracing::debug_span!("discovery")),

@@ -8,7 +8,7 @@
 //!
 //! 1. **Degraded endpoints get probes, not a share.** Peak-EWMA alone keeps paying a slow pod:
 //!    its cost decays, it wins a comparison, and every such request waits the full delay. Here an
-//!    endpoint whose latency samples exceed `degraded_ratio` x the median estimate of its peers
+//!    endpoint whose latency samples exceed `degraded_ratio` x the median mean latency of its peers
 //!    (and by at least `degraded_min_gap`) `degraded_samples` times in a row leaves the rotation
 //!    and gets one probe request in flight at most, one per `probe_interval`. It is never fully
 //!    evicted, and `recovery_probes` good probes in a row bring it back with its estimate reset
@@ -84,6 +84,8 @@ struct Slot {
     ready: bool,
     /// Peak-EWMA latency in nanoseconds and when it was last updated.
     ewma: Option<(f64, Instant)>,
+    /// Plain (not peak) EWMA of the latency, for the degraded reference.
+    mean: Option<(f64, Instant)>,
     in_flight: u32,
     health: Health,
     /// Latency samples in a row above the degraded threshold.
@@ -128,6 +130,7 @@ impl<R: Rng> Picker<R> {
             name,
             ready: false,
             ewma: None,
+            mean: None,
             in_flight: 0,
             health: Health::Active,
             slow_samples: 0,
@@ -292,14 +295,17 @@ impl<R: Rng> Picker<R> {
             .map(|s| s.id)
     }
 
-    /// Median latency estimate of the ready, non-ejected endpoints (the lower median, so with
-    /// two endpoints the faster one is the reference).
-    fn reference_ns(&self, now: Instant) -> Option<f64> {
+    /// Median of the mean latencies of the ready, non-ejected endpoints (the lower median, so
+    /// with two endpoints the faster one is the reference). Means, not the peak estimates: under
+    /// load every endpoint's peaks are inflated by queueing, and a reference made of peaks lets
+    /// a slow endpoint pass as normal.
+    fn reference_ns(&self) -> Option<f64> {
+        let floor = self.floor_ns();
         let mut v: Vec<f64> = self
             .slots
             .iter()
             .filter(|s| s.ready && !matches!(s.health, Health::Ejected { .. }))
-            .map(|s| self.latency_ns(s, now))
+            .map(|s| s.mean.map_or(floor, |(m, _)| m.max(floor)))
             .collect();
         if v.is_empty() {
             return None;
@@ -308,8 +314,8 @@ impl<R: Rng> Picker<R> {
         Some(v[(v.len() - 1) / 2])
     }
 
-    fn threshold_ns(&self, now: Instant) -> Option<f64> {
-        let r = self.reference_ns(now)?;
+    fn threshold_ns(&self) -> Option<f64> {
+        let r = self.reference_ns()?;
         Some(
             (r * self.config.degraded_ratio)
                 .max(r + self.config.degraded_min_gap.as_nanos() as f64),
@@ -344,8 +350,16 @@ impl<R: Rng> Picker<R> {
             }
             None => (rtt_ns, now),
         });
+        s.mean = Some(match s.mean {
+            Some((m, at)) => {
+                let elapsed = now.saturating_duration_since(at).as_nanos() as f64;
+                let w = (-elapsed / decay).exp();
+                (m * w + rtt_ns * (1.0 - w), now)
+            }
+            None => (rtt_ns, now),
+        });
         let health = s.health;
-        let Some(threshold) = self.threshold_ns(now) else {
+        let Some(threshold) = self.threshold_ns() else {
             return;
         };
         let may_take_out = self.may_take_out();
@@ -380,6 +394,7 @@ impl<R: Rng> Picker<R> {
                         s.health = Health::Active;
                         // Start over from what the probes saw, not the stale peak.
                         s.ewma = Some((rtt_ns, now));
+                        s.mean = Some((rtt_ns, now));
                     } else {
                         s.health = Health::Degraded { good_probes };
                     }

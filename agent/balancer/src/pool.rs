@@ -8,7 +8,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
-use hyper::body::Incoming;
 use hyper::client::conn::http2::SendRequest;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use rand::RngCore;
@@ -17,6 +16,7 @@ use tokio::task::AbortHandle;
 use tokio::time::Instant;
 use tracing::Instrument as _;
 
+use crate::body::UpstreamBody;
 use crate::config::Config;
 use crate::endpoint::Endpoint;
 use crate::error::{ConnectError, ForwardError};
@@ -37,12 +37,13 @@ pub(crate) struct Pool {
 struct State {
     picker: Picker<Rng>,
     conns: HashMap<SlotId, Conn>,
+    retry_tokens: f64,
 }
 
 struct Conn {
     endpoint: Endpoint,
     /// The current connection and its generation (to ignore reports about older ones).
-    sender: Option<(u64, SendRequest<Incoming>)>,
+    sender: Option<(u64, SendRequest<UpstreamBody>)>,
     /// Whether the current connection has carried a request yet: the first one pays for the
     /// connection's warm-up (server-side lazy setup, HPACK tables, TCP windows) and is not a
     /// sample of the endpoint's latency.
@@ -58,7 +59,7 @@ pub(crate) struct Lease {
     probe: bool,
     sample: bool,
     generation: u64,
-    pub(crate) sender: SendRequest<Incoming>,
+    pub(crate) sender: SendRequest<UpstreamBody>,
     sent_at: Instant,
     done: bool,
 }
@@ -69,6 +70,7 @@ impl Pool {
             state: Mutex::new(State {
                 picker: Picker::new(config.picker.clone(), rng),
                 conns: HashMap::new(),
+                retry_tokens: config.retry_burst,
             }),
             config,
             changed: Notify::new(),
@@ -134,7 +136,7 @@ impl Pool {
         self.changed.notify_waiters();
     }
 
-    fn set_sender(&self, id: SlotId, sender: Option<(u64, SendRequest<Incoming>)>) {
+    fn set_sender(&self, id: SlotId, sender: Option<(u64, SendRequest<UpstreamBody>)>) {
         let mut state = self.lock();
         let ready = sender.is_some();
         if let Some(conn) = state.conns.get_mut(&id) {
@@ -160,6 +162,24 @@ impl Pool {
         }
     }
 
+    /// Deposits the retry-budget share of one original request.
+    pub(crate) fn deposit_retry_token(&self) {
+        let mut state = self.lock();
+        state.retry_tokens =
+            (state.retry_tokens + self.config.retry_ratio).min(self.config.retry_burst);
+    }
+
+    /// Takes one retry from the budget, if it has one.
+    pub(crate) fn withdraw_retry_token(&self) -> bool {
+        let mut state = self.lock();
+        if state.retry_tokens >= 1.0 {
+            state.retry_tokens -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
+
     /// Picks an endpoint with a ready connection, waiting up to the ready timeout for one when
     /// the Service has endpoints but none is connected yet.
     pub(crate) async fn acquire(
@@ -172,42 +192,52 @@ impl Pool {
             tokio::pin!(notified);
             // Register before looking, so a change between the look and the wait is not lost.
             notified.as_mut().enable();
-            {
-                let now = Instant::now();
-                let mut state = self.lock();
-                if state.picker.is_empty() {
-                    return Err(ForwardError::NoEndpoints);
-                }
-                if let Some(pick) = state.picker.pick(now, exclude) {
-                    if let Some(conn) = state.conns.get_mut(&pick.id)
-                        && let Some((generation, sender)) = conn.sender.clone()
-                    {
-                        let sample = std::mem::replace(&mut conn.warm, true);
-                        return Ok(Lease {
-                            pool: self.clone(),
-                            id: pick.id,
-                            addr: conn.endpoint.addr,
-                            probe: pick.probe,
-                            sample,
-                            generation,
-                            sender,
-                            sent_at: now,
-                            done: false,
-                        });
-                    }
-                    // Ready in the picker but no sender: cannot happen (both change together);
-                    // undo the pick and treat it as not ready.
-                    state
-                        .picker
-                        .complete(pick.id, pick.probe, Outcome::Cancelled, now);
-                    state.picker.set_ready(pick.id, false);
-                    continue;
-                }
+            if let Some(lease) = self.try_acquire(exclude)? {
+                return Ok(lease);
             }
             if tokio::time::timeout_at(give_up, notified).await.is_err() {
                 return Err(ForwardError::NoReadyEndpoint);
             }
         }
+    }
+
+    /// One look at the pool: a lease, `None` to wait for a change, or an error to give up.
+    fn try_acquire(self: &Arc<Self>, exclude: &[SlotId]) -> Result<Option<Lease>, ForwardError> {
+        let now = Instant::now();
+        let mut state = self.lock();
+        if state.picker.is_empty() {
+            return Err(ForwardError::NoEndpoints);
+        }
+        let Some(pick) = state.picker.pick(now, exclude) else {
+            // Ready endpoints exist but all were excluded: a retry has nowhere to go.
+            if state.picker.any_ready() {
+                return Err(ForwardError::NoReadyEndpoint);
+            }
+            return Ok(None);
+        };
+        if let Some(conn) = state.conns.get_mut(&pick.id)
+            && let Some((generation, sender)) = conn.sender.clone()
+        {
+            let sample = std::mem::replace(&mut conn.warm, true);
+            return Ok(Some(Lease {
+                pool: self.clone(),
+                id: pick.id,
+                addr: conn.endpoint.addr,
+                probe: pick.probe,
+                sample,
+                generation,
+                sender,
+                sent_at: now,
+                done: false,
+            }));
+        }
+        // Ready in the picker but no sender: cannot happen (both change together); undo the
+        // pick and treat the endpoint as not ready.
+        state
+            .picker
+            .complete(pick.id, pick.probe, Outcome::Cancelled, now);
+        state.picker.set_ready(pick.id, false);
+        Ok(None)
     }
 }
 
@@ -267,7 +297,7 @@ static GENERATION: AtomicU64 = AtomicU64::new(0);
 
 type UpstreamConn = hyper::client::conn::http2::Connection<
     TokioIo<FirstRead<tokio::net::TcpStream>>,
-    Incoming,
+    UpstreamBody,
     TokioExecutor,
 >;
 
@@ -276,7 +306,7 @@ type UpstreamConn = hyper::client::conn::http2::Connection<
 async fn connect(
     addr: SocketAddr,
     timeout: Duration,
-) -> Result<(SendRequest<Incoming>, UpstreamConn), ConnectError> {
+) -> Result<(SendRequest<UpstreamBody>, UpstreamConn), ConnectError> {
     let attempt = async {
         let tcp = tokio::net::TcpStream::connect(addr)
             .await
@@ -359,14 +389,11 @@ pub(crate) async fn discovery_task(
     pool: Weak<Pool>,
     mut endpoints: watch::Receiver<Vec<Endpoint>>,
 ) {
-    loop {
+    // The set current at construction was applied by the balancer itself.
+    while endpoints.changed().await.is_ok() {
         let current = endpoints.borrow_and_update().clone();
         let Some(p) = pool.upgrade() else { return };
         p.update(&current);
-        drop(p);
-        if endpoints.changed().await.is_err() {
-            // The publisher is gone: keep the last set.
-            return;
-        }
     }
+    // The publisher is gone: keep the last set.
 }

@@ -14,6 +14,7 @@ use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
 use tokio::time::{Instant, Sleep};
 
+use crate::body::UpstreamBody;
 use crate::error::ForwardError;
 use crate::grpc::{self, Code};
 use crate::picker::{Outcome, SlotId};
@@ -54,10 +55,14 @@ fn rescue(error: &ForwardError, is_grpc: bool) -> Response<ProxyBody> {
         }
     };
     tracing::debug!(%error, ?code, "request failed locally");
-    let message = match error {
-        ForwardError::Upstream(source) => format!("skewless: {error}: {source}"),
-        _ => format!("skewless: {error}"),
-    };
+    // The whole cause chain: the client's only clue to what happened upstream.
+    let mut message = format!("skewless: {error}");
+    let mut source = std::error::Error::source(error);
+    while let Some(cause) = source {
+        message.push_str(": ");
+        message.push_str(&cause.to_string());
+        source = cause.source();
+    }
     let mut resp = grpc::status_response::<ProxyBody>(code, &message);
     if !is_grpc {
         *resp.status_mut() = http_status;
@@ -67,16 +72,33 @@ fn rescue(error: &ForwardError, is_grpc: bool) -> Response<ProxyBody> {
 
 async fn forward(
     pool: &Arc<Pool>,
-    mut req: Request<Incoming>,
+    req: Request<Incoming>,
     deadline: Option<Instant>,
 ) -> Result<Response<ProxyBody>, ForwardError> {
+    pool.deposit_retry_token();
     let max_attempts = pool.config().max_attempts.max(1);
+    let (parts, body) = req.into_parts();
+    let (body, replay) = UpstreamBody::client(body);
+    // What a retry needs to rebuild the request (extensions are not forwarded anyway).
+    let template = (
+        parts.method.clone(),
+        parts.uri.clone(),
+        parts.version,
+        parts.headers.clone(),
+    );
+    let mut req = Request::from_parts(parts, body);
     let mut tried: Vec<SlotId> = Vec::new();
+    let mut attempts = 1u32;
     // Re-dispatching a request that never left the balancer is free (nothing reached a server),
     // but still bounded so a flapping set of connections cannot spin.
     let mut redispatches = 0u32;
+    let mut refused_by: Option<hyper::Error> = None;
     loop {
-        let mut lease = pool.acquire(&tried).await?;
+        let mut lease = match pool.acquire(&tried).await {
+            Ok(lease) => lease,
+            // A retry with nowhere else to go fails with what the upstream said.
+            Err(error) => return Err(refused_by.map_or(error, ForwardError::Upstream)),
+        };
         if let Some(deadline) = deadline {
             let remaining = deadline.saturating_duration_since(Instant::now());
             req.headers_mut()
@@ -84,37 +106,75 @@ async fn forward(
         }
         match lease.sender.try_send_request(req).await {
             Ok(resp) => {
+                replay.disable();
                 lease.headers_received();
                 return Ok(wrap(resp, lease, deadline));
             }
             Err(mut error) => {
-                let Some(unsent) = error.take_message() else {
-                    // Sent (at least partly) and failed: the body is gone, so this cannot be
-                    // retried safely without buffering it.
-                    let error = error.into_error();
-                    tracing::debug!(addr = %lease.addr, %error, "upstream failed the request");
-                    lease.finish(Outcome::Failure);
-                    return Err(ForwardError::Upstream(error));
+                if let Some(unsent) = error.take_message() {
+                    // The connection stopped taking streams (upstream GOAWAY or close) before
+                    // this request was written: send it on another connection.
+                    tracing::debug!(addr = %lease.addr, "connection closed before dispatch, re-dispatching");
+                    pool.connection_closed(lease.id, lease.generation());
+                    lease.finish(Outcome::Cancelled);
+                    req = unsent;
+                    redispatches += 1;
+                    if redispatches >= max_attempts * 4 {
+                        return Err(ForwardError::NoReadyEndpoint);
+                    }
+                    continue;
+                }
+                let error = error.into_error();
+                let retryable = attempts < max_attempts && not_processed(&error);
+                let body = if retryable {
+                    replay.replay(REPLAY_WAIT).await
+                } else {
+                    None
                 };
-                // The connection stopped taking streams (upstream GOAWAY or close) before this
-                // request was written: send it elsewhere.
-                tracing::debug!(addr = %lease.addr, "connection closed before dispatch, re-dispatching");
-                pool.connection_closed(lease.id, lease.generation());
-                tried.push(lease.id);
-                lease.finish(Outcome::Cancelled);
-                req = unsent;
-                redispatches += 1;
-                if redispatches >= max_attempts * 4 {
-                    return Err(ForwardError::NoReadyEndpoint);
+                if let Some(body) = body
+                    && pool.withdraw_retry_token()
+                {
+                    tracing::debug!(addr = %lease.addr, %error, "upstream did not process the request, retrying elsewhere");
+                    tried.push(lease.id);
+                    lease.finish(Outcome::Cancelled);
+                    attempts += 1;
+                    let (method, uri, version, headers) = &template;
+                    let mut retry = Request::new(body);
+                    *retry.method_mut() = method.clone();
+                    *retry.uri_mut() = uri.clone();
+                    *retry.version_mut() = *version;
+                    *retry.headers_mut() = headers.clone();
+                    req = retry;
+                    refused_by = Some(error);
+                    continue;
                 }
-                // The same endpoint may be the only one: let it be tried again once it has
-                // reconnected.
-                if tried.len() >= 8 {
-                    tried.clear();
-                }
+                tracing::debug!(addr = %lease.addr, %error, "upstream failed the request");
+                lease.finish(Outcome::Failure);
+                return Err(ForwardError::Upstream(error));
             }
         }
     }
+}
+
+/// How long a retry waits for hyper to hand the client's body back from the failed attempt.
+const REPLAY_WAIT: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// Whether the upstream provably did not process the request: it refused the stream
+/// (REFUSED_STREAM), or the stream was cut by a graceful GOAWAY (NO_ERROR). h2 fails a stream
+/// with a remote NO_ERROR GOAWAY when its id is above the GOAWAY's last-stream-id; a graceful
+/// server finishes every stream at or below it before closing.
+fn not_processed(error: &hyper::Error) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(error);
+    while let Some(e) = source {
+        if let Some(h2) = e.downcast_ref::<h2::Error>() {
+            return h2.reason() == Some(h2::Reason::REFUSED_STREAM)
+                || (h2.is_go_away()
+                    && h2.is_remote()
+                    && h2.reason() == Some(h2::Reason::NO_ERROR));
+        }
+        source = e.source();
+    }
+    false
 }
 
 fn wrap(resp: Response<Incoming>, lease: Lease, deadline: Option<Instant>) -> Response<ProxyBody> {

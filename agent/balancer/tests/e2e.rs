@@ -86,6 +86,8 @@ fn endpoints(pods: &[SpawnedEcho]) -> Vec<Endpoint> {
 async fn client(addr: SocketAddr) -> EchoClient<Channel> {
     let channel = Channel::from_shared(format!("http://{addr}"))
         .expect("uri")
+        // A hung call fails its test instead of hanging the suite.
+        .timeout(Duration::from_secs(10))
         .connect()
         .await
         .expect("client connects to the balancer");
@@ -110,7 +112,13 @@ fn tally(names: &[String], n: usize) -> Vec<usize> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sequential_unary_calls_spread_evenly_over_equal_pods() {
     let pods = pods(4).await;
-    let b = balancer(Config::default(), endpoints(&pods)).await;
+    // Scheduling noise on a shared 2-core test machine reaches tens of milliseconds, which the
+    // default 5 ms floor would (rightly) read as latency differences; the exact evenness of
+    // equal pods with the defaults is pinned by the picker's deterministic tests. Here the
+    // wiring is checked: round robin through the whole stack.
+    let mut config = Config::default();
+    config.picker.latency_floor = Duration::from_millis(100);
+    let b = balancer(config, endpoints(&pods)).await;
     let mut c = client(b.addr).await;
     let mut names = Vec::new();
     for _ in 0..200 {
@@ -434,31 +442,59 @@ async fn slow_pod_gets_under_one_percent_of_concurrent_calls() {
     pods[4].control.set_delay(Duration::from_millis(50));
     let b = balancer(Config::default(), endpoints(&pods)).await;
     let c = client(b.addr).await;
-    let stop_at = tokio::time::Instant::now() + Duration::from_millis(1500);
+    let started = tokio::time::Instant::now();
+    // Detection takes a few slow replies; the share is measured after it, as a long benchmark
+    // run would see it (the detection burst is bounded separately below).
+    let measure_from = started + Duration::from_millis(300);
+    let stop_at = started + Duration::from_millis(1800);
     let mut tasks = Vec::new();
     for _ in 0..32 {
         let mut c = c.clone();
         tasks.push(tokio::spawn(async move {
             let mut names = Vec::new();
-            while tokio::time::Instant::now() < stop_at {
-                names.push(c.echo(req(b"p")).await.expect("echo").into_inner().pod);
+            loop {
+                let sent = tokio::time::Instant::now();
+                if sent >= stop_at {
+                    break names;
+                }
+                let pod = c.echo(req(b"p")).await.expect("echo").into_inner().pod;
+                names.push((sent >= measure_from, pod));
             }
-            names
         }));
     }
-    let mut names = Vec::new();
+    let mut all = Vec::new();
     for t in tasks {
-        names.extend(t.await.expect("task"));
+        all.extend(t.await.expect("task"));
     }
-    let t = tally(&names, 5);
-    let share = t[4] as f64 / names.len() as f64;
+    let steady: Vec<String> = all
+        .iter()
+        .filter(|(m, _)| *m)
+        .map(|(_, p)| p.clone())
+        .collect();
+    let detection: Vec<String> = all
+        .iter()
+        .filter(|(m, _)| !*m)
+        .map(|(_, p)| p.clone())
+        .collect();
+    let t = tally(&steady, 5);
+    let share = t[4] as f64 / steady.len() as f64;
+    let stats: Vec<_> = b
+        .balancer
+        .stats()
+        .into_iter()
+        .map(|s| (s.name, s.state, s.requests, s.probes))
+        .collect();
     assert!(
         share < 0.01,
-        "the 50 ms pod must get < 1% of calls: {t:?} ({:.2}%) {:#?}",
-        share * 100.0,
-        b.balancer.stats()
+        "the 50 ms pod must get < 1% of calls: {t:?} ({:.2}%) {stats:?}",
+        share * 100.0
     );
     assert!(t[4] > 0, "the slow pod keeps a probe trickle: {t:?}");
+    let burst = tally(&detection, 5)[4];
+    assert!(
+        burst <= 40,
+        "detecting the slow pod costs a bounded burst: {burst} calls {stats:?}"
+    );
     b.stop().await;
 }
 
@@ -505,6 +541,17 @@ async fn upstream_graceful_restart_fails_no_calls() {
         &failed[..failed.len().min(3)]
     );
     assert!(ok.len() > 100, "load ran: {}", ok.len());
+    // The restarted pod is reconnected (connect backoff) and back in rotation within seconds.
+    for _ in 0..100 {
+        let st = b.balancer.stats();
+        if st
+            .iter()
+            .any(|s| s.name == "pod-0" && s.state == skewless_balancer::EndpointState::Active)
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     let mut c = c.clone();
     let mut back = false;
     for _ in 0..100 {
@@ -590,5 +637,77 @@ async fn listener_that_never_serves_gets_no_calls() {
         assert_eq!(r.into_inner().pod, "pod-0");
     }
     drop(silent);
+    b.stop().await;
+}
+
+/// An HTTP/2 upstream that refuses every stream (RST_STREAM REFUSED_STREAM), as a server at
+/// its limit does; it counts the streams it refused.
+async fn refusing_upstream() -> (SocketAddr, Arc<std::sync::atomic::AtomicUsize>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let refused = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = refused.clone();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let count = count.clone();
+            tokio::spawn(async move {
+                let Ok(mut conn) = h2::server::handshake(stream).await else {
+                    return;
+                };
+                while let Some(Ok((_req, mut respond))) = conn.accept().await {
+                    count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    respond.send_reset(h2::Reason::REFUSED_STREAM);
+                }
+            });
+        }
+    });
+    (addr, refused)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_streams_are_retried_on_another_endpoint() {
+    let (refusing, refused) = refusing_upstream().await;
+    let pods = pods(1).await;
+    let mut eps = endpoints(&pods);
+    eps.push(Endpoint::new(refusing, "refusing"));
+    let b = balancer(Config::default(), eps).await;
+    let mut c = client(b.addr).await;
+    for _ in 0..20 {
+        let r = c
+            .echo(req(b"r"))
+            .await
+            .expect("a refused call is retried and succeeds");
+        assert_eq!(r.into_inner().pod, "pod-0");
+    }
+    assert!(
+        refused.load(std::sync::atomic::Ordering::Relaxed) > 0,
+        "the refusing endpoint was tried (else this test proves nothing)"
+    );
+    b.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retries_are_bounded_when_every_endpoint_refuses() {
+    let (a, refused_a) = refusing_upstream().await;
+    let (b_addr, refused_b) = refusing_upstream().await;
+    let b = balancer(
+        Config::default(),
+        vec![Endpoint::new(a, "a"), Endpoint::new(b_addr, "b")],
+    )
+    .await;
+    let mut c = client(b.addr).await;
+    let calls = 30;
+    for _ in 0..calls {
+        let status = c.echo(req(b"r")).await.expect_err("nobody serves");
+        assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    }
+    let attempts = refused_a.load(std::sync::atomic::Ordering::Relaxed)
+        + refused_b.load(std::sync::atomic::Ordering::Relaxed);
+    // Budget: 10 tokens to start, +0.2 per call, one per retry.
+    assert!(
+        attempts <= calls + 10 + calls / 5 + 1,
+        "retries stay within the budget: {attempts} attempts for {calls} calls"
+    );
+    assert!(attempts > calls, "some calls were retried: {attempts}");
     b.stop().await;
 }
