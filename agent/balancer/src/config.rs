@@ -1,0 +1,91 @@
+//! Tuning of the balancer. Every field has a default chosen for gRPC services on one node; the
+//! model crate will fill these from the Service's annotations later.
+
+use std::time::Duration;
+
+/// Configuration of one Service's balancer.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// How long one TCP connect + HTTP/2 handshake to an endpoint may take.
+    pub connect_timeout: Duration,
+    /// How long a request waits for some endpoint to become ready (startup, reconnect) before
+    /// it fails with UNAVAILABLE.
+    pub ready_timeout: Duration,
+    /// First and largest pause between reconnect attempts to an endpoint that refuses.
+    pub reconnect_backoff: (Duration, Duration),
+    /// Picker tuning.
+    pub picker: PickerConfig,
+    /// Retry budget: each original request deposits `retry_ratio` tokens (up to
+    /// `retry_burst`) and each retry spends one, so retries stay a bounded fraction of traffic
+    /// even when every endpoint refuses (the retry budgets of Finagle and linkerd).
+    pub retry_ratio: f64,
+    /// Most tokens the retry budget holds (also its starting balance).
+    pub retry_burst: f64,
+    /// Most attempts per request that reach an upstream, the first one included. Re-dispatching
+    /// a request that never left the balancer (its connection had been told GOAWAY) is not a
+    /// retry and costs no budget, but is bounded too (`4 x max_attempts`).
+    pub max_attempts: u32,
+    /// How long in-flight requests may run after shutdown starts before connections are cut.
+    pub drain_grace: Duration,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            connect_timeout: Duration::from_secs(1),
+            ready_timeout: Duration::from_secs(1),
+            reconnect_backoff: (Duration::from_millis(50), Duration::from_secs(5)),
+            picker: PickerConfig::default(),
+            retry_ratio: 0.2,
+            retry_burst: 10.0,
+            max_attempts: 3,
+            drain_grace: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Tuning of the picker (see the `picker` module docs for the algorithm).
+#[derive(Debug, Clone)]
+pub struct PickerConfig {
+    /// Time constant of the peak-EWMA latency estimate.
+    pub decay: Duration,
+    /// Latencies below this count as equal: on one node sub-millisecond differences are noise,
+    /// and treating them as equal is what makes idle, equal pods share round-robin evenly.
+    pub latency_floor: Duration,
+    /// An endpoint whose latency estimate exceeds this many times the median of its peers
+    /// (and by more than `degraded_min_gap`) is degraded: it only gets probe requests.
+    pub degraded_ratio: f64,
+    /// Latency samples in a row above that threshold that degrade an endpoint.
+    pub degraded_samples: u32,
+    /// Smallest absolute excess over the median that can degrade an endpoint, so scheduling
+    /// jitter of a few milliseconds does not take healthy pods out of rotation.
+    pub degraded_min_gap: Duration,
+    /// Pause between two probe requests to a degraded or recovering endpoint (one in flight at
+    /// most), i.e. the trickle that lets it prove it has recovered.
+    pub probe_interval: Duration,
+    /// Consecutive probes within the threshold that bring a degraded endpoint back.
+    pub recovery_probes: u32,
+    /// Consecutive failures that eject an endpoint.
+    pub failure_threshold: u32,
+    /// First and largest ejection time; it doubles with every ejection in a row.
+    pub ejection_backoff: (Duration, Duration),
+    /// The random candidate must be this much cheaper than the round-robin candidate to win.
+    pub tie_ratio: f64,
+}
+
+impl Default for PickerConfig {
+    fn default() -> Self {
+        Self {
+            decay: Duration::from_secs(1),
+            latency_floor: Duration::from_millis(5),
+            degraded_ratio: 2.0,
+            degraded_samples: 5,
+            degraded_min_gap: Duration::from_millis(5),
+            probe_interval: Duration::from_millis(200),
+            recovery_probes: 2,
+            failure_threshold: 5,
+            ejection_backoff: (Duration::from_secs(1), Duration::from_secs(30)),
+            tie_ratio: 1.25,
+        }
+    }
+}

@@ -1,0 +1,195 @@
+//! skewless's node balancer, request mode.
+//!
+//! A ClusterIP balances per connection and a gRPC client keeps one HTTP/2 connection, so every
+//! call of a client lands on one pod. The balancer terminates the client's HTTP/2 connection
+//! and forwards every request to an endpoint of the Service picked for that request (see
+//! [`picker`] for the algorithm), over one HTTP/2 connection per endpoint.
+//!
+//! Wiring it up:
+//! ```no_run
+//! # async fn run() -> Result<(), skewless_balancer::BalancerError> {
+//! use skewless_balancer::{Balancer, Config, Endpoint};
+//! let (tx, rx) = tokio::sync::watch::channel(vec![Endpoint::new(
+//!     "10.0.0.7:50051".parse().unwrap(),
+//!     "echo-0",
+//! )]);
+//! let balancer = Balancer::new(Config::default(), rx);
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+//! // Later: tx.send(new_endpoints) whenever the endpoint set changes.
+//! balancer.serve(listener, async { /* SIGTERM */ }).await?;
+//! # drop(tx); Ok(()) }
+//! ```
+//!
+//! gRPC correctness: bodies stream through frame by frame with HTTP/2 flow control end to end;
+//! trailers pass through; `grpc-timeout` is enforced here and forwarded as the remaining budget;
+//! failures of the balancer itself become trailers-only gRPC responses (UNAVAILABLE,
+//! DEADLINE_EXCEEDED). Requests that never reached an upstream (the connection had been told
+//! GOAWAY) are sent to another endpoint; nothing that reached a server is retried.
+#![forbid(unsafe_code)]
+
+mod body;
+pub mod config;
+pub mod endpoint;
+mod error;
+pub mod grpc;
+mod io;
+pub mod picker;
+mod pool;
+mod proxy;
+pub mod stats;
+
+use std::future::Future;
+use std::sync::Arc;
+
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use rand::SeedableRng as _;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::{AbortHandle, JoinSet};
+use tracing::Instrument as _;
+
+pub use config::{Config, PickerConfig};
+pub use endpoint::Endpoint;
+pub use error::BalancerError;
+pub use proxy::ProxyBody;
+pub use stats::{EndpointState, EndpointStats};
+
+use pool::Pool;
+
+/// The balancer of one Service. Cheap to share behind an `Arc`; dropping it stops following
+/// the endpoint set and closes its upstream connections once their streams end.
+pub struct Balancer {
+    pool: Arc<Pool>,
+    discovery: AbortHandle,
+}
+
+impl std::fmt::Debug for Balancer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Balancer").finish_non_exhaustive()
+    }
+}
+
+impl Balancer {
+    /// A balancer over the endpoints published on `endpoints`, with an OS-seeded RNG.
+    /// Must be called inside a Tokio runtime (it spawns the tasks that follow the endpoint set
+    /// and keep connections up).
+    #[must_use]
+    pub fn new(config: Config, endpoints: watch::Receiver<Vec<Endpoint>>) -> Self {
+        Self::with_rng(config, endpoints, rand::rngs::SmallRng::from_os_rng())
+    }
+
+    /// Like [`Balancer::new`] with the picker's RNG supplied, so tests are deterministic.
+    #[must_use]
+    pub fn with_rng(
+        config: Config,
+        mut endpoints: watch::Receiver<Vec<Endpoint>>,
+        rng: impl rand::RngCore + Send + 'static,
+    ) -> Self {
+        let pool = Pool::new(config, Box::new(rng));
+        // Take the current set now, so a request arriving right after construction does not
+        // see an empty Service.
+        pool.update(&endpoints.borrow_and_update());
+        let discovery = tokio::spawn(
+            pool::discovery_task(Arc::downgrade(&pool), endpoints)
+                .instrument(tracing::debug_span!("discovery")),
+        )
+        .abort_handle();
+        Self { pool, discovery }
+    }
+
+    /// Per-endpoint counters, for metrics and `skewless status`.
+    #[must_use]
+    pub fn stats(&self) -> Vec<EndpointStats> {
+        self.pool.stats()
+    }
+
+    /// Serves client connections from `listener` until `shutdown` resolves, then drains: every
+    /// client connection gets a graceful two-phase GOAWAY (hyper sends last-stream-id 2^31-1
+    /// and a PING, then the real last stream id), in-flight requests get up to
+    /// [`Config::drain_grace`] to finish, and what is left after that is cut.
+    ///
+    /// # Errors
+    /// When accepting a connection fails in a way that is not about one connection.
+    pub async fn serve(
+        &self,
+        listener: TcpListener,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<(), BalancerError> {
+        let (drain_tx, drain_rx) = watch::channel(false);
+        let mut conns = JoinSet::new();
+        tokio::pin!(shutdown);
+        let result = loop {
+            let accepted = tokio::select! {
+                () = &mut shutdown => break Ok(()),
+                accepted = listener.accept() => accepted,
+                // Reap finished connection tasks so the set does not grow without bound.
+                Some(_) = conns.join_next(), if !conns.is_empty() => continue,
+            };
+            let (stream, peer) = match accepted {
+                Ok(ok) => ok,
+                Err(error) if is_connection_error(&error) => {
+                    tracing::debug!(%error, "accept failed for one connection");
+                    continue;
+                }
+                Err(error) => break Err(BalancerError::Accept(error)),
+            };
+            let _ = stream.set_nodelay(true);
+            let pool = self.pool.clone();
+            let mut drain = drain_rx.clone();
+            conns.spawn(
+                async move {
+                    let service =
+                        hyper::service::service_fn(move |req| proxy::handle(pool.clone(), req));
+                    let conn = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                        .timer(TokioTimer::new())
+                        .adaptive_window(true)
+                        .serve_connection(TokioIo::new(stream), service);
+                    tokio::pin!(conn);
+                    tokio::select! {
+                        res = conn.as_mut() => {
+                            if let Err(error) = res {
+                                tracing::debug!(%error, "client connection failed");
+                            }
+                            return;
+                        }
+                        _ = drain.wait_for(|d| *d) => {}
+                    }
+                    tracing::debug!("draining client connection");
+                    conn.as_mut().graceful_shutdown();
+                    if let Err(error) = conn.await {
+                        tracing::debug!(%error, "client connection failed while draining");
+                    }
+                }
+                .instrument(tracing::debug_span!("client", %peer)),
+            );
+        };
+        drop(listener);
+        let _ = drain_tx.send(true);
+        let grace = self.pool.config().drain_grace;
+        let drained =
+            tokio::time::timeout(grace, async { while conns.join_next().await.is_some() {} }).await;
+        if drained.is_err() {
+            tracing::info!(
+                left = conns.len(),
+                "drain grace period over, closing connections"
+            );
+            conns.shutdown().await;
+        }
+        result
+    }
+}
+
+impl Drop for Balancer {
+    fn drop(&mut self) {
+        self.discovery.abort();
+    }
+}
+
+/// Accept errors that concern one connection only (the peer gave up during the handshake).
+fn is_connection_error(error: &std::io::Error) -> bool {
+    use std::io::ErrorKind::{ConnectionAborted, ConnectionRefused, ConnectionReset};
+    matches!(
+        error.kind(),
+        ConnectionAborted | ConnectionRefused | ConnectionReset
+    )
+}

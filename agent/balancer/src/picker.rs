@@ -1,0 +1,822 @@
+//! Picks the endpoint for each request.
+//!
+//! The base is Linkerd's (and Finagle's) balancer: power of two choices (Mitzenmacher, "The
+//! Power of Two Choices in Randomized Load Balancing", 2001) over a peak-EWMA latency estimate
+//! multiplied by the in-flight count (Finagle's `PeakEwma`, tower's `tower::load::PeakEwma`).
+//! Three changes go beyond it, because in the seed benchmark Linkerd still sends more than 1% of
+//! requests to a pod slowed by 50 ms:
+//!
+//! 1. **Degraded endpoints get probes, not a share.** Peak-EWMA alone keeps paying a slow pod:
+//!    its cost decays, it wins a comparison, and every such request waits the full delay. Here an
+//!    endpoint whose latency samples exceed `degraded_ratio` x the median mean latency of its peers
+//!    (and by at least `degraded_min_gap`) `degraded_samples` times in a row leaves the rotation
+//!    and gets one probe request in flight at most, one per `probe_interval`. It is never fully
+//!    evicted, and `recovery_probes` good probes in a row bring it back with its estimate reset
+//!    to what the probes saw (recovery in well under 5 s). The median reference means "everyone
+//!    is equally slow" degrades nobody, and at most half of the ready endpoints can be out of
+//!    rotation (degraded or ejected) at any time.
+//! 2. **One candidate is round robin, the other random.** P2C draws two random candidates; with
+//!    equal loads that is a random spread, not an even one. Drawing the first candidate from a
+//!    round-robin cursor keeps P2C's load awareness (the random one still wins when it is
+//!    cheaper by `tie_ratio`) but gives equal, idle pods exactly round robin's evenness.
+//! 3. **Latencies below `latency_floor` (5 ms) count as equal**, so scheduling jitter on a busy
+//!    node does not override that evenness; under load the in-flight factor still separates
+//!    endpoints, and real slowness is handled by degradation.
+//!
+//! Passive health: `failure_threshold` consecutive failures eject an endpoint for an
+//! exponentially growing time; afterwards it is probed like a degraded one.
+//!
+//! Where load completes: the latency sample is taken when the response headers arrive (for a
+//! unary gRPC call that is when the server has finished, as servers send headers with the
+//! reply), while the in-flight count is held until the response stream ends (trailers, reset or
+//! drop), because a running stream still occupies the endpoint. Streams that live for minutes
+//! therefore count as load but never as latency.
+//!
+//! The picker is plain, synchronous state: time and randomness are passed in, so tests drive it
+//! deterministically with a virtual clock and a seeded RNG.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use rand::Rng;
+use tokio::time::Instant;
+
+use crate::config::PickerConfig;
+use crate::stats::{EndpointState, EndpointStats};
+
+/// Identifies one endpoint for the lifetime of the balancer (an endpoint that is removed and
+/// added again gets a new id, so late completions of the old one are ignored).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SlotId(pub u64);
+
+/// The result of a pick.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pick {
+    /// The chosen endpoint.
+    pub id: SlotId,
+    /// Whether this request is a probe of a degraded or ejected endpoint.
+    pub probe: bool,
+}
+
+/// How a request ended, for passive health.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// The endpoint answered (any gRPC status but UNAVAILABLE).
+    Success,
+    /// The endpoint failed: transport error, reset, HTTP error, or gRPC UNAVAILABLE.
+    Failure,
+    /// The caller went away or the deadline passed; says nothing about the endpoint.
+    Cancelled,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Health {
+    Active,
+    Degraded { good_probes: u32 },
+    Ejected { until: Instant },
+}
+
+#[derive(Debug)]
+struct Slot {
+    id: SlotId,
+    addr: SocketAddr,
+    name: String,
+    ready: bool,
+    /// Peak-EWMA latency in nanoseconds and when it was last updated.
+    ewma: Option<(f64, Instant)>,
+    /// Plain (not peak) EWMA of the latency, for the degraded reference.
+    mean: Option<(f64, Instant)>,
+    in_flight: u32,
+    health: Health,
+    /// Latency samples in a row above the degraded threshold.
+    slow_samples: u32,
+    consecutive_failures: u32,
+    /// Ejections in a row, for the backoff; reset by a success while active.
+    ejections: u32,
+    probe_in_flight: bool,
+    next_probe_at: Instant,
+    requests: u64,
+    failures: u64,
+    probes: u64,
+}
+
+/// Per-request endpoint choice over a set of endpoints. See the module docs.
+#[derive(Debug)]
+pub struct Picker<R> {
+    config: PickerConfig,
+    slots: Vec<Slot>,
+    cursor: usize,
+    rng: R,
+    total_requests: u64,
+}
+
+impl<R: Rng> Picker<R> {
+    /// An empty picker.
+    pub fn new(config: PickerConfig, rng: R) -> Self {
+        Self {
+            config,
+            slots: Vec::new(),
+            cursor: 0,
+            rng,
+            total_requests: 0,
+        }
+    }
+
+    /// Adds an endpoint; it is not pickable until [`Picker::set_ready`].
+    pub fn insert(&mut self, id: SlotId, addr: SocketAddr, name: String, now: Instant) {
+        self.slots.push(Slot {
+            id,
+            addr,
+            name,
+            ready: false,
+            ewma: None,
+            mean: None,
+            in_flight: 0,
+            health: Health::Active,
+            slow_samples: 0,
+            consecutive_failures: 0,
+            ejections: 0,
+            probe_in_flight: false,
+            next_probe_at: now,
+            requests: 0,
+            failures: 0,
+            probes: 0,
+        });
+    }
+
+    /// Removes an endpoint; its in-flight requests finish without touching the picker.
+    pub fn remove(&mut self, id: SlotId) {
+        self.slots.retain(|s| s.id != id);
+    }
+
+    /// Marks whether the endpoint has a usable connection.
+    pub fn set_ready(&mut self, id: SlotId, ready: bool) {
+        if let Some(s) = self.slot_mut(id) {
+            s.ready = ready;
+        }
+    }
+
+    /// Number of endpoints, ready or not.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Whether there is no endpoint at all.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.slots.is_empty()
+    }
+
+    /// Whether any endpoint is ready.
+    #[must_use]
+    pub fn any_ready(&self) -> bool {
+        self.slots.iter().any(|s| s.ready)
+    }
+
+    fn slot_mut(&mut self, id: SlotId) -> Option<&mut Slot> {
+        self.slots.iter_mut().find(|s| s.id == id)
+    }
+
+    fn floor_ns(&self) -> f64 {
+        self.config.latency_floor.as_nanos() as f64
+    }
+
+    /// The latency estimate used for comparisons: unknown and sub-floor latencies are the floor,
+    /// and the estimate decays toward the floor while no sample arrives (as tower's `PeakEwma`
+    /// decays toward zero), so an endpoint with a stale high estimate is sampled again instead
+    /// of being starved.
+    fn latency_ns(&self, s: &Slot, now: Instant) -> f64 {
+        let floor = self.floor_ns();
+        match s.ewma {
+            Some((v, at)) if v > floor => {
+                let idle = now.saturating_duration_since(at).as_nanos() as f64;
+                floor + (v - floor) * (-idle / self.config.decay.as_nanos() as f64).exp()
+            }
+            _ => floor,
+        }
+    }
+
+    fn cost(&self, s: &Slot, now: Instant) -> f64 {
+        self.latency_ns(s, now) * f64::from(s.in_flight + 1)
+    }
+
+    /// Chooses the endpoint for one request, skipping `exclude` (endpoints a retry already
+    /// tried), and counts it in flight. `None` when no endpoint is ready.
+    pub fn pick(&mut self, now: Instant, exclude: &[SlotId]) -> Option<Pick> {
+        self.expire_ejections(now);
+        let pick = self
+            .due_probe(now, exclude)
+            .map(|id| Pick { id, probe: true })
+            .or_else(|| self.p2c(exclude, now).map(|id| Pick { id, probe: false }))
+            .or_else(|| {
+                self.fallback(exclude, now)
+                    .map(|id| Pick { id, probe: false })
+            })?;
+        self.total_requests += 1;
+        let interval = self.config.probe_interval;
+        let s = self.slot_mut(pick.id)?;
+        s.in_flight += 1;
+        s.requests += 1;
+        if pick.probe {
+            s.probe_in_flight = true;
+            s.probes += 1;
+            // Also spaces probes when the probe never completes normally.
+            s.next_probe_at = now + interval;
+        }
+        Some(pick)
+    }
+
+    fn expire_ejections(&mut self, now: Instant) {
+        for s in &mut self.slots {
+            if let Health::Ejected { until } = s.health
+                && until <= now
+            {
+                tracing::debug!(addr = %s.addr, name = %s.name, "ejection over, probing");
+                s.health = Health::Degraded { good_probes: 0 };
+                s.next_probe_at = now;
+            }
+        }
+    }
+
+    fn due_probe(&self, now: Instant, exclude: &[SlotId]) -> Option<SlotId> {
+        self.slots
+            .iter()
+            .find(|s| {
+                s.ready
+                    && matches!(s.health, Health::Degraded { .. })
+                    && !s.probe_in_flight
+                    && s.next_probe_at <= now
+                    && !exclude.contains(&s.id)
+            })
+            .map(|s| s.id)
+    }
+
+    fn p2c(&mut self, exclude: &[SlotId], now: Instant) -> Option<SlotId> {
+        let active: Vec<usize> = self
+            .slots
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.ready && s.health == Health::Active && !exclude.contains(&s.id))
+            .map(|(i, _)| i)
+            .collect();
+        match active.len() {
+            0 => None,
+            1 => Some(self.slots[active[0]].id),
+            n => {
+                let rr = self.cursor % n;
+                self.cursor = self.cursor.wrapping_add(1);
+                let mut other = self.rng.random_range(0..n - 1);
+                if other >= rr {
+                    other += 1;
+                }
+                let (a, b) = (&self.slots[active[rr]], &self.slots[active[other]]);
+                if self.cost(b, now) * self.config.tie_ratio < self.cost(a, now) {
+                    Some(b.id)
+                } else {
+                    Some(a.id)
+                }
+            }
+        }
+    }
+
+    /// Nothing active is ready: rather than fail, use the cheapest ready endpoint, degraded or
+    /// even ejected (fail open; a retry elsewhere is not possible anyway).
+    fn fallback(&self, exclude: &[SlotId], now: Instant) -> Option<SlotId> {
+        self.slots
+            .iter()
+            .filter(|s| s.ready && !exclude.contains(&s.id))
+            .min_by(|a, b| {
+                let rank = |s: &Slot| u8::from(matches!(s.health, Health::Ejected { .. }));
+                rank(a)
+                    .cmp(&rank(b))
+                    .then(self.cost(a, now).total_cmp(&self.cost(b, now)))
+            })
+            .map(|s| s.id)
+    }
+
+    /// Median of the mean latencies of the ready, non-ejected endpoints (the lower median, so
+    /// with two endpoints the faster one is the reference). Means, not the peak estimates: under
+    /// load every endpoint's peaks are inflated by queueing, and a reference made of peaks lets
+    /// a slow endpoint pass as normal.
+    fn reference_ns(&self) -> Option<f64> {
+        let floor = self.floor_ns();
+        let mut v: Vec<f64> = self
+            .slots
+            .iter()
+            .filter(|s| s.ready && !matches!(s.health, Health::Ejected { .. }))
+            .map(|s| s.mean.map_or(floor, |(m, _)| m.max(floor)))
+            .collect();
+        if v.is_empty() {
+            return None;
+        }
+        v.sort_by(f64::total_cmp);
+        Some(v[(v.len() - 1) / 2])
+    }
+
+    fn threshold_ns(&self) -> Option<f64> {
+        let r = self.reference_ns()?;
+        Some(
+            (r * self.config.degraded_ratio)
+                .max(r + self.config.degraded_min_gap.as_nanos() as f64),
+        )
+    }
+
+    /// Whether one more endpoint may leave the rotation: at least half of the ready endpoints
+    /// must stay in it.
+    fn may_take_out(&self) -> bool {
+        let ready = self.slots.iter().filter(|s| s.ready).count();
+        let out = self
+            .slots
+            .iter()
+            .filter(|s| s.ready && s.health != Health::Active)
+            .count();
+        out < ready / 2
+    }
+
+    /// Records a latency sample (response headers arrived `rtt` after the request was sent).
+    pub fn observe_latency(&mut self, id: SlotId, probe: bool, rtt: Duration, now: Instant) {
+        let decay = self.config.decay.as_nanos() as f64;
+        let Some(s) = self.slot_mut(id) else { return };
+        let rtt_ns = rtt.as_nanos() as f64;
+        s.ewma = Some(match s.ewma {
+            // Peak: a sample above the estimate replaces it at once, so a pod that slows down
+            // is seen after one slow reply.
+            Some((v, _)) if rtt_ns >= v => (rtt_ns, now),
+            Some((v, at)) => {
+                let elapsed = now.saturating_duration_since(at).as_nanos() as f64;
+                let w = (-elapsed / decay).exp();
+                (v * w + rtt_ns * (1.0 - w), now)
+            }
+            None => (rtt_ns, now),
+        });
+        s.mean = Some(match s.mean {
+            Some((m, at)) => {
+                let elapsed = now.saturating_duration_since(at).as_nanos() as f64;
+                let w = (-elapsed / decay).exp();
+                (m * w + rtt_ns * (1.0 - w), now)
+            }
+            None => (rtt_ns, now),
+        });
+        let health = s.health;
+        let Some(threshold) = self.threshold_ns() else {
+            return;
+        };
+        let may_take_out = self.may_take_out();
+        let (recovery_probes, degraded_samples, interval, floor) = (
+            self.config.recovery_probes,
+            self.config.degraded_samples,
+            self.config.probe_interval,
+            self.floor_ns(),
+        );
+        let Some(s) = self.slot_mut(id) else { return };
+        let slow = rtt_ns.max(floor) > threshold;
+        s.slow_samples = if slow { s.slow_samples + 1 } else { 0 };
+        match health {
+            Health::Active => {
+                // Several slow samples in a row, not one: a single hiccup (a fresh connection,
+                // a descheduled thread) must not take a healthy pod out of rotation.
+                if s.slow_samples >= degraded_samples && may_take_out {
+                    tracing::info!(
+                        addr = %s.addr, name = %s.name,
+                        latency_ms = rtt_ns / 1e6, threshold_ms = threshold / 1e6,
+                        "endpoint degraded"
+                    );
+                    s.health = Health::Degraded { good_probes: 0 };
+                    s.next_probe_at = now + interval;
+                }
+            }
+            Health::Degraded { good_probes } if probe => {
+                if !slow {
+                    let good_probes = good_probes + 1;
+                    if good_probes >= recovery_probes {
+                        tracing::info!(addr = %s.addr, name = %s.name, "endpoint recovered");
+                        s.health = Health::Active;
+                        // Start over from what the probes saw, not the stale peak.
+                        s.ewma = Some((rtt_ns, now));
+                        s.mean = Some((rtt_ns, now));
+                    } else {
+                        s.health = Health::Degraded { good_probes };
+                    }
+                } else {
+                    s.health = Health::Degraded { good_probes: 0 };
+                }
+            }
+            Health::Degraded { .. } | Health::Ejected { .. } => {}
+        }
+    }
+
+    /// Ends a request picked by [`Picker::pick`]: releases its in-flight count and records its
+    /// outcome for passive health.
+    pub fn complete(&mut self, id: SlotId, probe: bool, outcome: Outcome, now: Instant) {
+        let may_take_out = self.may_take_out();
+        let (threshold, interval, backoff) = (
+            self.config.failure_threshold,
+            self.config.probe_interval,
+            self.config.ejection_backoff,
+        );
+        let Some(s) = self.slot_mut(id) else { return };
+        s.in_flight = s.in_flight.saturating_sub(1);
+        if probe {
+            s.probe_in_flight = false;
+            s.next_probe_at = now + interval;
+        }
+        match outcome {
+            Outcome::Cancelled => {}
+            Outcome::Success => {
+                s.consecutive_failures = 0;
+                if s.health == Health::Active {
+                    s.ejections = 0;
+                }
+            }
+            Outcome::Failure => {
+                s.failures += 1;
+                s.consecutive_failures += 1;
+                if let Health::Degraded { .. } = s.health {
+                    s.health = Health::Degraded { good_probes: 0 };
+                }
+                // A failed probe after an ejection ejects again at once; otherwise it takes
+                // `failure_threshold` failures in a row.
+                let probing_after_ejection =
+                    probe && s.ejections > 0 && matches!(s.health, Health::Degraded { .. });
+                let eject = (s.consecutive_failures >= threshold || probing_after_ejection)
+                    && !matches!(s.health, Health::Ejected { .. })
+                    && (may_take_out || s.health != Health::Active);
+                if eject {
+                    let exp = s.ejections.min(16);
+                    let time = backoff.0.saturating_mul(1 << exp).min(backoff.1);
+                    tracing::info!(
+                        addr = %s.addr, name = %s.name,
+                        failures = s.consecutive_failures, ejection_ms = time.as_millis(),
+                        "endpoint ejected"
+                    );
+                    s.health = Health::Ejected { until: now + time };
+                    s.ejections += 1;
+                    s.consecutive_failures = 0;
+                }
+            }
+        }
+    }
+
+    /// Per-endpoint statistics.
+    #[must_use]
+    pub fn stats(&self) -> Vec<EndpointStats> {
+        let total = self.total_requests.max(1) as f64;
+        self.slots
+            .iter()
+            .map(|s| EndpointStats {
+                addr: s.addr,
+                name: s.name.clone(),
+                state: match (s.ready, s.health) {
+                    (false, _) => EndpointState::Connecting,
+                    (true, Health::Active) => EndpointState::Active,
+                    (true, Health::Degraded { .. }) => EndpointState::Degraded,
+                    (true, Health::Ejected { .. }) => EndpointState::Ejected,
+                },
+                requests: s.requests,
+                failures: s.failures,
+                probes: s.probes,
+                in_flight: s.in_flight,
+                share: s.requests as f64 / total,
+                latency: s.ewma.map(|(v, _)| Duration::from_nanos(v as u64)),
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Deterministic tests: a discrete-event simulation drives the picker with a virtual clock
+    //! and a seeded RNG, so shares and timings are exact and repeatable (no wall time).
+
+    use std::cmp::Reverse;
+    use std::collections::BinaryHeap;
+
+    use rand::SeedableRng as _;
+    use rand::rngs::SmallRng;
+
+    use super::*;
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    fn picker(n: usize, now: Instant) -> (Picker<SmallRng>, Vec<SlotId>) {
+        let mut p = Picker::new(PickerConfig::default(), SmallRng::seed_from_u64(7));
+        let ids: Vec<SlotId> = (0..n as u64).map(SlotId).collect();
+        for (i, id) in ids.iter().enumerate() {
+            let addr = SocketAddr::from(([127, 0, 0, 1], 9000 + i as u16));
+            p.insert(*id, addr, format!("pod-{i}"), now);
+            p.set_ready(*id, true);
+        }
+        (p, ids)
+    }
+
+    /// One completed request in the simulation.
+    struct Done {
+        endpoint: usize,
+        at: Instant,
+    }
+
+    /// Closed loop: `concurrency` requests in flight at all times (like ghz -C 1 -c N), each
+    /// taking `latency(endpoint, now, in_flight_at_endpoint)`. Returns every completion.
+    fn closed_loop(
+        n: usize,
+        concurrency: usize,
+        requests: usize,
+        mut latency: impl FnMut(usize, Duration, u32) -> Duration,
+    ) -> (Picker<SmallRng>, Vec<Done>, Vec<u32>) {
+        let t0 = Instant::now();
+        let (mut p, ids) = picker(n, t0);
+        let mut in_flight = vec![0u32; n];
+        let mut peak_in_flight = vec![0u32; n];
+        let mut heap = BinaryHeap::new();
+        let mut seq = 0u64;
+        let mut issue = |p: &mut Picker<SmallRng>,
+                         heap: &mut BinaryHeap<_>,
+                         in_flight: &mut Vec<u32>,
+                         now: Instant| {
+            let pick = p.pick(now, &[]).expect("endpoints are ready");
+            let i = ids.iter().position(|id| *id == pick.id).expect("known id");
+            in_flight[i] += 1;
+            peak_in_flight[i] = peak_in_flight[i].max(in_flight[i]);
+            let rtt = latency(i, now - t0, in_flight[i]);
+            seq += 1;
+            heap.push(Reverse((now + rtt, seq, i, pick.probe, now)));
+        };
+        for _ in 0..concurrency {
+            issue(&mut p, &mut heap, &mut in_flight, t0);
+        }
+        let mut done = Vec::with_capacity(requests);
+        while done.len() < requests {
+            let Reverse((at, _, i, probe, sent)) = heap.pop().expect("closed loop never empties");
+            in_flight[i] -= 1;
+            p.observe_latency(SlotId(i as u64), probe, at - sent, at);
+            p.complete(SlotId(i as u64), probe, Outcome::Success, at);
+            done.push(Done { endpoint: i, at });
+            issue(&mut p, &mut heap, &mut in_flight, at);
+        }
+        (p, done, peak_in_flight)
+    }
+
+    /// A healthy pod: 1 ms plus a little queueing per request it already serves.
+    fn healthy(in_flight: u32) -> Duration {
+        Duration::from_micros(1000 + 20 * u64::from(in_flight))
+    }
+
+    fn share(done: &[Done], endpoint: usize) -> f64 {
+        done.iter().filter(|d| d.endpoint == endpoint).count() as f64 / done.len() as f64
+    }
+
+    #[test]
+    fn slow_pod_50ms_gets_under_one_percent() {
+        let (_, done, _) = closed_loop(5, 200, 200_000, |i, _, f| {
+            healthy(f) + if i == 4 { ms(50) } else { Duration::ZERO }
+        });
+        let s = share(&done, 4);
+        assert!(
+            s < 0.01,
+            "a pod 50 ms slower must get < 1% of requests, got {:.3}%",
+            s * 100.0
+        );
+        assert!(s > 0.0, "the slow pod must still get probes");
+    }
+
+    #[test]
+    fn slow_pod_200ms_gets_under_a_tenth_of_a_percent() {
+        let (_, done, _) = closed_loop(5, 200, 200_000, |i, _, f| {
+            healthy(f) + if i == 2 { ms(200) } else { Duration::ZERO }
+        });
+        let s = share(&done, 2);
+        assert!(
+            s < 0.001,
+            "a pod 200 ms slower must get < 0.1% of requests, got {:.4}%",
+            s * 100.0
+        );
+        assert!(s > 0.0, "the slow pod must still get probes");
+    }
+
+    #[test]
+    fn slow_pod_keeps_a_trickle_and_regains_fair_share_within_5s_without_herd() {
+        let heal = ms(4_000);
+        let (p, done, _) = closed_loop(5, 50, 500_000, |i, t, f| {
+            healthy(f)
+                + if i == 0 && t < heal {
+                    ms(50)
+                } else {
+                    Duration::ZERO
+                }
+        });
+        let t0 = done[0].at - ms(1);
+        let end = done.last().expect("completions").at - t0;
+        assert!(
+            end > heal + ms(6_000),
+            "simulation must run 6 s past the heal, ran {end:?}"
+        );
+        // Per-second windows.
+        let window = |from: Duration| {
+            let w: Vec<&Done> = done
+                .iter()
+                .filter(|d| d.at - t0 >= from && d.at - t0 < from + ms(1000))
+                .collect();
+            let slow = w.iter().filter(|d| d.endpoint == 0).count();
+            (slow, w.len())
+        };
+        for s in 1..4 {
+            let (slow, _) = window(ms(s * 1000));
+            assert!(
+                slow > 0,
+                "second {s}: a slow pod must never be fully evicted"
+            );
+        }
+        let (slow, all) = window(heal + ms(5_000));
+        let s = slow as f64 / all as f64;
+        assert!(
+            (0.15..0.25).contains(&s),
+            "5 s after healing the pod must be back to its fair 20% (no herd), got {:.1}%",
+            s * 100.0
+        );
+        assert!(
+            p.stats()[0].state == EndpointState::Active,
+            "the healed pod is active"
+        );
+    }
+
+    #[test]
+    fn recovered_pod_is_not_herded() {
+        // After the heal, the pod's in-flight count must stay near its fair share of 200/5.
+        let heal = ms(3_000);
+        let mut peak_after_heal = 0u32;
+        let (_, _, _) = closed_loop(5, 200, 150_000, |i, t, f| {
+            if i == 0 && t >= heal {
+                peak_after_heal = peak_after_heal.max(f);
+            }
+            healthy(f)
+                + if i == 0 && t < heal {
+                    ms(200)
+                } else {
+                    Duration::ZERO
+                }
+        });
+        assert!(
+            peak_after_heal <= 60,
+            "a recovered pod must not get a herd: in flight peaked at {peak_after_heal} (fair 40)"
+        );
+    }
+
+    #[test]
+    fn equally_slow_pods_are_not_degraded() {
+        let (p, done, _) = closed_loop(5, 200, 50_000, |_, _, f| healthy(f) + ms(50));
+        for st in p.stats() {
+            assert_eq!(
+                st.state,
+                EndpointState::Active,
+                "{} must stay in rotation",
+                st.name
+            );
+        }
+        for i in 0..5 {
+            let s = share(&done, i);
+            assert!(
+                (0.17..0.23).contains(&s),
+                "pod {i} must get ~20%, got {:.1}%",
+                s * 100.0
+            );
+        }
+    }
+
+    #[test]
+    fn sequential_calls_over_equal_pods_are_round_robin_even() {
+        let t0 = Instant::now();
+        let (mut p, ids) = picker(4, t0);
+        let mut jitter = SmallRng::seed_from_u64(99);
+        let mut now = t0;
+        let mut counts = [0u32; 4];
+        for _ in 0..200 {
+            let pick = p.pick(now, &[]).expect("ready");
+            let rtt = Duration::from_micros(jitter.random_range(150..900));
+            now += rtt;
+            p.observe_latency(pick.id, pick.probe, rtt, now);
+            p.complete(pick.id, pick.probe, Outcome::Success, now);
+            counts[ids.iter().position(|id| *id == pick.id).expect("known")] += 1;
+        }
+        for c in counts {
+            assert!(
+                (49..=51).contains(&c),
+                "200 calls over 4 equal pods must be 50 +-1 each: {counts:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn failing_endpoint_is_ejected_then_probed_back() {
+        let t0 = Instant::now();
+        let (mut p, ids) = picker(4, t0);
+        let bad = ids[1];
+        let mut now = t0;
+        // Only the bad endpoint fails; the others succeed.
+        for _ in 0..40 {
+            let pick = p.pick(now, &[]).expect("ready");
+            now += ms(1);
+            let outcome = if pick.id == bad {
+                Outcome::Failure
+            } else {
+                Outcome::Success
+            };
+            p.observe_latency(pick.id, pick.probe, ms(1), now);
+            p.complete(pick.id, pick.probe, outcome, now);
+        }
+        assert_eq!(
+            p.stats()[1].state,
+            EndpointState::Ejected,
+            "5 failures in a row eject"
+        );
+        let before = p.stats()[1].requests;
+        for _ in 0..100 {
+            let pick = p.pick(now, &[]).expect("ready");
+            assert_ne!(
+                pick.id, bad,
+                "an ejected endpoint gets no request during its ejection"
+            );
+            p.complete(pick.id, pick.probe, Outcome::Success, now);
+        }
+        assert_eq!(p.stats()[1].requests, before);
+        now += ms(1001);
+        let probe = p.pick(now, &[]).expect("ready");
+        assert_eq!(
+            probe,
+            Pick {
+                id: bad,
+                probe: true
+            },
+            "after the ejection it is probed first"
+        );
+        now += ms(1);
+        p.observe_latency(bad, true, ms(1), now);
+        p.complete(bad, true, Outcome::Success, now);
+        now += ms(201);
+        let probe = p.pick(now, &[]).expect("ready");
+        assert_eq!(
+            probe,
+            Pick {
+                id: bad,
+                probe: true
+            },
+            "a second probe after the interval"
+        );
+        p.observe_latency(bad, true, ms(1), now);
+        p.complete(bad, true, Outcome::Success, now);
+        assert_eq!(
+            p.stats()[1].state,
+            EndpointState::Active,
+            "two good probes bring it back"
+        );
+    }
+
+    #[test]
+    fn never_more_than_half_are_taken_out() {
+        let t0 = Instant::now();
+        let (mut p, _) = picker(4, t0);
+        let mut now = t0;
+        // Every endpoint fails every request.
+        for _ in 0..400 {
+            let pick = p.pick(now, &[]).expect("a ready endpoint is always picked");
+            now += ms(1);
+            p.complete(pick.id, pick.probe, Outcome::Failure, now);
+        }
+        let out = p
+            .stats()
+            .iter()
+            .filter(|s| s.state != EndpointState::Active)
+            .count();
+        assert!(
+            out <= 2,
+            "at most half of 4 endpoints may be out of rotation, {out} were"
+        );
+    }
+
+    #[test]
+    fn retry_excludes_the_tried_endpoint() {
+        let t0 = Instant::now();
+        let (mut p, ids) = picker(2, t0);
+        for _ in 0..10 {
+            let pick = p.pick(t0, &[ids[0]]).expect("the other one");
+            assert_eq!(pick.id, ids[1]);
+            p.complete(pick.id, false, Outcome::Cancelled, t0);
+        }
+        assert_eq!(p.pick(t0, &ids), None, "nothing left to try");
+    }
+
+    #[test]
+    fn not_ready_endpoints_are_not_picked() {
+        let t0 = Instant::now();
+        let (mut p, ids) = picker(3, t0);
+        p.set_ready(ids[0], false);
+        p.set_ready(ids[2], false);
+        for _ in 0..10 {
+            assert_eq!(p.pick(t0, &[]).map(|k| k.id), Some(ids[1]));
+        }
+        p.set_ready(ids[1], false);
+        assert_eq!(p.pick(t0, &[]), None);
+    }
+}

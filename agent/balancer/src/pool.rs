@@ -1,0 +1,399 @@
+//! The endpoint pool of one Service: one HTTP/2 connection per endpoint, kept up by a task per
+//! endpoint, and the picker that chooses among them. The pool state sits behind one mutex whose
+//! critical sections are a few comparisons long (a pick, a completion), never across an await.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::Duration;
+
+use hyper::client::conn::http2::SendRequest;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use rand::RngCore;
+use tokio::sync::{Notify, watch};
+use tokio::task::AbortHandle;
+use tokio::time::Instant;
+use tracing::Instrument as _;
+
+use crate::body::UpstreamBody;
+use crate::config::Config;
+use crate::endpoint::Endpoint;
+use crate::error::{ConnectError, ForwardError};
+use crate::io::FirstRead;
+use crate::picker::{Outcome, Picker, SlotId};
+use crate::stats::EndpointStats;
+
+type Rng = Box<dyn RngCore + Send>;
+
+pub(crate) struct Pool {
+    config: Config,
+    state: Mutex<State>,
+    /// Woken whenever an endpoint becomes ready or the endpoint set changes.
+    changed: Notify,
+    next_id: AtomicU64,
+}
+
+struct State {
+    picker: Picker<Rng>,
+    conns: HashMap<SlotId, Conn>,
+    retry_tokens: f64,
+}
+
+struct Conn {
+    endpoint: Endpoint,
+    /// The current connection and its generation (to ignore reports about older ones).
+    sender: Option<(u64, SendRequest<UpstreamBody>)>,
+    /// Whether the current connection has carried a request yet: the first one pays for the
+    /// connection's warm-up (server-side lazy setup, HPACK tables, TCP windows) and is not a
+    /// sample of the endpoint's latency.
+    warm: bool,
+    task: AbortHandle,
+}
+
+/// One request's hold on an endpoint: releases the in-flight count when dropped.
+pub(crate) struct Lease {
+    pool: Arc<Pool>,
+    pub(crate) id: SlotId,
+    pub(crate) addr: SocketAddr,
+    probe: bool,
+    sample: bool,
+    generation: u64,
+    pub(crate) sender: SendRequest<UpstreamBody>,
+    sent_at: Instant,
+    done: bool,
+}
+
+impl Pool {
+    pub(crate) fn new(config: Config, rng: Rng) -> Arc<Self> {
+        Arc::new(Self {
+            state: Mutex::new(State {
+                picker: Picker::new(config.picker.clone(), rng),
+                conns: HashMap::new(),
+                retry_tokens: config.retry_burst,
+            }),
+            config,
+            changed: Notify::new(),
+            next_id: AtomicU64::new(0),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic while holding the lock leaves consistent-enough counters; keep serving.
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    pub(crate) fn config(&self) -> &Config {
+        &self.config
+    }
+
+    pub(crate) fn stats(&self) -> Vec<EndpointStats> {
+        self.lock().picker.stats()
+    }
+
+    /// Applies a new endpoint set: starts connecting to new endpoints, drops removed ones
+    /// (their in-flight requests finish on the old connection).
+    pub(crate) fn update(self: &Arc<Self>, endpoints: &[Endpoint]) {
+        let now = Instant::now();
+        let mut state = self.lock();
+        let removed: Vec<SlotId> = state
+            .conns
+            .iter()
+            .filter(|(_, c)| !endpoints.iter().any(|e| e.addr == c.endpoint.addr))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in removed {
+            if let Some(conn) = state.conns.remove(&id) {
+                tracing::debug!(addr = %conn.endpoint.addr, name = %conn.endpoint.name, "endpoint removed");
+                conn.task.abort();
+            }
+            state.picker.remove(id);
+        }
+        for ep in endpoints {
+            if state.conns.values().any(|c| c.endpoint.addr == ep.addr) {
+                continue;
+            }
+            let id = SlotId(self.next_id.fetch_add(1, Ordering::Relaxed));
+            tracing::debug!(addr = %ep.addr, name = %ep.name, "endpoint added");
+            state.picker.insert(id, ep.addr, ep.name.clone(), now);
+            let span = tracing::debug_span!("endpoint", addr = %ep.addr, name = %ep.name);
+            let task =
+                tokio::spawn(connection_task(Arc::downgrade(self), id, ep.addr).instrument(span))
+                    .abort_handle();
+            state.conns.insert(
+                id,
+                Conn {
+                    endpoint: ep.clone(),
+                    sender: None,
+                    warm: false,
+                    task,
+                },
+            );
+        }
+        drop(state);
+        self.changed.notify_waiters();
+    }
+
+    fn set_sender(&self, id: SlotId, sender: Option<(u64, SendRequest<UpstreamBody>)>) {
+        let mut state = self.lock();
+        let ready = sender.is_some();
+        if let Some(conn) = state.conns.get_mut(&id) {
+            conn.sender = sender;
+            conn.warm = false;
+            state.picker.set_ready(id, ready);
+        }
+        drop(state);
+        if ready {
+            self.changed.notify_waiters();
+        }
+    }
+
+    /// A request found this connection closed (GOAWAY seen): stop picking it until the
+    /// connection task has a new one.
+    pub(crate) fn connection_closed(&self, id: SlotId, generation: u64) {
+        let mut state = self.lock();
+        if let Some(conn) = state.conns.get_mut(&id)
+            && conn.sender.as_ref().is_some_and(|(g, _)| *g == generation)
+        {
+            conn.sender = None;
+            state.picker.set_ready(id, false);
+        }
+    }
+
+    /// Deposits the retry-budget share of one original request.
+    pub(crate) fn deposit_retry_token(&self) {
+        let mut state = self.lock();
+        state.retry_tokens =
+            (state.retry_tokens + self.config.retry_ratio).min(self.config.retry_burst);
+    }
+
+    /// Takes one retry from the budget, if it has one.
+    pub(crate) fn withdraw_retry_token(&self) -> bool {
+        let mut state = self.lock();
+        if state.retry_tokens >= 1.0 {
+            state.retry_tokens -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
+
+    /// Picks an endpoint with a ready connection, waiting up to the ready timeout for one when
+    /// the Service has endpoints but none is connected yet.
+    pub(crate) async fn acquire(
+        self: &Arc<Self>,
+        exclude: &[SlotId],
+    ) -> Result<Lease, ForwardError> {
+        let give_up = Instant::now() + self.config.ready_timeout;
+        loop {
+            let notified = self.changed.notified();
+            tokio::pin!(notified);
+            // Register before looking, so a change between the look and the wait is not lost.
+            notified.as_mut().enable();
+            if let Some(lease) = self.try_acquire(exclude)? {
+                return Ok(lease);
+            }
+            if tokio::time::timeout_at(give_up, notified).await.is_err() {
+                return Err(ForwardError::NoReadyEndpoint);
+            }
+        }
+    }
+
+    /// One look at the pool: a lease, `None` to wait for a change, or an error to give up.
+    fn try_acquire(self: &Arc<Self>, exclude: &[SlotId]) -> Result<Option<Lease>, ForwardError> {
+        let now = Instant::now();
+        let mut state = self.lock();
+        if state.picker.is_empty() {
+            return Err(ForwardError::NoEndpoints);
+        }
+        let Some(pick) = state.picker.pick(now, exclude) else {
+            // Ready endpoints exist but all were excluded: a retry has nowhere to go.
+            if state.picker.any_ready() {
+                return Err(ForwardError::NoReadyEndpoint);
+            }
+            return Ok(None);
+        };
+        if let Some(conn) = state.conns.get_mut(&pick.id)
+            && let Some((generation, sender)) = conn.sender.clone()
+        {
+            let sample = std::mem::replace(&mut conn.warm, true);
+            return Ok(Some(Lease {
+                pool: self.clone(),
+                id: pick.id,
+                addr: conn.endpoint.addr,
+                probe: pick.probe,
+                sample,
+                generation,
+                sender,
+                sent_at: now,
+                done: false,
+            }));
+        }
+        // Ready in the picker but no sender: cannot happen (both change together); undo the
+        // pick and treat the endpoint as not ready.
+        state
+            .picker
+            .complete(pick.id, pick.probe, Outcome::Cancelled, now);
+        state.picker.set_ready(pick.id, false);
+        Ok(None)
+    }
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        let state = self
+            .state
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        for conn in state.conns.values() {
+            conn.task.abort();
+        }
+    }
+}
+
+impl Lease {
+    pub(crate) fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// The response headers arrived: record the latency sample.
+    pub(crate) fn headers_received(&self) {
+        if !self.sample {
+            return;
+        }
+        let now = Instant::now();
+        let rtt = now.saturating_duration_since(self.sent_at);
+        self.pool
+            .lock()
+            .picker
+            .observe_latency(self.id, self.probe, rtt, now);
+    }
+
+    /// The request is over: release its in-flight count with its outcome.
+    pub(crate) fn finish(mut self, outcome: Outcome) {
+        self.finish_inner(outcome);
+    }
+
+    fn finish_inner(&mut self, outcome: Outcome) {
+        if std::mem::replace(&mut self.done, true) {
+            return;
+        }
+        self.pool
+            .lock()
+            .picker
+            .complete(self.id, self.probe, outcome, Instant::now());
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        self.finish_inner(Outcome::Cancelled);
+    }
+}
+
+static GENERATION: AtomicU64 = AtomicU64::new(0);
+
+type UpstreamConn = hyper::client::conn::http2::Connection<
+    TokioIo<FirstRead<tokio::net::TcpStream>>,
+    UpstreamBody,
+    TokioExecutor,
+>;
+
+/// Connects and handshakes, and returns once the server has sent its first frame, with the
+/// connection future that must be polled for the connection to make progress.
+async fn connect(
+    addr: SocketAddr,
+    timeout: Duration,
+) -> Result<(SendRequest<UpstreamBody>, UpstreamConn), ConnectError> {
+    let attempt = async {
+        let tcp = tokio::net::TcpStream::connect(addr)
+            .await
+            .map_err(ConnectError::Tcp)?;
+        // gRPC is latency bound: small messages must not wait for Nagle.
+        tcp.set_nodelay(true).map_err(ConnectError::Tcp)?;
+        let (io, spoke) = FirstRead::new(tcp);
+        let (sender, mut conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+            .timer(TokioTimer::new())
+            .adaptive_window(true)
+            .handshake(TokioIo::new(io))
+            .await
+            .map_err(ConnectError::Handshake)?;
+        // Drive the connection until the server has spoken; if it ends first, it never served.
+        tokio::select! {
+            res = &mut conn => {
+                return Err(match res {
+                    Ok(()) => ConnectError::Silent,
+                    Err(error) => ConnectError::Handshake(error),
+                });
+            }
+            res = spoke => res.map_err(|_| ConnectError::Silent)?,
+        }
+        Ok((sender, conn))
+    };
+    tokio::time::timeout(timeout, attempt)
+        .await
+        .map_err(|_| ConnectError::Timeout)?
+}
+
+/// Keeps one HTTP/2 connection to an endpoint up: connects, publishes the sender, and when the
+/// connection ends (upstream GOAWAY, close, error) reconnects at once, backing off only when
+/// connects fail or connections die young.
+async fn connection_task(pool: Weak<Pool>, id: SlotId, addr: SocketAddr) {
+    let Some((timeout, (base, max))) = pool
+        .upgrade()
+        .map(|p| (p.config.connect_timeout, p.config.reconnect_backoff))
+    else {
+        return;
+    };
+    let mut backoff = base;
+    loop {
+        match connect(addr, timeout).await {
+            Ok((sender, conn)) => {
+                let generation = GENERATION.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(generation, "connected");
+                let Some(p) = pool.upgrade() else { return };
+                p.set_sender(id, Some((generation, sender)));
+                drop(p);
+                let started = Instant::now();
+                // Resolves when the connection takes no new streams: after an upstream GOAWAY
+                // the in-flight streams go on in hyper's connection task, so the replacement
+                // connection is made while they finish.
+                match conn.await {
+                    Ok(()) => tracing::debug!("connection closed"),
+                    Err(error) => tracing::debug!(%error, "connection failed"),
+                }
+                let Some(p) = pool.upgrade() else { return };
+                p.connection_closed(id, generation);
+                drop(p);
+                // Reconnect at once (the upstream restarts or rotates connections), unless
+                // connections keep dying young: then back off so a broken peer is not hammered.
+                if started.elapsed() >= Duration::from_millis(100) {
+                    backoff = base;
+                    continue;
+                }
+            }
+            Err(error) => {
+                tracing::debug!(%error, backoff_ms = backoff.as_millis(), "connect failed")
+            }
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(max);
+    }
+}
+
+/// Follows the endpoint set published on `endpoints` until the sender goes away or the pool is
+/// dropped.
+pub(crate) async fn discovery_task(
+    pool: Weak<Pool>,
+    mut endpoints: watch::Receiver<Vec<Endpoint>>,
+) {
+    // The set current at construction was applied by the balancer itself.
+    while endpoints.changed().await.is_ok() {
+        let current = endpoints.borrow_and_update().clone();
+        let Some(p) = pool.upgrade() else { return };
+        p.update(&current);
+    }
+    // The publisher is gone: keep the last set.
+}
