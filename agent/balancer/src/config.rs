@@ -55,8 +55,10 @@ pub struct PickerConfig {
     /// An endpoint whose latency estimate exceeds this many times the median of its peers
     /// (and by more than `degraded_min_gap`) is degraded: it only gets probe requests.
     pub degraded_ratio: f64,
-    /// Latency samples in a row above that threshold that degrade an endpoint.
+    /// Latency samples in a row above that threshold that degrade an endpoint...
     pub degraded_samples: u32,
+    /// ... over at least this long (a node-wide stall is shorter than this).
+    pub degraded_after: Duration,
     /// Smallest absolute excess over the median that can degrade an endpoint, so scheduling
     /// jitter of a few milliseconds does not take healthy pods out of rotation.
     pub degraded_min_gap: Duration,
@@ -80,6 +82,7 @@ impl Default for PickerConfig {
             latency_floor: Duration::from_millis(5),
             degraded_ratio: 2.0,
             degraded_samples: 5,
+            degraded_after: Duration::from_millis(100),
             degraded_min_gap: Duration::from_millis(5),
             probe_interval: Duration::from_millis(200),
             recovery_probes: 2,

@@ -142,7 +142,9 @@ impl Balancer {
                         hyper::service::service_fn(move |req| proxy::handle(pool.clone(), req));
                     let conn = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
                         .timer(TokioTimer::new())
-                        .adaptive_window(true)
+                        // Fixed windows; see `pool::STREAM_WINDOW`.
+                        .initial_stream_window_size(pool::STREAM_WINDOW)
+                        .initial_connection_window_size(pool::CONNECTION_WINDOW)
                         .serve_connection(TokioIo::new(stream), service);
                     tokio::pin!(conn);
                     tokio::select! {

@@ -90,6 +90,8 @@ struct Slot {
     health: Health,
     /// Latency samples in a row above the degraded threshold.
     slow_samples: u32,
+    /// When the current run of slow samples started.
+    slow_since: Option<Instant>,
     consecutive_failures: u32,
     /// Ejections in a row, for the backoff; reset by a success while active.
     ejections: u32,
@@ -134,6 +136,7 @@ impl<R: Rng> Picker<R> {
             in_flight: 0,
             health: Health::Active,
             slow_samples: 0,
+            slow_since: None,
             consecutive_failures: 0,
             ejections: 0,
             probe_in_flight: false,
@@ -363,20 +366,34 @@ impl<R: Rng> Picker<R> {
             return;
         };
         let may_take_out = self.may_take_out();
-        let (recovery_probes, degraded_samples, interval, floor) = (
+        let (recovery_probes, degraded_samples, degraded_after, interval, floor) = (
             self.config.recovery_probes,
             self.config.degraded_samples,
+            self.config.degraded_after,
             self.config.probe_interval,
             self.floor_ns(),
         );
         let Some(s) = self.slot_mut(id) else { return };
         let slow = rtt_ns.max(floor) > threshold;
-        s.slow_samples = if slow { s.slow_samples + 1 } else { 0 };
+        if slow {
+            s.slow_samples += 1;
+            s.slow_since.get_or_insert(now);
+        } else {
+            s.slow_samples = 0;
+            s.slow_since = None;
+        }
+        let slow_for = s
+            .slow_since
+            .map_or(Duration::ZERO, |t| now.saturating_duration_since(t));
         match health {
             Health::Active => {
                 // Several slow samples in a row, not one: a single hiccup (a fresh connection,
                 // a descheduled thread) must not take a healthy pod out of rotation.
-                if s.slow_samples >= degraded_samples && may_take_out {
+                // ... and for a while: when the whole node stalls (CPU contention, a pause),
+                // every endpoint's samples jump above the slowly moving reference at once;
+                // such a stall is short, a slow pod is slow for good.
+                if s.slow_samples >= degraded_samples && slow_for >= degraded_after && may_take_out
+                {
                     tracing::info!(
                         addr = %s.addr, name = %s.name,
                         latency_ms = rtt_ns / 1e6, threshold_ms = threshold / 1e6,

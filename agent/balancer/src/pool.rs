@@ -295,6 +295,12 @@ impl Drop for Lease {
 
 static GENERATION: AtomicU64 = AtomicU64::new(0);
 
+/// HTTP/2 flow-control window of one stream (both directions of the balancer): enough for
+/// a 4 MiB+ message to stream at loopback speed, small enough that a slow reader holds little.
+pub(crate) const STREAM_WINDOW: u32 = 1024 * 1024;
+/// HTTP/2 connection window: what one connection can have buffered across its streams.
+pub(crate) const CONNECTION_WINDOW: u32 = 4 * 1024 * 1024;
+
 type UpstreamConn = hyper::client::conn::http2::Connection<
     TokioIo<FirstRead<tokio::net::TcpStream>>,
     UpstreamBody,
@@ -316,7 +322,12 @@ async fn connect(
         let (io, spoke) = FirstRead::new(tcp);
         let (sender, mut conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
             .timer(TokioTimer::new())
-            .adaptive_window(true)
+            // Fixed windows, not hyper's adaptive (BDP) ones: those start small, and h2 sizes
+            // its budget for small DATA frames from the connection window, so gRPC's many small
+            // frames got the connection closed (ENHANCE_YOUR_CALM, too_many_data_frames) under
+            // load. The windows also bound what one connection can buffer.
+            .initial_stream_window_size(STREAM_WINDOW)
+            .initial_connection_window_size(CONNECTION_WINDOW)
             .handshake(TokioIo::new(io))
             .await
             .map_err(ConnectError::Handshake)?;
@@ -362,7 +373,7 @@ async fn connection_task(pool: Weak<Pool>, id: SlotId, addr: SocketAddr) {
                 // connection is made while they finish.
                 match conn.await {
                     Ok(()) => tracing::debug!("connection closed"),
-                    Err(error) => tracing::debug!(%error, "connection failed"),
+                    Err(error) => tracing::debug!(?error, "connection failed"),
                 }
                 let Some(p) = pool.upgrade() else { return };
                 p.connection_closed(id, generation);

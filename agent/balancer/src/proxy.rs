@@ -148,7 +148,7 @@ async fn forward(
                     refused_by = Some(error);
                     continue;
                 }
-                tracing::debug!(addr = %lease.addr, %error, "upstream failed the request");
+                tracing::debug!(addr = %lease.addr, ?error, "upstream failed the request");
                 lease.finish(Outcome::Failure);
                 return Err(ForwardError::Upstream(error));
             }

@@ -711,3 +711,43 @@ async fn retries_are_bounded_when_every_endpoint_refuses() {
     assert!(attempts > calls, "some calls were retried: {attempts}");
     b.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_hundred_in_flight_on_one_connection_fail_no_calls() {
+    // The seed benchmark's shape (1 connection x 200 in flight), briefly. Regression: with
+    // hyper's adaptive windows, h2's budget for small DATA frames started tiny and the
+    // connections were closed with ENHANCE_YOUR_CALM under exactly this load.
+    let pods = pods(2).await;
+    let b = balancer(Config::default(), endpoints(&pods)).await;
+    let c = client(b.addr).await;
+    let stop_at = tokio::time::Instant::now() + Duration::from_millis(1000);
+    let mut tasks = Vec::new();
+    for _ in 0..200 {
+        let mut c = c.clone();
+        tasks.push(tokio::spawn(async move {
+            let (mut ok, mut failed) = (0u32, Vec::new());
+            while tokio::time::Instant::now() < stop_at {
+                match c.echo(req(b"small")).await {
+                    Ok(_) => ok += 1,
+                    Err(status) => failed.push(status),
+                }
+            }
+            (ok, failed)
+        }));
+    }
+    let (mut ok, mut failed) = (0, Vec::new());
+    for t in tasks {
+        let (o, f) = t.await.expect("task");
+        ok += o;
+        failed.extend(f);
+    }
+    assert!(
+        failed.is_empty(),
+        "{} of {} calls failed, e.g. {:?}",
+        failed.len(),
+        ok as usize + failed.len(),
+        failed.first()
+    );
+    assert!(ok >= 200, "load ran: {ok}");
+    b.stop().await;
+}
