@@ -13,6 +13,9 @@ pub struct Config {
     pub ready_timeout: Duration,
     /// First and largest pause between reconnect attempts to an endpoint that refuses.
     pub reconnect_backoff: (Duration, Duration),
+    /// Service name to watch with `grpc.health.v1.Health/Watch` on every endpoint ("" for
+    /// the whole server); `None` turns active health checking off.
+    pub health_service: Option<String>,
     /// Picker tuning.
     pub picker: PickerConfig,
     /// Retry budget: each original request deposits `retry_ratio` tokens (up to
@@ -35,6 +38,7 @@ impl Default for Config {
             connect_timeout: Duration::from_secs(1),
             ready_timeout: Duration::from_secs(1),
             reconnect_backoff: (Duration::from_millis(50), Duration::from_secs(5)),
+            health_service: None,
             picker: PickerConfig::default(),
             retry_ratio: 0.2,
             retry_burst: 10.0,

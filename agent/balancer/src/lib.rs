@@ -32,6 +32,7 @@ pub mod config;
 pub mod endpoint;
 mod error;
 pub mod grpc;
+mod health;
 mod io;
 pub mod picker;
 mod pool;

@@ -82,6 +82,8 @@ struct Slot {
     addr: SocketAddr,
     name: String,
     ready: bool,
+    /// What active health checking says (true when it is off).
+    serving: bool,
     /// Peak-EWMA latency in nanoseconds and when it was last updated.
     ewma: Option<(f64, Instant)>,
     /// Plain (not peak) EWMA of the latency, for the degraded reference.
@@ -112,6 +114,13 @@ pub struct Picker<R> {
     total_requests: u64,
 }
 
+impl Slot {
+    /// Has a connection and is not reported unhealthy: may carry requests.
+    fn usable(&self) -> bool {
+        self.ready && self.serving
+    }
+}
+
 impl<R: Rng> Picker<R> {
     /// An empty picker.
     pub fn new(config: PickerConfig, rng: R) -> Self {
@@ -131,6 +140,7 @@ impl<R: Rng> Picker<R> {
             addr,
             name,
             ready: false,
+            serving: true,
             ewma: None,
             mean: None,
             in_flight: 0,
@@ -159,6 +169,13 @@ impl<R: Rng> Picker<R> {
         }
     }
 
+    /// Marks whether the endpoint's active health check says it is serving.
+    pub fn set_serving(&mut self, id: SlotId, serving: bool) {
+        if let Some(s) = self.slot_mut(id) {
+            s.serving = serving;
+        }
+    }
+
     /// Number of endpoints, ready or not.
     #[must_use]
     pub fn len(&self) -> usize {
@@ -174,7 +191,7 @@ impl<R: Rng> Picker<R> {
     /// Whether any endpoint is ready.
     #[must_use]
     pub fn any_ready(&self) -> bool {
-        self.slots.iter().any(|s| s.ready)
+        self.slots.iter().any(|s| s.usable())
     }
 
     fn slot_mut(&mut self, id: SlotId) -> Option<&mut Slot> {
@@ -246,7 +263,7 @@ impl<R: Rng> Picker<R> {
         self.slots
             .iter()
             .find(|s| {
-                s.ready
+                s.usable()
                     && matches!(s.health, Health::Degraded { .. })
                     && !s.probe_in_flight
                     && s.next_probe_at <= now
@@ -260,7 +277,7 @@ impl<R: Rng> Picker<R> {
             .slots
             .iter()
             .enumerate()
-            .filter(|(_, s)| s.ready && s.health == Health::Active && !exclude.contains(&s.id))
+            .filter(|(_, s)| s.usable() && s.health == Health::Active && !exclude.contains(&s.id))
             .map(|(i, _)| i)
             .collect();
         match active.len() {
@@ -288,7 +305,7 @@ impl<R: Rng> Picker<R> {
     fn fallback(&self, exclude: &[SlotId], now: Instant) -> Option<SlotId> {
         self.slots
             .iter()
-            .filter(|s| s.ready && !exclude.contains(&s.id))
+            .filter(|s| s.usable() && !exclude.contains(&s.id))
             .min_by(|a, b| {
                 let rank = |s: &Slot| u8::from(matches!(s.health, Health::Ejected { .. }));
                 rank(a)
@@ -307,7 +324,7 @@ impl<R: Rng> Picker<R> {
         let mut v: Vec<f64> = self
             .slots
             .iter()
-            .filter(|s| s.ready && !matches!(s.health, Health::Ejected { .. }))
+            .filter(|s| s.usable() && !matches!(s.health, Health::Ejected { .. }))
             .map(|s| s.mean.map_or(floor, |(m, _)| m.max(floor)))
             .collect();
         if v.is_empty() {
@@ -328,11 +345,11 @@ impl<R: Rng> Picker<R> {
     /// Whether one more endpoint may leave the rotation: at least half of the ready endpoints
     /// must stay in it.
     fn may_take_out(&self) -> bool {
-        let ready = self.slots.iter().filter(|s| s.ready).count();
+        let ready = self.slots.iter().filter(|s| s.usable()).count();
         let out = self
             .slots
             .iter()
-            .filter(|s| s.ready && s.health != Health::Active)
+            .filter(|s| s.usable() && s.health != Health::Active)
             .count();
         out < ready / 2
     }
@@ -486,6 +503,7 @@ impl<R: Rng> Picker<R> {
                 name: s.name.clone(),
                 state: match (s.ready, s.health) {
                     (false, _) => EndpointState::Connecting,
+                    (true, _) if !s.serving => EndpointState::NotServing,
                     (true, Health::Active) => EndpointState::Active,
                     (true, Health::Degraded { .. }) => EndpointState::Degraded,
                     (true, Health::Ejected { .. }) => EndpointState::Ejected,

@@ -150,6 +150,20 @@ impl Pool {
         }
     }
 
+    /// The active health check of connection `generation` reports `serving`.
+    pub(crate) fn set_serving(&self, id: SlotId, generation: u64, serving: bool) {
+        let mut state = self.lock();
+        if let Some(conn) = state.conns.get(&id)
+            && conn.sender.as_ref().is_some_and(|(g, _)| *g == generation)
+        {
+            state.picker.set_serving(id, serving);
+        }
+        drop(state);
+        if serving {
+            self.changed.notify_waiters();
+        }
+    }
+
     /// A request found this connection closed (GOAWAY seen): stop picking it until the
     /// connection task has a new one.
     pub(crate) fn connection_closed(&self, id: SlotId, generation: u64) {
@@ -293,6 +307,14 @@ impl Drop for Lease {
     }
 }
 
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 static GENERATION: AtomicU64 = AtomicU64::new(0);
 
 /// HTTP/2 flow-control window of one stream (both directions of the balancer): enough for
@@ -365,8 +387,25 @@ async fn connection_task(pool: Weak<Pool>, id: SlotId, addr: SocketAddr) {
                 let generation = GENERATION.fetch_add(1, Ordering::Relaxed);
                 tracing::debug!(generation, "connected");
                 let Some(p) = pool.upgrade() else { return };
-                p.set_sender(id, Some((generation, sender)));
+                // With active health checking the endpoint is not used until its first
+                // SERVING (A17: a new connection starts out not known to be healthy).
+                let health_service = p.config.health_service.clone();
+                if health_service.is_some() {
+                    p.lock().picker.set_serving(id, false);
+                }
+                p.set_sender(id, Some((generation, sender.clone())));
                 drop(p);
+                // Aborted when this connection ends.
+                let _health = health_service.map(|service| {
+                    AbortOnDrop(tokio::spawn(crate::health::watch(
+                        pool.clone(),
+                        id,
+                        generation,
+                        sender,
+                        addr.to_string(),
+                        service,
+                    )))
+                });
                 let started = Instant::now();
                 // Resolves when the connection takes no new streams: after an upstream GOAWAY
                 // the in-flight streams go on in hyper's connection task, so the replacement

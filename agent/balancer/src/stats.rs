@@ -8,6 +8,8 @@ use std::time::Duration;
 pub enum EndpointState {
     /// No usable connection yet (connecting or reconnecting).
     Connecting,
+    /// Its grpc.health.v1 Watch says NOT_SERVING (or the watch failed): no requests.
+    NotServing,
     /// In rotation.
     Active,
     /// Too slow compared to its peers: only probe requests.

@@ -751,3 +751,95 @@ async fn two_hundred_in_flight_on_one_connection_fail_no_calls() {
     assert!(ok >= 200, "load ran: {ok}");
     b.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn endpoint_turning_not_serving_gets_no_new_calls_100ms_later() {
+    let pods = pods(2).await;
+    let config = Config {
+        health_service: Some(skewless_echo::SERVICE_NAME.to_owned()),
+        ..Config::default()
+    };
+    let b = balancer(config, endpoints(&pods)).await;
+    let mut c = client(b.addr).await;
+    let mut names = Vec::new();
+    for _ in 0..20 {
+        names.push(c.echo(req(b"h")).await.expect("echo").into_inner().pod);
+    }
+    assert!(
+        tally(&names, 2).iter().all(|n| *n > 0),
+        "both serve at first: {names:?}"
+    );
+
+    pods[1].control.set_serving(false).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    for _ in 0..40 {
+        let pod = c.echo(req(b"h")).await.expect("echo").into_inner().pod;
+        assert_eq!(
+            pod, "pod-0",
+            "a NOT_SERVING endpoint gets no new call 100 ms later"
+        );
+    }
+
+    pods[1].control.set_serving(true).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let mut back = false;
+    for _ in 0..40 {
+        if c.echo(req(b"h")).await.expect("echo").into_inner().pod == "pod-1" {
+            back = true;
+            break;
+        }
+    }
+    assert!(
+        back,
+        "SERVING again brings it back: {:?}",
+        b.balancer.stats()
+    );
+    b.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn servers_without_a_health_service_count_as_serving() {
+    // A server with no health service answers the Watch with UNIMPLEMENTED (trailers-only);
+    // gRFC A17 counts it as serving, so calls must reach it.
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let service =
+                    hyper::service::service_fn(|req: http::Request<Incoming>| async move {
+                        let status = if req.uri().path().starts_with("/grpc.health.v1.Health/") {
+                            "12"
+                        } else {
+                            "0"
+                        };
+                        let resp = http::Response::builder()
+                            .header("content-type", "application/grpc")
+                            .header("grpc-status", status)
+                            .body(http_body_util::Empty::<Bytes>::new())
+                            .expect("response");
+                        Ok::<_, Infallible>(resp)
+                    });
+                let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                    .serve_connection(TokioIo::new(stream), service)
+                    .await;
+            });
+        }
+    });
+    let config = Config {
+        health_service: Some(String::new()),
+        ..Config::default()
+    };
+    let b = balancer(config, vec![Endpoint::new(addr, "no-health")]).await;
+    let mut send = raw_client(b.addr).await;
+    let resp = send
+        .send_request(grpc_request(b.addr, Some("2S")))
+        .await
+        .expect("response");
+    assert_eq!(
+        resp.headers()["grpc-status"],
+        "0",
+        "the call reached the upstream"
+    );
+    b.stop().await;
+}
