@@ -28,8 +28,12 @@ pub struct Config {
     /// a request that never left the balancer (its connection had been told GOAWAY) is not a
     /// retry and costs no budget, but is bounded too (`4 x max_attempts`).
     pub max_attempts: u32,
-    /// How long in-flight requests may run after shutdown starts before connections are cut.
+    /// How long in-flight requests may run after shutdown starts (or after a connection reached
+    /// its max age) before connections are cut.
     pub drain_grace: Duration,
+    /// Client connections older than this (+-10% jitter) get a graceful GOAWAY, so long-lived
+    /// clients reconnect now and then (and a new agent takes them over after an upgrade).
+    pub max_connection_age: Option<Duration>,
 }
 
 impl Default for Config {
@@ -44,6 +48,7 @@ impl Default for Config {
             retry_burst: 10.0,
             max_attempts: 3,
             drain_grace: Duration::from_secs(10),
+            max_connection_age: None,
         }
     }
 }

@@ -137,6 +137,13 @@ impl Balancer {
             let _ = stream.set_nodelay(true);
             let pool = self.pool.clone();
             let mut drain = drain_rx.clone();
+            // +-10% jitter so connections accepted together do not all rotate together.
+            let max_age = self
+                .pool
+                .config()
+                .max_connection_age
+                .map(|age| age.mul_f64(0.9 + 0.2 * self.pool.random_unit()));
+            let grace = self.pool.config().drain_grace;
             conns.spawn(
                 async move {
                     let service =
@@ -148,6 +155,12 @@ impl Balancer {
                         .initial_connection_window_size(pool::CONNECTION_WINDOW)
                         .serve_connection(TokioIo::new(stream), service);
                     tokio::pin!(conn);
+                    let aged = async {
+                        match max_age {
+                            Some(age) => tokio::time::sleep(age).await,
+                            None => std::future::pending().await,
+                        }
+                    };
                     tokio::select! {
                         res = conn.as_mut() => {
                             if let Err(error) = res {
@@ -155,12 +168,18 @@ impl Balancer {
                             }
                             return;
                         }
-                        _ = drain.wait_for(|d| *d) => {}
+                        _ = drain.wait_for(|d| *d) => tracing::debug!("draining client connection"),
+                        () = aged => tracing::debug!("client connection reached its max age"),
                     }
-                    tracing::debug!("draining client connection");
+                    // Two-phase GOAWAY: the client stops opening streams on this connection and
+                    // reconnects; streams in flight finish within the grace period.
                     conn.as_mut().graceful_shutdown();
-                    if let Err(error) = conn.await {
-                        tracing::debug!(%error, "client connection failed while draining");
+                    match tokio::time::timeout(grace, conn).await {
+                        Ok(Err(error)) => {
+                            tracing::debug!(%error, "client connection failed while draining");
+                        }
+                        Ok(Ok(())) => {}
+                        Err(_) => tracing::debug!("grace period over, closing client connection"),
                     }
                 }
                 .instrument(tracing::debug_span!("client", %peer)),

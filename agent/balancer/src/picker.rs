@@ -176,6 +176,12 @@ impl<R: Rng> Picker<R> {
         }
     }
 
+    /// A uniform number in [0, 1) from the picker's RNG (shared so one seed makes a whole
+    /// balancer deterministic).
+    pub fn random_unit(&mut self) -> f64 {
+        self.rng.random::<f64>()
+    }
+
     /// Number of endpoints, ready or not.
     #[must_use]
     pub fn len(&self) -> usize {

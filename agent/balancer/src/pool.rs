@@ -89,6 +89,11 @@ impl Pool {
         &self.config
     }
 
+    /// A uniform number in [0, 1) from the balancer's (injectable) RNG, for jitter.
+    pub(crate) fn random_unit(&self) -> f64 {
+        self.lock().picker.random_unit()
+    }
+
     pub(crate) fn stats(&self) -> Vec<EndpointStats> {
         self.lock().picker.stats()
     }

@@ -843,3 +843,74 @@ async fn servers_without_a_health_service_count_as_serving() {
     );
     b.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_connection_age_rotates_client_connections_and_fails_no_call_it_received() {
+    let pods = pods(2).await;
+    let config = Config {
+        max_connection_age: Some(Duration::from_millis(200)),
+        ..Config::default()
+    };
+    let b = balancer(config, endpoints(&pods)).await;
+    // Count the client connections the balancer accepts: a counting TCP relay in front of it.
+    let relay = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let relay_addr = relay.local_addr().expect("addr");
+    let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = accepted.clone();
+    let target = b.addr;
+    tokio::spawn(async move {
+        while let Ok((mut inbound, _)) = relay.accept().await {
+            count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            tokio::spawn(async move {
+                if let Ok(mut outbound) = tokio::net::TcpStream::connect(target).await {
+                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                }
+            });
+        }
+    });
+    let c = client(relay_addr).await;
+    let stop_at = tokio::time::Instant::now() + Duration::from_millis(1000);
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        let mut c = c.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut failed = Vec::new();
+            while tokio::time::Instant::now() < stop_at {
+                if let Err(status) = c.echo(req(b"a")).await {
+                    failed.push(status);
+                }
+            }
+            failed
+        }));
+    }
+    let mut failed = Vec::new();
+    for t in tasks {
+        failed.extend(t.await.expect("task"));
+    }
+    // tonic's Channel does not transparently retry calls the server provably did not process
+    // (grpc-go and grpc-java do): a call that its connection never sent ("connection closed")
+    // or that was above the GOAWAY's last stream id (a remote NO_ERROR GOAWAY) fails in this
+    // client. Every other failure is the balancer's.
+    let unprocessed = |s: &tonic::Status| {
+        let d = format!("{s:?}");
+        (s.code() == Code::Cancelled && d.contains("connection closed"))
+            || d.contains("GoAway(b\"\", NO_ERROR, Remote)")
+    };
+    let ours: Vec<_> = failed.iter().filter(|s| !unprocessed(s)).collect();
+    assert!(
+        ours.is_empty(),
+        "rotation fails no call that reached the balancer: {:?}",
+        ours.first()
+    );
+    assert!(
+        failed.len() <= 8 * 5,
+        "only calls racing a GOAWAY fail in tonic: {}",
+        failed.len()
+    );
+    let n = accepted.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(
+        n >= 3,
+        "a 200 ms max age over 1 s makes the client reconnect: {n} connections"
+    );
+    b.stop().await;
+}
