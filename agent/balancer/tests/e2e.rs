@@ -914,3 +914,71 @@ async fn max_connection_age_rotates_client_connections_and_fails_no_call_it_rece
     );
     b.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_reader_backpressures_the_upstream_instead_of_buffering() {
+    // An upstream that streams 64 KiB chunks as fast as it is allowed to, counting them.
+    struct Flood(Arc<std::sync::atomic::AtomicUsize>);
+    impl Body for Flood {
+        type Data = Bytes;
+        type Error = Infallible;
+        fn poll_frame(
+            self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+            self.0
+                .fetch_add(64 * 1024, std::sync::atomic::Ordering::Relaxed);
+            Poll::Ready(Some(Ok(Frame::data(Bytes::from(vec![0u8; 64 * 1024])))))
+        }
+    }
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let up = listener.local_addr().expect("addr");
+    let produced = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = produced.clone();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let count = count.clone();
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(move |_req: http::Request<Incoming>| {
+                    let count = count.clone();
+                    async move {
+                        let mut resp = http::Response::new(Flood(count));
+                        resp.headers_mut()
+                            .insert("content-type", "application/grpc".parse().expect("header"));
+                        Ok::<_, Infallible>(resp)
+                    }
+                });
+                let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                    .serve_connection(TokioIo::new(stream), service)
+                    .await;
+            });
+        }
+    });
+    let b = balancer(short_drain(), vec![Endpoint::new(up, "flood")]).await;
+    let mut send = raw_client(b.addr).await;
+    let resp = send
+        .send_request(grpc_request(b.addr, None))
+        .await
+        .expect("response headers");
+    // The client does not read for a second.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let stalled = produced.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(
+        stalled < 24 * 1024 * 1024,
+        "with a reader that does not read, only the HTTP/2 windows' worth may be produced \
+         (client + balancer + upstream buffers), not {stalled} bytes"
+    );
+    // Reading resumes the flow.
+    let mut body = resp.into_body();
+    let mut read = 0;
+    while read < 8 * 1024 * 1024 {
+        let frame = body.frame().await.expect("more").expect("data");
+        read += frame.data_ref().map_or(0, Bytes::len);
+    }
+    assert!(
+        produced.load(std::sync::atomic::Ordering::Relaxed) > stalled,
+        "reading lets the upstream go on"
+    );
+    drop(body);
+    b.stop().await;
+}
