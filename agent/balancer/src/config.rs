@@ -13,6 +13,12 @@ pub struct Config {
     pub ready_timeout: Duration,
     /// First and largest pause between reconnect attempts to an endpoint that refuses.
     pub reconnect_backoff: (Duration, Duration),
+    /// Streams the balancer opens on one upstream connection before it opens another one to
+    /// the same endpoint. hyper does not expose the server's SETTINGS_MAX_CONCURRENT_STREAMS,
+    /// so set this at or below the servers' limit (hyper and tonic: 200 by default).
+    pub max_streams_per_connection: u32,
+    /// Most connections to one endpoint.
+    pub max_connections_per_endpoint: usize,
     /// Service name to watch with `grpc.health.v1.Health/Watch` on every endpoint ("" for
     /// the whole server); `None` turns active health checking off.
     pub health_service: Option<String>,
@@ -42,6 +48,8 @@ impl Default for Config {
             connect_timeout: Duration::from_secs(1),
             ready_timeout: Duration::from_secs(1),
             reconnect_backoff: (Duration::from_millis(50), Duration::from_secs(5)),
+            max_streams_per_connection: 100,
+            max_connections_per_endpoint: 4,
             health_service: None,
             picker: PickerConfig::default(),
             retry_ratio: 0.2,

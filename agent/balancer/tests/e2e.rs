@@ -982,3 +982,57 @@ async fn slow_reader_backpressures_the_upstream_instead_of_buffering() {
     drop(body);
     b.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn full_connections_make_the_balancer_open_more_to_the_same_endpoint() {
+    // An upstream that allows 2 streams per connection and answers after 300 ms.
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let up = listener.local_addr().expect("addr");
+    let connections = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = connections.clone();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(|_req: http::Request<Incoming>| async {
+                    tokio::time::sleep(Duration::from_millis(300)).await;
+                    let resp = http::Response::builder()
+                        .header("content-type", "application/grpc")
+                        .header("grpc-status", "0")
+                        .body(http_body_util::Empty::<Bytes>::new())
+                        .expect("response");
+                    Ok::<_, Infallible>(resp)
+                });
+                let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                    .max_concurrent_streams(2)
+                    .serve_connection(TokioIo::new(stream), service)
+                    .await;
+            });
+        }
+    });
+    let config = Config {
+        max_streams_per_connection: 2,
+        max_connections_per_endpoint: 4,
+        ..short_drain()
+    };
+    let b = balancer(config, vec![Endpoint::new(up, "narrow")]).await;
+    let send = raw_client(b.addr).await;
+    let mut calls = Vec::new();
+    for _ in 0..8 {
+        let mut send = send.clone();
+        let addr = b.addr;
+        calls.push(tokio::spawn(async move {
+            send.send_request(grpc_request(addr, Some("5S"))).await
+        }));
+    }
+    for c in calls {
+        let resp = c.await.expect("task").expect("response");
+        assert_eq!(resp.headers()["grpc-status"], "0");
+    }
+    let n = connections.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(
+        (3..=4).contains(&n),
+        "8 concurrent calls at 2 streams per connection open more connections, at most 4: {n}"
+    );
+    b.stop().await;
+}
