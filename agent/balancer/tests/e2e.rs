@@ -1044,3 +1044,54 @@ async fn full_connections_make_the_balancer_open_more_to_the_same_endpoint() {
     );
     b.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn healed_pod_gets_its_share_back_within_5s() {
+    let pods = pods(4).await;
+    pods[3].control.set_delay(Duration::from_millis(50));
+    let b = balancer(Config::default(), endpoints(&pods)).await;
+    let c = client(b.addr).await;
+    let started = tokio::time::Instant::now();
+    let heal_at = started + Duration::from_millis(1000);
+    let stop_at = started + Duration::from_millis(3000);
+    let mut tasks = Vec::new();
+    for _ in 0..16 {
+        let mut c = c.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut seen = Vec::new();
+            loop {
+                let sent = tokio::time::Instant::now();
+                if sent >= stop_at {
+                    break seen;
+                }
+                let pod = c.echo(req(b"h")).await.expect("echo").into_inner().pod;
+                seen.push((sent, pod));
+            }
+        }));
+    }
+    tokio::time::sleep_until(heal_at).await;
+    pods[3].control.set_delay(Duration::ZERO);
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(t.await.expect("task"));
+    }
+    let window = |from: tokio::time::Instant, to: tokio::time::Instant| {
+        let names: Vec<String> = all
+            .iter()
+            .filter(|(t, _)| *t >= from && *t < to)
+            .map(|(_, p)| p.clone())
+            .collect();
+        let t = tally(&names, 4);
+        (t[3] as f64 / names.len().max(1) as f64, t)
+    };
+    let (slow_share, t) = window(started + Duration::from_millis(300), heal_at);
+    assert!(slow_share < 0.05, "while slow it gets little: {t:?}");
+    // The last second, 1-2 s after healing: back to about a fair quarter.
+    let (healed_share, t) = window(stop_at - Duration::from_millis(1000), stop_at);
+    assert!(
+        healed_share > 0.15,
+        "healed pod is back near its fair 25% within 2 s: {t:?} {:?}",
+        b.balancer.stats()
+    );
+    b.stop().await;
+}
