@@ -53,7 +53,7 @@ pub use config::{Config, PickerConfig};
 pub use endpoint::Endpoint;
 pub use error::BalancerError;
 pub use proxy::ProxyBody;
-pub use stats::{EndpointState, EndpointStats};
+pub use stats::{BalancerCounters, EndpointState, EndpointStats};
 
 use pool::Pool;
 
@@ -102,6 +102,12 @@ impl Balancer {
     #[must_use]
     pub fn stats(&self) -> Vec<EndpointStats> {
         self.pool.stats()
+    }
+
+    /// Balancer-wide counters (retries, locally generated errors).
+    #[must_use]
+    pub fn counters(&self) -> BalancerCounters {
+        self.pool.counters.snapshot()
     }
 
     /// Serves client connections from `listener` until `shutdown` resolves, then drains: every

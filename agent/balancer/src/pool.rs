@@ -22,7 +22,7 @@ use crate::endpoint::Endpoint;
 use crate::error::{ConnectError, ForwardError};
 use crate::io::FirstRead;
 use crate::picker::{Outcome, Picker, SlotId};
-use crate::stats::EndpointStats;
+use crate::stats::{Counters, EndpointStats};
 
 type Rng = Box<dyn RngCore + Send>;
 
@@ -32,6 +32,7 @@ pub(crate) struct Pool {
     /// Woken whenever an endpoint becomes ready or the endpoint set changes.
     changed: Notify,
     next_id: AtomicU64,
+    pub(crate) counters: Counters,
 }
 
 struct State {
@@ -90,6 +91,7 @@ impl Pool {
             config,
             changed: Notify::new(),
             next_id: AtomicU64::new(0),
+            counters: Counters::default(),
         })
     }
 

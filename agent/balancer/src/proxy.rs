@@ -19,6 +19,7 @@ use crate::error::ForwardError;
 use crate::grpc::{self, Code};
 use crate::picker::{Outcome, SlotId};
 use crate::pool::{Lease, Pool};
+use crate::stats::Counters;
 
 /// Handles one client request; never fails at the HTTP level (failures become gRPC statuses).
 pub(crate) async fn handle(
@@ -40,7 +41,17 @@ pub(crate) async fn handle(
     };
     Ok(match forwarded {
         Ok(resp) => resp,
-        Err(error) => rescue(&error, is_grpc),
+        Err(error) => {
+            let cell = match error {
+                ForwardError::DeadlineExceeded => &pool.counters.local_deadline_exceeded,
+                ForwardError::Upstream(_) => &pool.counters.upstream_failures,
+                ForwardError::NoEndpoints | ForwardError::NoReadyEndpoint => {
+                    &pool.counters.local_unavailable
+                }
+            };
+            Counters::bump(cell);
+            rescue(&error, is_grpc)
+        }
     })
 }
 
@@ -119,6 +130,7 @@ async fn forward(
                     lease.finish(Outcome::Cancelled);
                     req = unsent;
                     redispatches += 1;
+                    Counters::bump(&pool.counters.redispatches);
                     if redispatches >= max_attempts * 4 {
                         return Err(ForwardError::NoReadyEndpoint);
                     }
@@ -131,9 +143,14 @@ async fn forward(
                 } else {
                     None
                 };
+                let allowed = body.is_some() && pool.withdraw_retry_token();
+                if body.is_some() && !allowed {
+                    Counters::bump(&pool.counters.retries_refused_by_budget);
+                }
                 if let Some(body) = body
-                    && pool.withdraw_retry_token()
+                    && allowed
                 {
+                    Counters::bump(&pool.counters.retries);
                     tracing::debug!(addr = %lease.addr, %error, "upstream did not process the request, retrying elsewhere");
                     tried.push(lease.id);
                     lease.finish(Outcome::Cancelled);
