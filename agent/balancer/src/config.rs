@@ -30,6 +30,10 @@ pub struct Config {
     pub retry_ratio: f64,
     /// Most tokens the retry budget holds (also its starting balance).
     pub retry_burst: f64,
+    /// gRPC methods safe to retry after any transport failure (idempotent ones), as paths:
+    /// `/pkg.Service/Method`, or `/pkg.Service/` for all of a service's methods. Other
+    /// requests are retried only when the upstream provably did not process them.
+    pub retryable_methods: Vec<String>,
     /// Most attempts per request that reach an upstream, the first one included. Re-dispatching
     /// a request that never left the balancer (its connection had been told GOAWAY) is not a
     /// retry and costs no budget, but is bounded too (`4 x max_attempts`).
@@ -52,6 +56,7 @@ impl Default for Config {
             max_connections_per_endpoint: 4,
             health_service: None,
             picker: PickerConfig::default(),
+            retryable_methods: Vec::new(),
             retry_ratio: 0.2,
             retry_burst: 10.0,
             max_attempts: 3,

@@ -89,6 +89,12 @@ async fn forward(
     pool.deposit_retry_token();
     let max_attempts = pool.config().max_attempts.max(1);
     let (parts, body) = req.into_parts();
+    let path = parts.uri.path();
+    let retryable_method = pool
+        .config()
+        .retryable_methods
+        .iter()
+        .any(|m| path == m.as_str() || (m.ends_with('/') && path.starts_with(m.as_str())));
     let (body, replay) = UpstreamBody::client(body);
     // What a retry needs to rebuild the request (extensions are not forwarded anyway).
     let template = (
@@ -137,7 +143,10 @@ async fn forward(
                     continue;
                 }
                 let error = error.into_error();
-                let retryable = attempts < max_attempts && not_processed(&error);
+                // Configured-retryable (idempotent) methods are retried after any transport
+                // failure, others only when the upstream provably did not process them.
+                let retryable =
+                    attempts < max_attempts && (retryable_method || not_processed(&error));
                 let body = if retryable {
                     replay.replay(REPLAY_WAIT).await
                 } else {

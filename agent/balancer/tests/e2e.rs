@@ -656,6 +656,13 @@ async fn listener_that_never_serves_gets_no_calls() {
 /// An HTTP/2 upstream that refuses every stream (RST_STREAM REFUSED_STREAM), as a server at
 /// its limit does; it counts the streams it refused.
 async fn refusing_upstream() -> (SocketAddr, Arc<std::sync::atomic::AtomicUsize>) {
+    resetting_upstream(h2::Reason::REFUSED_STREAM).await
+}
+
+/// An HTTP/2 upstream that resets every stream with `reason`; it counts the streams.
+async fn resetting_upstream(
+    reason: h2::Reason,
+) -> (SocketAddr, Arc<std::sync::atomic::AtomicUsize>) {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");
     let refused = Arc::new(std::sync::atomic::AtomicUsize::new(0));
@@ -669,7 +676,7 @@ async fn refusing_upstream() -> (SocketAddr, Arc<std::sync::atomic::AtomicUsize>
                 };
                 while let Some(Ok((_req, mut respond))) = conn.accept().await {
                     count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    respond.send_reset(h2::Reason::REFUSED_STREAM);
+                    respond.send_reset(reason);
                 }
             });
         }
@@ -1110,4 +1117,40 @@ async fn healed_pod_gets_its_share_back_within_5s() {
         b.balancer.stats()
     );
     b.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_methods_marked_retryable_are_retried_after_a_processing_failure() {
+    let pods = pods(1).await;
+    let run = |retryable: Vec<String>| {
+        let mut eps = endpoints(&pods);
+        async move {
+            // INTERNAL_ERROR: the upstream may have run the call, so only an idempotent method
+            // may be sent again.
+            let (broken, hits) = resetting_upstream(h2::Reason::INTERNAL_ERROR).await;
+            eps.push(Endpoint::new(broken, "broken"));
+            let config = Config {
+                retryable_methods: retryable,
+                ..Config::default()
+            };
+            let b = balancer(config, eps).await;
+            let mut c = client(b.addr).await;
+            let mut failed = 0;
+            for _ in 0..8 {
+                if c.echo(req(b"i")).await.is_err() {
+                    failed += 1;
+                }
+            }
+            b.stop().await;
+            (failed, hits.load(std::sync::atomic::Ordering::Relaxed))
+        }
+    };
+    let (failed, hits) = run(Vec::new()).await;
+    assert!(
+        hits > 0 && failed == hits,
+        "not retryable: every call the broken endpoint took failed ({failed}/{hits})"
+    );
+    let (failed, hits) = run(vec!["/skewless.echo.v1.Echo/".to_owned()]).await;
+    assert!(hits > 0, "the broken endpoint was tried");
+    assert_eq!(failed, 0, "a retryable method is retried elsewhere");
 }
