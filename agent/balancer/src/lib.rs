@@ -24,7 +24,10 @@
 //! trailers pass through; `grpc-timeout` is enforced here and forwarded as the remaining budget;
 //! failures of the balancer itself become trailers-only gRPC responses (UNAVAILABLE,
 //! DEADLINE_EXCEEDED). Requests that never reached an upstream (the connection had been told
-//! GOAWAY) are sent to another endpoint; nothing that reached a server is retried.
+//! GOAWAY) are sent on another connection; requests the upstream provably did not process
+//! (REFUSED_STREAM, above a GOAWAY's last stream id), and any failed request of a method
+//! configured as retryable, are replayed on another endpoint within the deadline and a retry
+//! budget. See `docs/balancer.md` for the design, the wiring and measurements.
 #![forbid(unsafe_code)]
 
 mod body;
