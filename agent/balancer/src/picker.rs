@@ -194,6 +194,12 @@ impl<R: Rng> Picker<R> {
         self.slots.is_empty()
     }
 
+    /// Whether every endpoint is in `exclude`.
+    #[must_use]
+    pub fn all_excluded(&self, exclude: &[SlotId]) -> bool {
+        self.slots.iter().all(|s| exclude.contains(&s.id))
+    }
+
     /// Whether any endpoint is ready.
     #[must_use]
     pub fn any_ready(&self) -> bool {

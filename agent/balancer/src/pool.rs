@@ -250,8 +250,9 @@ impl Pool {
             return Err(ForwardError::NoEndpoints);
         }
         let Some(pick) = state.picker.pick(now, exclude) else {
-            // Ready endpoints exist but all were excluded: a retry has nowhere to go.
-            if state.picker.any_ready() {
+            // Every endpoint was excluded: a retry has nowhere to go. Otherwise wait for one
+            // that is still connecting (right after startup or a reconnect).
+            if state.picker.all_excluded(exclude) {
                 return Err(ForwardError::NoReadyEndpoint);
             }
             return Ok(None);

@@ -148,7 +148,11 @@ async fn forward(
                 let retryable =
                     attempts < max_attempts && (retryable_method || not_processed(&error));
                 let body = if retryable {
-                    replay.replay(REPLAY_WAIT).await
+                    let body = replay.replay(REPLAY_WAIT).await;
+                    if body.is_none() {
+                        tracing::debug!("request body cannot be replayed, not retrying");
+                    }
+                    body
                 } else {
                     None
                 };
@@ -160,7 +164,7 @@ async fn forward(
                     && allowed
                 {
                     Counters::bump(&pool.counters.retries);
-                    tracing::debug!(addr = %lease.addr, %error, "upstream did not process the request, retrying elsewhere");
+                    tracing::debug!(addr = %lease.addr, %error, "retrying on another endpoint");
                     tried.push(lease.id);
                     lease.finish(Outcome::Cancelled);
                     attempts += 1;
@@ -182,8 +186,10 @@ async fn forward(
     }
 }
 
-/// How long a retry waits for hyper to hand the client's body back from the failed attempt.
-const REPLAY_WAIT: std::time::Duration = std::time::Duration::from_millis(100);
+/// How long a retry waits for hyper to hand the client's body back from the failed attempt
+/// (it drops it on its own task, normally at once; 100 ms was too short on a busy node). The
+/// caller's deadline still bounds the whole call.
+const REPLAY_WAIT: std::time::Duration = std::time::Duration::from_millis(500);
 
 /// Whether the upstream provably did not process the request: it refused the stream
 /// (REFUSED_STREAM), or the stream was cut by a graceful GOAWAY (NO_ERROR). h2 fails a stream
