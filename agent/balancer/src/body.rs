@@ -115,6 +115,21 @@ impl UpstreamBody {
     }
 }
 
+impl UpstreamBody {
+    /// A body of fixed bytes made by the balancer itself (never replayed).
+    pub(crate) fn fixed(bytes: Bytes) -> Self {
+        let tap = Replay::default();
+        tap.disable();
+        let mut prefix = VecDeque::new();
+        prefix.push_back(Frame::data(bytes));
+        Self {
+            prefix,
+            inner: None,
+            tap,
+        }
+    }
+}
+
 impl Drop for UpstreamBody {
     fn drop(&mut self) {
         let mut tap = self.tap.lock();

@@ -13,6 +13,15 @@ pub struct Config {
     pub ready_timeout: Duration,
     /// First and largest pause between reconnect attempts to an endpoint that refuses.
     pub reconnect_backoff: (Duration, Duration),
+    /// Streams the balancer opens on one upstream connection before it opens another one to
+    /// the same endpoint. hyper does not expose the server's SETTINGS_MAX_CONCURRENT_STREAMS,
+    /// so set this at or below the servers' limit (hyper and tonic: 200 by default).
+    pub max_streams_per_connection: u32,
+    /// Most connections to one endpoint.
+    pub max_connections_per_endpoint: usize,
+    /// Service name to watch with `grpc.health.v1.Health/Watch` on every endpoint ("" for
+    /// the whole server); `None` turns active health checking off.
+    pub health_service: Option<String>,
     /// Picker tuning.
     pub picker: PickerConfig,
     /// Retry budget: each original request deposits `retry_ratio` tokens (up to
@@ -21,12 +30,20 @@ pub struct Config {
     pub retry_ratio: f64,
     /// Most tokens the retry budget holds (also its starting balance).
     pub retry_burst: f64,
+    /// gRPC methods safe to retry after any transport failure (idempotent ones), as paths:
+    /// `/pkg.Service/Method`, or `/pkg.Service/` for all of a service's methods. Other
+    /// requests are retried only when the upstream provably did not process them.
+    pub retryable_methods: Vec<String>,
     /// Most attempts per request that reach an upstream, the first one included. Re-dispatching
     /// a request that never left the balancer (its connection had been told GOAWAY) is not a
     /// retry and costs no budget, but is bounded too (`4 x max_attempts`).
     pub max_attempts: u32,
-    /// How long in-flight requests may run after shutdown starts before connections are cut.
+    /// How long in-flight requests may run after shutdown starts (or after a connection reached
+    /// its max age) before connections are cut.
     pub drain_grace: Duration,
+    /// Client connections older than this (+-10% jitter) get a graceful GOAWAY, so long-lived
+    /// clients reconnect now and then (and a new agent takes them over after an upgrade).
+    pub max_connection_age: Option<Duration>,
 }
 
 impl Default for Config {
@@ -35,11 +52,16 @@ impl Default for Config {
             connect_timeout: Duration::from_secs(1),
             ready_timeout: Duration::from_secs(1),
             reconnect_backoff: (Duration::from_millis(50), Duration::from_secs(5)),
+            max_streams_per_connection: 100,
+            max_connections_per_endpoint: 4,
+            health_service: None,
             picker: PickerConfig::default(),
+            retryable_methods: Vec::new(),
             retry_ratio: 0.2,
             retry_burst: 10.0,
             max_attempts: 3,
             drain_grace: Duration::from_secs(10),
+            max_connection_age: None,
         }
     }
 }
@@ -55,8 +77,10 @@ pub struct PickerConfig {
     /// An endpoint whose latency estimate exceeds this many times the median of its peers
     /// (and by more than `degraded_min_gap`) is degraded: it only gets probe requests.
     pub degraded_ratio: f64,
-    /// Latency samples in a row above that threshold that degrade an endpoint.
+    /// Latency samples in a row above that threshold that degrade an endpoint...
     pub degraded_samples: u32,
+    /// ... over at least this long (a node-wide stall is shorter than this).
+    pub degraded_after: Duration,
     /// Smallest absolute excess over the median that can degrade an endpoint, so scheduling
     /// jitter of a few milliseconds does not take healthy pods out of rotation.
     pub degraded_min_gap: Duration,
@@ -80,6 +104,7 @@ impl Default for PickerConfig {
             latency_floor: Duration::from_millis(5),
             degraded_ratio: 2.0,
             degraded_samples: 5,
+            degraded_after: Duration::from_millis(100),
             degraded_min_gap: Duration::from_millis(5),
             probe_interval: Duration::from_millis(200),
             recovery_probes: 2,

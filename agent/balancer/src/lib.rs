@@ -24,7 +24,10 @@
 //! trailers pass through; `grpc-timeout` is enforced here and forwarded as the remaining budget;
 //! failures of the balancer itself become trailers-only gRPC responses (UNAVAILABLE,
 //! DEADLINE_EXCEEDED). Requests that never reached an upstream (the connection had been told
-//! GOAWAY) are sent to another endpoint; nothing that reached a server is retried.
+//! GOAWAY) are sent on another connection; requests the upstream provably did not process
+//! (REFUSED_STREAM, above a GOAWAY's last stream id), and any failed request of a method
+//! configured as retryable, are replayed on another endpoint within the deadline and a retry
+//! budget. See `docs/balancer.md` for the design, the wiring and measurements.
 #![forbid(unsafe_code)]
 
 mod body;
@@ -32,6 +35,7 @@ pub mod config;
 pub mod endpoint;
 mod error;
 pub mod grpc;
+mod health;
 mod io;
 pub mod picker;
 mod pool;
@@ -52,7 +56,7 @@ pub use config::{Config, PickerConfig};
 pub use endpoint::Endpoint;
 pub use error::BalancerError;
 pub use proxy::ProxyBody;
-pub use stats::{EndpointState, EndpointStats};
+pub use stats::{BalancerCounters, EndpointState, EndpointStats};
 
 use pool::Pool;
 
@@ -103,6 +107,12 @@ impl Balancer {
         self.pool.stats()
     }
 
+    /// Balancer-wide counters (retries, locally generated errors).
+    #[must_use]
+    pub fn counters(&self) -> BalancerCounters {
+        self.pool.counters.snapshot()
+    }
+
     /// Serves client connections from `listener` until `shutdown` resolves, then drains: every
     /// client connection gets a graceful two-phase GOAWAY (hyper sends last-stream-id 2^31-1
     /// and a PING, then the real last stream id), in-flight requests get up to
@@ -136,15 +146,30 @@ impl Balancer {
             let _ = stream.set_nodelay(true);
             let pool = self.pool.clone();
             let mut drain = drain_rx.clone();
+            // +-10% jitter so connections accepted together do not all rotate together.
+            let max_age = self
+                .pool
+                .config()
+                .max_connection_age
+                .map(|age| age.mul_f64(0.9 + 0.2 * self.pool.random_unit()));
+            let grace = self.pool.config().drain_grace;
             conns.spawn(
                 async move {
                     let service =
                         hyper::service::service_fn(move |req| proxy::handle(pool.clone(), req));
                     let conn = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
                         .timer(TokioTimer::new())
-                        .adaptive_window(true)
+                        // Fixed windows; see `pool::STREAM_WINDOW`.
+                        .initial_stream_window_size(pool::STREAM_WINDOW)
+                        .initial_connection_window_size(pool::CONNECTION_WINDOW)
                         .serve_connection(TokioIo::new(stream), service);
                     tokio::pin!(conn);
+                    let aged = async {
+                        match max_age {
+                            Some(age) => tokio::time::sleep(age).await,
+                            None => std::future::pending().await,
+                        }
+                    };
                     tokio::select! {
                         res = conn.as_mut() => {
                             if let Err(error) = res {
@@ -152,12 +177,18 @@ impl Balancer {
                             }
                             return;
                         }
-                        _ = drain.wait_for(|d| *d) => {}
+                        _ = drain.wait_for(|d| *d) => tracing::debug!("draining client connection"),
+                        () = aged => tracing::debug!("client connection reached its max age"),
                     }
-                    tracing::debug!("draining client connection");
+                    // Two-phase GOAWAY: the client stops opening streams on this connection and
+                    // reconnects; streams in flight finish within the grace period.
                     conn.as_mut().graceful_shutdown();
-                    if let Err(error) = conn.await {
-                        tracing::debug!(%error, "client connection failed while draining");
+                    match tokio::time::timeout(grace, conn).await {
+                        Ok(Err(error)) => {
+                            tracing::debug!(%error, "client connection failed while draining");
+                        }
+                        Ok(Ok(())) => {}
+                        Err(_) => tracing::debug!("grace period over, closing client connection"),
                     }
                 }
                 .instrument(tracing::debug_span!("client", %peer)),

@@ -82,6 +82,8 @@ struct Slot {
     addr: SocketAddr,
     name: String,
     ready: bool,
+    /// What active health checking says (true when it is off).
+    serving: bool,
     /// Peak-EWMA latency in nanoseconds and when it was last updated.
     ewma: Option<(f64, Instant)>,
     /// Plain (not peak) EWMA of the latency, for the degraded reference.
@@ -90,6 +92,8 @@ struct Slot {
     health: Health,
     /// Latency samples in a row above the degraded threshold.
     slow_samples: u32,
+    /// When the current run of slow samples started.
+    slow_since: Option<Instant>,
     consecutive_failures: u32,
     /// Ejections in a row, for the backoff; reset by a success while active.
     ejections: u32,
@@ -108,6 +112,13 @@ pub struct Picker<R> {
     cursor: usize,
     rng: R,
     total_requests: u64,
+}
+
+impl Slot {
+    /// Has a connection and is not reported unhealthy: may carry requests.
+    fn usable(&self) -> bool {
+        self.ready && self.serving
+    }
 }
 
 impl<R: Rng> Picker<R> {
@@ -129,11 +140,13 @@ impl<R: Rng> Picker<R> {
             addr,
             name,
             ready: false,
+            serving: true,
             ewma: None,
             mean: None,
             in_flight: 0,
             health: Health::Active,
             slow_samples: 0,
+            slow_since: None,
             consecutive_failures: 0,
             ejections: 0,
             probe_in_flight: false,
@@ -156,6 +169,19 @@ impl<R: Rng> Picker<R> {
         }
     }
 
+    /// Marks whether the endpoint's active health check says it is serving.
+    pub fn set_serving(&mut self, id: SlotId, serving: bool) {
+        if let Some(s) = self.slot_mut(id) {
+            s.serving = serving;
+        }
+    }
+
+    /// A uniform number in [0, 1) from the picker's RNG (shared so one seed makes a whole
+    /// balancer deterministic).
+    pub fn random_unit(&mut self) -> f64 {
+        self.rng.random::<f64>()
+    }
+
     /// Number of endpoints, ready or not.
     #[must_use]
     pub fn len(&self) -> usize {
@@ -168,10 +194,16 @@ impl<R: Rng> Picker<R> {
         self.slots.is_empty()
     }
 
+    /// Whether every endpoint is in `exclude`.
+    #[must_use]
+    pub fn all_excluded(&self, exclude: &[SlotId]) -> bool {
+        self.slots.iter().all(|s| exclude.contains(&s.id))
+    }
+
     /// Whether any endpoint is ready.
     #[must_use]
     pub fn any_ready(&self) -> bool {
-        self.slots.iter().any(|s| s.ready)
+        self.slots.iter().any(|s| s.usable())
     }
 
     fn slot_mut(&mut self, id: SlotId) -> Option<&mut Slot> {
@@ -243,7 +275,7 @@ impl<R: Rng> Picker<R> {
         self.slots
             .iter()
             .find(|s| {
-                s.ready
+                s.usable()
                     && matches!(s.health, Health::Degraded { .. })
                     && !s.probe_in_flight
                     && s.next_probe_at <= now
@@ -257,7 +289,7 @@ impl<R: Rng> Picker<R> {
             .slots
             .iter()
             .enumerate()
-            .filter(|(_, s)| s.ready && s.health == Health::Active && !exclude.contains(&s.id))
+            .filter(|(_, s)| s.usable() && s.health == Health::Active && !exclude.contains(&s.id))
             .map(|(i, _)| i)
             .collect();
         match active.len() {
@@ -285,7 +317,7 @@ impl<R: Rng> Picker<R> {
     fn fallback(&self, exclude: &[SlotId], now: Instant) -> Option<SlotId> {
         self.slots
             .iter()
-            .filter(|s| s.ready && !exclude.contains(&s.id))
+            .filter(|s| s.usable() && !exclude.contains(&s.id))
             .min_by(|a, b| {
                 let rank = |s: &Slot| u8::from(matches!(s.health, Health::Ejected { .. }));
                 rank(a)
@@ -304,7 +336,7 @@ impl<R: Rng> Picker<R> {
         let mut v: Vec<f64> = self
             .slots
             .iter()
-            .filter(|s| s.ready && !matches!(s.health, Health::Ejected { .. }))
+            .filter(|s| s.usable() && !matches!(s.health, Health::Ejected { .. }))
             .map(|s| s.mean.map_or(floor, |(m, _)| m.max(floor)))
             .collect();
         if v.is_empty() {
@@ -325,11 +357,11 @@ impl<R: Rng> Picker<R> {
     /// Whether one more endpoint may leave the rotation: at least half of the ready endpoints
     /// must stay in it.
     fn may_take_out(&self) -> bool {
-        let ready = self.slots.iter().filter(|s| s.ready).count();
+        let ready = self.slots.iter().filter(|s| s.usable()).count();
         let out = self
             .slots
             .iter()
-            .filter(|s| s.ready && s.health != Health::Active)
+            .filter(|s| s.usable() && s.health != Health::Active)
             .count();
         out < ready / 2
     }
@@ -363,20 +395,34 @@ impl<R: Rng> Picker<R> {
             return;
         };
         let may_take_out = self.may_take_out();
-        let (recovery_probes, degraded_samples, interval, floor) = (
+        let (recovery_probes, degraded_samples, degraded_after, interval, floor) = (
             self.config.recovery_probes,
             self.config.degraded_samples,
+            self.config.degraded_after,
             self.config.probe_interval,
             self.floor_ns(),
         );
         let Some(s) = self.slot_mut(id) else { return };
         let slow = rtt_ns.max(floor) > threshold;
-        s.slow_samples = if slow { s.slow_samples + 1 } else { 0 };
+        if slow {
+            s.slow_samples += 1;
+            s.slow_since.get_or_insert(now);
+        } else {
+            s.slow_samples = 0;
+            s.slow_since = None;
+        }
+        let slow_for = s
+            .slow_since
+            .map_or(Duration::ZERO, |t| now.saturating_duration_since(t));
         match health {
             Health::Active => {
                 // Several slow samples in a row, not one: a single hiccup (a fresh connection,
                 // a descheduled thread) must not take a healthy pod out of rotation.
-                if s.slow_samples >= degraded_samples && may_take_out {
+                // ... and for a while: when the whole node stalls (CPU contention, a pause),
+                // every endpoint's samples jump above the slowly moving reference at once;
+                // such a stall is short, a slow pod is slow for good.
+                if s.slow_samples >= degraded_samples && slow_for >= degraded_after && may_take_out
+                {
                     tracing::info!(
                         addr = %s.addr, name = %s.name,
                         latency_ms = rtt_ns / 1e6, threshold_ms = threshold / 1e6,
@@ -469,6 +515,7 @@ impl<R: Rng> Picker<R> {
                 name: s.name.clone(),
                 state: match (s.ready, s.health) {
                     (false, _) => EndpointState::Connecting,
+                    (true, _) if !s.serving => EndpointState::NotServing,
                     (true, Health::Active) => EndpointState::Active,
                     (true, Health::Degraded { .. }) => EndpointState::Degraded,
                     (true, Health::Ejected { .. }) => EndpointState::Ejected,

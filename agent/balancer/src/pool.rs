@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
@@ -22,7 +22,7 @@ use crate::endpoint::Endpoint;
 use crate::error::{ConnectError, ForwardError};
 use crate::io::FirstRead;
 use crate::picker::{Outcome, Picker, SlotId};
-use crate::stats::EndpointStats;
+use crate::stats::{Counters, EndpointStats};
 
 type Rng = Box<dyn RngCore + Send>;
 
@@ -32,6 +32,7 @@ pub(crate) struct Pool {
     /// Woken whenever an endpoint becomes ready or the endpoint set changes.
     changed: Notify,
     next_id: AtomicU64,
+    pub(crate) counters: Counters,
 }
 
 struct State {
@@ -42,13 +43,27 @@ struct State {
 
 struct Conn {
     endpoint: Endpoint,
-    /// The current connection and its generation (to ignore reports about older ones).
-    sender: Option<(u64, SendRequest<UpstreamBody>)>,
+    /// The endpoint's usable connections: the primary one, plus extra ones opened while every
+    /// connection carries `max_streams_per_connection` streams.
+    upstreams: Vec<Upstream>,
+    /// Asks the connection task for one more connection.
+    grow: Arc<Notify>,
     /// Whether the current connection has carried a request yet: the first one pays for the
     /// connection's warm-up (server-side lazy setup, HPACK tables, TCP windows) and is not a
     /// sample of the endpoint's latency.
     warm: bool,
     task: AbortHandle,
+}
+
+/// One HTTP/2 connection to an endpoint.
+#[derive(Clone)]
+struct Upstream {
+    /// Unique per connection, to ignore reports about older ones.
+    generation: u64,
+    sender: SendRequest<UpstreamBody>,
+    /// Streams the balancer has open on it. hyper does not expose the peer's
+    /// MAX_CONCURRENT_STREAMS, so the balancer counts its own.
+    streams: Arc<AtomicU32>,
 }
 
 /// One request's hold on an endpoint: releases the in-flight count when dropped.
@@ -60,6 +75,7 @@ pub(crate) struct Lease {
     sample: bool,
     generation: u64,
     pub(crate) sender: SendRequest<UpstreamBody>,
+    streams: Arc<AtomicU32>,
     sent_at: Instant,
     done: bool,
 }
@@ -75,6 +91,7 @@ impl Pool {
             config,
             changed: Notify::new(),
             next_id: AtomicU64::new(0),
+            counters: Counters::default(),
         })
     }
 
@@ -87,6 +104,11 @@ impl Pool {
 
     pub(crate) fn config(&self) -> &Config {
         &self.config
+    }
+
+    /// A uniform number in [0, 1) from the balancer's (injectable) RNG, for jitter.
+    pub(crate) fn random_unit(&self) -> f64 {
+        self.lock().picker.random_unit()
     }
 
     pub(crate) fn stats(&self) -> Vec<EndpointStats> {
@@ -119,14 +141,17 @@ impl Pool {
             tracing::debug!(addr = %ep.addr, name = %ep.name, "endpoint added");
             state.picker.insert(id, ep.addr, ep.name.clone(), now);
             let span = tracing::debug_span!("endpoint", addr = %ep.addr, name = %ep.name);
-            let task =
-                tokio::spawn(connection_task(Arc::downgrade(self), id, ep.addr).instrument(span))
-                    .abort_handle();
+            let grow = Arc::new(Notify::new());
+            let task = tokio::spawn(
+                connection_task(Arc::downgrade(self), id, ep.addr, grow.clone()).instrument(span),
+            )
+            .abort_handle();
             state.conns.insert(
                 id,
                 Conn {
                     endpoint: ep.clone(),
-                    sender: None,
+                    upstreams: Vec::new(),
+                    grow,
                     warm: false,
                     task,
                 },
@@ -136,29 +161,45 @@ impl Pool {
         self.changed.notify_waiters();
     }
 
-    fn set_sender(&self, id: SlotId, sender: Option<(u64, SendRequest<UpstreamBody>)>) {
+    /// A new connection to endpoint `id` is usable.
+    fn add_upstream(&self, id: SlotId, generation: u64, sender: SendRequest<UpstreamBody>) {
         let mut state = self.lock();
-        let ready = sender.is_some();
         if let Some(conn) = state.conns.get_mut(&id) {
-            conn.sender = sender;
+            conn.upstreams.push(Upstream {
+                generation,
+                sender,
+                streams: Arc::new(AtomicU32::new(0)),
+            });
             conn.warm = false;
-            state.picker.set_ready(id, ready);
+            state.picker.set_ready(id, true);
         }
         drop(state);
-        if ready {
+        self.changed.notify_waiters();
+    }
+
+    /// The active health check of connection `generation` reports `serving`.
+    pub(crate) fn set_serving(&self, id: SlotId, generation: u64, serving: bool) {
+        let mut state = self.lock();
+        if let Some(conn) = state.conns.get(&id)
+            && conn.upstreams.iter().any(|u| u.generation == generation)
+        {
+            state.picker.set_serving(id, serving);
+        }
+        drop(state);
+        if serving {
             self.changed.notify_waiters();
         }
     }
 
-    /// A request found this connection closed (GOAWAY seen): stop picking it until the
-    /// connection task has a new one.
+    /// This connection takes no new streams (GOAWAY seen, or it ended): stop using it; the
+    /// endpoint is not ready while it has no connection left.
     pub(crate) fn connection_closed(&self, id: SlotId, generation: u64) {
         let mut state = self.lock();
-        if let Some(conn) = state.conns.get_mut(&id)
-            && conn.sender.as_ref().is_some_and(|(g, _)| *g == generation)
-        {
-            conn.sender = None;
-            state.picker.set_ready(id, false);
+        if let Some(conn) = state.conns.get_mut(&id) {
+            conn.upstreams.retain(|u| u.generation != generation);
+            if conn.upstreams.is_empty() {
+                state.picker.set_ready(id, false);
+            }
         }
     }
 
@@ -209,15 +250,35 @@ impl Pool {
             return Err(ForwardError::NoEndpoints);
         }
         let Some(pick) = state.picker.pick(now, exclude) else {
-            // Ready endpoints exist but all were excluded: a retry has nowhere to go.
-            if state.picker.any_ready() {
+            // Every endpoint was excluded: a retry has nowhere to go. Otherwise wait for one
+            // that is still connecting (right after startup or a reconnect).
+            if state.picker.all_excluded(exclude) {
                 return Err(ForwardError::NoReadyEndpoint);
             }
             return Ok(None);
         };
+        let (per_conn, max_conns) = (
+            self.config.max_streams_per_connection,
+            self.config.max_connections_per_endpoint,
+        );
         if let Some(conn) = state.conns.get_mut(&pick.id)
-            && let Some((generation, sender)) = conn.sender.clone()
+            && let Some(up) = conn
+                .upstreams
+                .iter()
+                .min_by_key(|u| u.streams.load(Ordering::Relaxed))
+                .cloned()
         {
+            let streams = up.streams.fetch_add(1, Ordering::Relaxed) + 1;
+            if streams > per_conn && conn.upstreams.len() < max_conns {
+                // Every connection is full: ask for another. This request still goes out on
+                // the least busy one (hyper queues it if the server's limit is reached).
+                conn.grow.notify_one();
+            }
+            let Upstream {
+                generation,
+                sender,
+                streams,
+            } = up;
             let sample = std::mem::replace(&mut conn.warm, true);
             return Ok(Some(Lease {
                 pool: self.clone(),
@@ -227,6 +288,7 @@ impl Pool {
                 sample,
                 generation,
                 sender,
+                streams,
                 sent_at: now,
                 done: false,
             }));
@@ -280,6 +342,7 @@ impl Lease {
         if std::mem::replace(&mut self.done, true) {
             return;
         }
+        self.streams.fetch_sub(1, Ordering::Relaxed);
         self.pool
             .lock()
             .picker
@@ -293,7 +356,21 @@ impl Drop for Lease {
     }
 }
 
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 static GENERATION: AtomicU64 = AtomicU64::new(0);
+
+/// HTTP/2 flow-control window of one stream (both directions of the balancer): enough for
+/// a 4 MiB+ message to stream at loopback speed, small enough that a slow reader holds little.
+pub(crate) const STREAM_WINDOW: u32 = 1024 * 1024;
+/// HTTP/2 connection window: what one connection can have buffered across its streams.
+pub(crate) const CONNECTION_WINDOW: u32 = 4 * 1024 * 1024;
 
 type UpstreamConn = hyper::client::conn::http2::Connection<
     TokioIo<FirstRead<tokio::net::TcpStream>>,
@@ -316,7 +393,12 @@ async fn connect(
         let (io, spoke) = FirstRead::new(tcp);
         let (sender, mut conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
             .timer(TokioTimer::new())
-            .adaptive_window(true)
+            // Fixed windows, not hyper's adaptive (BDP) ones: those start small, and h2 sizes
+            // its budget for small DATA frames from the connection window, so gRPC's many small
+            // frames got the connection closed (ENHANCE_YOUR_CALM, too_many_data_frames) under
+            // load. The windows also bound what one connection can buffer.
+            .initial_stream_window_size(STREAM_WINDOW)
+            .initial_connection_window_size(CONNECTION_WINDOW)
             .handshake(TokioIo::new(io))
             .await
             .map_err(ConnectError::Handshake)?;
@@ -337,16 +419,22 @@ async fn connect(
         .map_err(|_| ConnectError::Timeout)?
 }
 
-/// Keeps one HTTP/2 connection to an endpoint up: connects, publishes the sender, and when the
-/// connection ends (upstream GOAWAY, close, error) reconnects at once, backing off only when
-/// connects fail or connections die young.
-async fn connection_task(pool: Weak<Pool>, id: SlotId, addr: SocketAddr) {
-    let Some((timeout, (base, max))) = pool
-        .upgrade()
-        .map(|p| (p.config.connect_timeout, p.config.reconnect_backoff))
-    else {
+/// Keeps the endpoint's primary HTTP/2 connection up: connects, publishes it, and when it ends
+/// (upstream GOAWAY, close, error) reconnects at once, backing off only when connects fail or
+/// connections die young. Opens extra connections when asked through `grow`; those live until
+/// they end and are not replaced.
+async fn connection_task(pool: Weak<Pool>, id: SlotId, addr: SocketAddr, grow: Arc<Notify>) {
+    let Some((timeout, (base, max), max_conns)) = pool.upgrade().map(|p| {
+        (
+            p.config.connect_timeout,
+            p.config.reconnect_backoff,
+            p.config.max_connections_per_endpoint,
+        )
+    }) else {
         return;
     };
+    // Dropped (aborting the extra connections' tasks) when this task is aborted.
+    let mut extras = tokio::task::JoinSet::new();
     let mut backoff = base;
     loop {
         match connect(addr, timeout).await {
@@ -354,15 +442,47 @@ async fn connection_task(pool: Weak<Pool>, id: SlotId, addr: SocketAddr) {
                 let generation = GENERATION.fetch_add(1, Ordering::Relaxed);
                 tracing::debug!(generation, "connected");
                 let Some(p) = pool.upgrade() else { return };
-                p.set_sender(id, Some((generation, sender)));
+                // With active health checking the endpoint is not used until its first
+                // SERVING (A17: a new connection starts out not known to be healthy).
+                let health_service = p.config.health_service.clone();
+                if health_service.is_some() {
+                    p.lock().picker.set_serving(id, false);
+                }
+                p.add_upstream(id, generation, sender.clone());
                 drop(p);
+                // Aborted when this connection ends.
+                let _health = health_service.map(|service| {
+                    AbortOnDrop(tokio::spawn(crate::health::watch(
+                        pool.clone(),
+                        id,
+                        generation,
+                        sender,
+                        addr.to_string(),
+                        service,
+                    )))
+                });
                 let started = Instant::now();
                 // Resolves when the connection takes no new streams: after an upstream GOAWAY
                 // the in-flight streams go on in hyper's connection task, so the replacement
                 // connection is made while they finish.
-                match conn.await {
-                    Ok(()) => tracing::debug!("connection closed"),
-                    Err(error) => tracing::debug!(%error, "connection failed"),
+                tokio::pin!(conn);
+                loop {
+                    tokio::select! {
+                        res = &mut conn => {
+                            match res {
+                                Ok(()) => tracing::debug!("connection closed"),
+                                Err(error) => tracing::debug!(?error, "connection failed"),
+                            }
+                            break;
+                        }
+                        () = grow.notified() => {
+                            while extras.try_join_next().is_some() {}
+                            if extras.len() + 1 < max_conns {
+                                tracing::debug!(connections = extras.len() + 2, "opening another connection");
+                                extras.spawn(extra_connection(pool.clone(), id, addr, timeout).in_current_span());
+                            }
+                        }
+                    }
                 }
                 let Some(p) = pool.upgrade() else { return };
                 p.connection_closed(id, generation);
@@ -375,11 +495,39 @@ async fn connection_task(pool: Weak<Pool>, id: SlotId, addr: SocketAddr) {
                 }
             }
             Err(error) => {
-                tracing::debug!(%error, backoff_ms = backoff.as_millis(), "connect failed")
+                tracing::debug!(%error, backoff_ms = backoff.as_millis(), "connect failed");
             }
         }
         tokio::time::sleep(backoff).await;
         backoff = (backoff * 2).min(max);
+    }
+}
+
+/// One extra connection, used until it ends.
+async fn extra_connection(pool: Weak<Pool>, id: SlotId, addr: SocketAddr, timeout: Duration) {
+    /// Unpublishes the connection however this task ends (closed, aborted).
+    struct Unpublish(Weak<Pool>, SlotId, u64);
+    impl Drop for Unpublish {
+        fn drop(&mut self) {
+            if let Some(p) = self.0.upgrade() {
+                p.connection_closed(self.1, self.2);
+            }
+        }
+    }
+    let (sender, conn) = match connect(addr, timeout).await {
+        Ok(ok) => ok,
+        Err(error) => {
+            tracing::debug!(%error, "extra connection failed");
+            return;
+        }
+    };
+    let generation = GENERATION.fetch_add(1, Ordering::Relaxed);
+    let Some(p) = pool.upgrade() else { return };
+    p.add_upstream(id, generation, sender);
+    drop(p);
+    let _unpublish = Unpublish(pool, id, generation);
+    if let Err(error) = conn.await {
+        tracing::debug!(?error, "extra connection failed");
     }
 }
 

@@ -19,6 +19,7 @@ use crate::error::ForwardError;
 use crate::grpc::{self, Code};
 use crate::picker::{Outcome, SlotId};
 use crate::pool::{Lease, Pool};
+use crate::stats::Counters;
 
 /// Handles one client request; never fails at the HTTP level (failures become gRPC statuses).
 pub(crate) async fn handle(
@@ -40,7 +41,17 @@ pub(crate) async fn handle(
     };
     Ok(match forwarded {
         Ok(resp) => resp,
-        Err(error) => rescue(&error, is_grpc),
+        Err(error) => {
+            let cell = match error {
+                ForwardError::DeadlineExceeded => &pool.counters.local_deadline_exceeded,
+                ForwardError::Upstream(_) => &pool.counters.upstream_failures,
+                ForwardError::NoEndpoints | ForwardError::NoReadyEndpoint => {
+                    &pool.counters.local_unavailable
+                }
+            };
+            Counters::bump(cell);
+            rescue(&error, is_grpc)
+        }
     })
 }
 
@@ -78,6 +89,12 @@ async fn forward(
     pool.deposit_retry_token();
     let max_attempts = pool.config().max_attempts.max(1);
     let (parts, body) = req.into_parts();
+    let path = parts.uri.path();
+    let retryable_method = pool
+        .config()
+        .retryable_methods
+        .iter()
+        .any(|m| path == m.as_str() || (m.ends_with('/') && path.starts_with(m.as_str())));
     let (body, replay) = UpstreamBody::client(body);
     // What a retry needs to rebuild the request (extensions are not forwarded anyway).
     let template = (
@@ -119,22 +136,35 @@ async fn forward(
                     lease.finish(Outcome::Cancelled);
                     req = unsent;
                     redispatches += 1;
+                    Counters::bump(&pool.counters.redispatches);
                     if redispatches >= max_attempts * 4 {
                         return Err(ForwardError::NoReadyEndpoint);
                     }
                     continue;
                 }
                 let error = error.into_error();
-                let retryable = attempts < max_attempts && not_processed(&error);
+                // Configured-retryable (idempotent) methods are retried after any transport
+                // failure, others only when the upstream provably did not process them.
+                let retryable =
+                    attempts < max_attempts && (retryable_method || not_processed(&error));
                 let body = if retryable {
-                    replay.replay(REPLAY_WAIT).await
+                    let body = replay.replay(REPLAY_WAIT).await;
+                    if body.is_none() {
+                        tracing::debug!("request body cannot be replayed, not retrying");
+                    }
+                    body
                 } else {
                     None
                 };
+                let allowed = body.is_some() && pool.withdraw_retry_token();
+                if body.is_some() && !allowed {
+                    Counters::bump(&pool.counters.retries_refused_by_budget);
+                }
                 if let Some(body) = body
-                    && pool.withdraw_retry_token()
+                    && allowed
                 {
-                    tracing::debug!(addr = %lease.addr, %error, "upstream did not process the request, retrying elsewhere");
+                    Counters::bump(&pool.counters.retries);
+                    tracing::debug!(addr = %lease.addr, %error, "retrying on another endpoint");
                     tried.push(lease.id);
                     lease.finish(Outcome::Cancelled);
                     attempts += 1;
@@ -148,7 +178,7 @@ async fn forward(
                     refused_by = Some(error);
                     continue;
                 }
-                tracing::debug!(addr = %lease.addr, %error, "upstream failed the request");
+                tracing::debug!(addr = %lease.addr, ?error, "upstream failed the request");
                 lease.finish(Outcome::Failure);
                 return Err(ForwardError::Upstream(error));
             }
@@ -156,8 +186,10 @@ async fn forward(
     }
 }
 
-/// How long a retry waits for hyper to hand the client's body back from the failed attempt.
-const REPLAY_WAIT: std::time::Duration = std::time::Duration::from_millis(100);
+/// How long a retry waits for hyper to hand the client's body back from the failed attempt
+/// (it drops it on its own task, normally at once; 100 ms was too short on a busy node). The
+/// caller's deadline still bounds the whole call.
+const REPLAY_WAIT: std::time::Duration = std::time::Duration::from_millis(500);
 
 /// Whether the upstream provably did not process the request: it refused the stream
 /// (REFUSED_STREAM), or the stream was cut by a graceful GOAWAY (NO_ERROR). h2 fails a stream

@@ -1,0 +1,211 @@
+//! Active health checking with `grpc.health.v1.Health/Watch` over the endpoint's own
+//! connection, with gRFC A17 semantics: an endpoint is usable while its latest status is
+//! SERVING; UNIMPLEMENTED means the server does not do health checks and counts as healthy
+//! (the watch stops); any other end of the watch makes the endpoint unusable until a new watch
+//! (after a backoff) reports SERVING again. Status changes apply as soon as the update arrives.
+//!
+//! The two messages involved are encoded and decoded by hand (one field each) rather than
+//! pulling protobuf code generation into the balancer.
+
+use std::sync::Weak;
+use std::time::Duration;
+
+use bytes::{Buf as _, BufMut as _, Bytes, BytesMut};
+use http::{HeaderValue, Request, header};
+use http_body::Body as _;
+use hyper::client::conn::http2::SendRequest;
+
+use crate::body::UpstreamBody;
+use crate::grpc;
+use crate::picker::SlotId;
+use crate::pool::Pool;
+
+const SERVING: u64 = 1;
+const UNIMPLEMENTED: u32 = 12;
+
+/// What ended one watch.
+enum Ended {
+    /// The server has no health service: healthy for the life of the connection.
+    Unimplemented,
+    /// The watch failed or ended; retry after a backoff.
+    Failed,
+}
+
+/// Watches `service` on the endpoint's connection for as long as the connection lives (the
+/// caller aborts this task when the connection ends).
+pub(crate) async fn watch(
+    pool: Weak<Pool>,
+    id: SlotId,
+    generation: u64,
+    mut sender: SendRequest<UpstreamBody>,
+    authority: String,
+    service: String,
+) {
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        match watch_once(&pool, id, generation, &mut sender, &authority, &service).await {
+            Ended::Unimplemented => {
+                tracing::debug!("no health service, treating the endpoint as serving");
+                set(&pool, id, generation, true);
+                return;
+            }
+            Ended::Failed => {
+                set(&pool, id, generation, false);
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+            }
+        }
+    }
+}
+
+fn set(pool: &Weak<Pool>, id: SlotId, generation: u64, serving: bool) {
+    if let Some(p) = pool.upgrade() {
+        p.set_serving(id, generation, serving);
+    }
+}
+
+async fn watch_once(
+    pool: &Weak<Pool>,
+    id: SlotId,
+    generation: u64,
+    sender: &mut SendRequest<UpstreamBody>,
+    authority: &str,
+    service: &str,
+) -> Ended {
+    let Ok(mut req) = Request::post(format!("http://{authority}/grpc.health.v1.Health/Watch"))
+        .body(UpstreamBody::fixed(encode_request(service)))
+    else {
+        return Ended::Failed;
+    };
+    req.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/grpc"),
+    );
+    req.headers_mut()
+        .insert(header::TE, HeaderValue::from_static("trailers"));
+    let resp = match sender.send_request(req).await {
+        Ok(resp) => resp,
+        Err(error) => {
+            tracing::debug!(%error, "health watch failed");
+            return Ended::Failed;
+        }
+    };
+    if grpc::status_of(resp.headers()) == Some(UNIMPLEMENTED) {
+        return Ended::Unimplemented;
+    }
+    let mut body = resp.into_body();
+    let mut buf = BytesMut::new();
+    while let Some(frame) =
+        std::future::poll_fn(|cx| std::pin::Pin::new(&mut body).poll_frame(cx)).await
+    {
+        let Ok(frame) = frame else {
+            return Ended::Failed;
+        };
+        if let Some(trailers) = frame.trailers_ref() {
+            if grpc::status_of(trailers) == Some(UNIMPLEMENTED) {
+                return Ended::Unimplemented;
+            }
+            return Ended::Failed;
+        }
+        if let Ok(data) = frame.into_data() {
+            buf.extend_from_slice(&data);
+            while let Some(message) = next_message(&mut buf) {
+                let serving = decode_status(&message) == Some(SERVING);
+                tracing::debug!(serving, "health status");
+                set(pool, id, generation, serving);
+            }
+        }
+    }
+    Ended::Failed
+}
+
+/// One gRPC frame holding `HealthCheckRequest { service }`.
+fn encode_request(service: &str) -> Bytes {
+    let mut msg = BytesMut::new();
+    if !service.is_empty() {
+        msg.put_u8(0x0a); // field 1, length-delimited
+        put_varint(&mut msg, service.len() as u64);
+        msg.put_slice(service.as_bytes());
+    }
+    let mut frame = BytesMut::with_capacity(5 + msg.len());
+    frame.put_u8(0); // not compressed
+    frame.put_u32(u32::try_from(msg.len()).unwrap_or(u32::MAX));
+    frame.put_slice(&msg);
+    frame.freeze()
+}
+
+fn put_varint(buf: &mut BytesMut, mut v: u64) {
+    while v >= 0x80 {
+        buf.put_u8((v as u8) | 0x80);
+        v >>= 7;
+    }
+    buf.put_u8(v as u8);
+}
+
+fn get_varint(buf: &mut &[u8]) -> Option<u64> {
+    let mut v = 0u64;
+    for shift in (0..64).step_by(7) {
+        let b = *buf.first()?;
+        buf.advance(1);
+        v |= u64::from(b & 0x7f) << shift;
+        if b < 0x80 {
+            return Some(v);
+        }
+    }
+    None
+}
+
+/// Takes one complete gRPC message off the front of `buf`, if there is one.
+fn next_message(buf: &mut BytesMut) -> Option<Bytes> {
+    if buf.len() < 5 {
+        return None;
+    }
+    let len = u32::from_be_bytes([buf[1], buf[2], buf[3], buf[4]]) as usize;
+    if buf.len() < 5 + len {
+        return None;
+    }
+    buf.advance(5);
+    Some(buf.split_to(len).freeze())
+}
+
+/// The `status` (field 1) of a `HealthCheckResponse`; absent means UNKNOWN (0).
+fn decode_status(mut msg: &[u8]) -> Option<u64> {
+    let mut status = 0;
+    while !msg.is_empty() {
+        let key = get_varint(&mut msg)?;
+        match key & 7 {
+            0 => {
+                let v = get_varint(&mut msg)?;
+                if key >> 3 == 1 {
+                    status = v;
+                }
+            }
+            1 => msg = msg.get(8..)?,
+            2 => {
+                let len = usize::try_from(get_varint(&mut msg)?).ok()?;
+                msg = msg.get(len..)?;
+            }
+            5 => msg = msg.get(4..)?,
+            _ => return None,
+        }
+    }
+    Some(status)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn health_messages_round_trip_through_the_hand_codec() {
+        let frame = encode_request("skewless.echo.v1.Echo");
+        assert_eq!(&frame[..5], &[0, 0, 0, 0, 23]);
+        assert_eq!(frame[5], 0x0a);
+        let mut buf = BytesMut::from(&[0u8, 0, 0, 0, 2, 0x08, 0x02, 0, 0][..]);
+        let m = next_message(&mut buf).expect("complete message");
+        assert_eq!(decode_status(&m), Some(2), "NOT_SERVING");
+        assert_eq!(buf.len(), 2, "the partial next frame stays buffered");
+        assert_eq!(decode_status(&[]), Some(0), "an empty message is UNKNOWN");
+        assert_eq!(decode_status(&[0x08, 0x01]), Some(SERVING));
+    }
+}
