@@ -4,10 +4,9 @@ The channel is grpcio's default, i.e. the pick_first policy that the seeds descr
 resolves the Service name once and sends every call over one HTTP/2 connection.
 
 Usage: echo_client.py --gen DIR --target HOST:PORT --calls N [--concurrency C]
-Prints: {"calls": N, "ok": K, "errors": {...}, "pods": {pod: count}, "p50_ms": .., "p99_ms": ..}
+Prints one line: ok=K p50=MS p99=MS pods=pod:count,... errors=CODE:count,...
 """
 import argparse
-import json
 import sys
 import threading
 import time
@@ -61,14 +60,13 @@ def main():
             return None
         return round(latencies[min(len(latencies) - 1, int(p * len(latencies)))], 2)
 
-    print(json.dumps({
-        "calls": args.calls,
-        "ok": len(latencies),
-        "errors": errors,
-        "pods": pods,
-        "p50_ms": pct(0.50),
-        "p99_ms": pct(0.99),
-    }))
+    def fmt(d):
+        return ",".join("%s:%d" % kv for kv in sorted(d.items())) or "-"
+
+    p50, p99 = pct(0.50), pct(0.99)
+    print("ok=%d p50=%s p99=%s pods=%s errors=%s" % (
+        len(latencies), "-" if p50 is None else p50, "-" if p99 is None else p99,
+        fmt(pods), fmt(errors)))
     channel.close()
 
 

@@ -1,32 +1,37 @@
-//! `cargo xtask demo`: the pinning problem from real traffic on one machine.
+//! `cargo xtask demo`: the pinning problem and the fix, from real traffic on one machine.
 //!
-//! Five echo pods (grpcio servers, each naming itself in its replies) sit behind a ClusterIP
-//! VIP that exists only as a kube-proxy-style nftables DNAT (`numgen random`, one choice per
-//! connection). Clients in their own pods use grpcio's default channel (pick_first, one HTTP/2
-//! connection) and count which pod answered each call.
+//! Echo pods (grpcio servers, each naming itself in its replies; one of them slow) sit behind
+//! a ClusterIP VIP that exists only as a kube-proxy-style nftables DNAT (`numgen random`, one
+//! choice per connection). Clients in their own pods use grpcio's default channel (pick_first,
+//! one HTTP/2 connection) and count which pod answered each call. First without skewless, then
+//! with `skewless agent` running in the node: same clients, same VIP, no client change.
 
 use std::{
-    collections::BTreeMap,
     net::{Ipv4Addr, SocketAddrV4},
     path::{Path, PathBuf},
-    process::Command,
-    time::Duration,
+    time::{Duration, Instant},
 };
 
-use anyhow::{Context as _, Result, ensure};
-use serde_json::Value;
-use skewless_testbed::{Place, Testbed};
+use anyhow::{Context as _, Result, bail};
+use skewless_testbed::{
+    Place, Testbed,
+    grpc::{self, ClientReport},
+};
 
-use crate::{setup, workspace_root};
+use crate::{cargo, setup, workspace_root};
 
 const VIP: Ipv4Addr = Ipv4Addr::new(198, 19, 0, 10);
 const PORT: u16 = 50051;
+const ADMIN: &str = "127.0.0.1:9990";
 
 #[derive(clap::Args)]
 pub struct Args {
     /// Echo pods behind the Service.
     #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u8).range(2..=20))]
     pods: u8,
+    /// Extra delay of the last pod, in milliseconds (0: all pods healthy).
+    #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u32).range(0..=5_000))]
+    slow_ms: u32,
     /// Calls per client.
     #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u32).range(1..=100_000))]
     calls: u32,
@@ -38,19 +43,14 @@ pub struct Args {
 pub fn run(args: &Args) -> Result<()> {
     let &Args {
         pods,
+        slow_ms,
         calls,
         clients,
     } = args;
-    let gen_dir = generate_stubs()?;
-    let py = setup::venv_python();
-    let py = py.to_str().context("venv path is not UTF-8")?;
-    let script = |name: &str| {
-        workspace_root()
-            .join("xtask/py")
-            .join(name)
-            .display()
-            .to_string()
-    };
+    println!("==> demo: building the agent");
+    setup::run(cargo().args(["build", "--quiet", "--package", "skewless"]))?;
+    let agent_bin = target_dir().join("debug/skewless");
+    let gen_dir = grpc::generate_stubs()?;
     let servers: Vec<String> = (0..pods).map(|i| format!("echo-{i}")).collect();
     let client_names: Vec<String> = (0..clients).map(|i| format!("client-{i}")).collect();
 
@@ -64,26 +64,13 @@ pub fn run(args: &Args) -> Result<()> {
         .build()
         .context("building the testbed")?;
     println!(
-        "testbed {}: {pods} echo pods behind ClusterIP {VIP}:{PORT} (nftables DNAT, random per connection)",
-        tb.id()
+        "testbed {}: {pods} echo pods behind ClusterIP {VIP}:{PORT} (nftables DNAT, random per connection); {} is {slow_ms} ms slow",
+        tb.id(),
+        servers[servers.len() - 1]
     );
-
-    let server_script = script("echo_server.py");
-    let gen_arg = gen_dir.display().to_string();
-    for name in &servers {
-        tb.spawn(
-            Place::Pod(name),
-            &[
-                py,
-                &server_script,
-                "--gen",
-                &gen_arg,
-                "--name",
-                name,
-                "--port",
-                &PORT.to_string(),
-            ],
-        )?;
+    for (i, name) in servers.iter().enumerate() {
+        let delay = if i + 1 == servers.len() { slow_ms } else { 0 };
+        grpc::spawn_echo_server(&mut tb, &gen_dir, name, PORT, delay)?;
     }
     for name in &servers {
         let ip = tb.pod(name)?.ip;
@@ -93,48 +80,122 @@ pub fn run(args: &Args) -> Result<()> {
             Duration::from_secs(20),
         )?;
     }
+    let target = format!("{VIP}:{PORT}");
 
     println!(
-        "\n1) Today: {clients} grpcio client(s) with the default channel (pick_first: one HTTP/2 connection), {calls} calls each"
+        "\n1) Without skewless: {clients} grpcio client(s), default channel (pick_first: one HTTP/2 connection), {calls} calls each"
     );
-    let client_script = script("echo_client.py");
-    let target = format!("{VIP}:{PORT}");
     for name in &client_names {
-        let out = tb.run(
-            Place::Pod(name),
-            &[
-                py,
-                &client_script,
-                "--gen",
-                &gen_arg,
-                "--target",
-                &target,
-                "--calls",
-                &calls.to_string(),
-            ],
-        )?;
-        let report: Value = serde_json::from_slice(&out.stdout)
-            .with_context(|| format!("client output: {}", String::from_utf8_lossy(&out.stdout)))?;
+        let report = grpc::run_client(&tb, &gen_dir, name, &target, calls, 4)?;
         print_report(name, &servers, &report)?;
     }
+
     println!(
-        "\nEvery client's calls all land on one pod: the Service balances connections, and gRPC \
-         uses one. Scaling the Deployment changes nothing for these clients; a slow pod keeps \
-         its clients for the life of their connection."
+        "\n2) With skewless: `skewless agent` in the node, the Service opted in with mode: request"
     );
+    let services_file = write_services_file(&tb, &servers)?;
+    let mut argv: Vec<String> = vec![
+        agent_bin.display().to_string(),
+        "agent".into(),
+        "--services-file".into(),
+        services_file.display().to_string(),
+        "--admin-addr".into(),
+        ADMIN.into(),
+    ];
+    for name in &client_names {
+        argv.extend([
+            "--cgroup".into(),
+            tb.pod(name)?.cgroup.display().to_string(),
+        ]);
+    }
+    let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
+    let agent = tb.spawn(Place::Node(0), &argv)?;
+    wait_for_redirect(&mut tb, agent, &agent_bin)?;
+    for name in &client_names {
+        let report = grpc::run_client(&tb, &gen_dir, name, &target, calls, 4)?;
+        print_report(name, &servers, &report)?;
+    }
+    println!("\n`skewless status` in the node:");
+    let out = tb.run(
+        Place::Node(0),
+        &[
+            &agent_bin.display().to_string(),
+            "status",
+            "--admin-addr",
+            ADMIN,
+        ],
+    )?;
+    print!("{}", String::from_utf8_lossy(&out.stdout));
+
+    println!(
+        "\nWithout skewless every client's calls land on one pod, and a client pinned to the slow \
+         pod sees its delay on every call. With the agent, the same clients (no change, same VIP) \
+         are spread over every pod per request, and the slow pod gets only probe traffic."
+    );
+    let graceful = tb.terminate(agent, Duration::from_secs(10));
+    if !graceful {
+        bail!("the agent did not exit within 10 s of SIGTERM");
+    }
     Ok(())
 }
 
-fn print_report(client: &str, servers: &[String], report: &Value) -> Result<()> {
-    let pods: BTreeMap<String, u64> = serde_json::from_value(report["pods"].clone())?;
-    let ok = report["ok"].as_u64().unwrap_or(0);
-    ensure!(ok > 0, "{client}: no call succeeded: {report}");
-    let receiving = pods.values().filter(|&&n| n > 0).count();
-    let largest = pods.values().copied().max().unwrap_or(0);
-    println!("\n   {client}: {ok} ok, errors {}", report["errors"]);
+fn target_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map_or_else(|| workspace_root().join("target"), PathBuf::from)
+}
+
+/// The echo Service as the agent's services file describes it: what Kubernetes would say.
+fn write_services_file(tb: &Testbed, servers: &[String]) -> Result<PathBuf> {
+    let mut yaml = format!(
+        "services:\n  - name: echo\n    clusterIPs: [\"{VIP}\"]\n    mode: request\n    ports:\n      - port: {PORT}\n        targetPort: {PORT}\n    endpoints:\n"
+    );
+    for name in servers {
+        yaml.push_str(&format!(
+            "      - {{address: {}, target: {name}}}\n",
+            tb.pod(name)?.ip
+        ));
+    }
+    let path = target_dir().join(format!("demo-services-{}.yaml", tb.id()));
+    std::fs::write(&path, yaml).with_context(|| format!("writing {}", path.display()))?;
+    Ok(path)
+}
+
+/// Waits until the agent reports the Service redirected (or fails if the agent died).
+fn wait_for_redirect(tb: &mut Testbed, agent: u32, agent_bin: &Path) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let bin = agent_bin.display().to_string();
+    loop {
+        if !tb.is_running(agent) {
+            bail!("the agent exited during startup (see its log above)");
+        }
+        let mut cmd = tb.command(
+            Place::Node(0),
+            &[&bin, "status", "--json", "--admin-addr", ADMIN],
+        )?;
+        if let Ok(out) = cmd.output() {
+            let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+            if status["services"].as_array().is_some_and(|s| !s.is_empty()) {
+                return Ok(());
+            }
+        }
+        if Instant::now() > deadline {
+            bail!("the agent did not redirect the Service within 20 s");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn print_report(client: &str, servers: &[String], report: &ClientReport) -> Result<()> {
+    let ok = report.ok;
+    if ok == 0 {
+        bail!("{client}: no call succeeded: {report:?}");
+    }
+    let receiving = report.pods.values().filter(|&&n| n > 0).count();
+    let largest = report.pods.values().copied().max().unwrap_or(0);
+    println!("\n   {client}: {ok} ok, errors {:?}", report.errors);
     println!("   {:<10} {:>7} {:>7}", "pod", "calls", "share");
     for s in servers {
-        let n = pods.get(s).copied().unwrap_or(0);
+        let n = report.pods.get(s).copied().unwrap_or(0);
         #[expect(clippy::cast_precision_loss, reason = "call counts are far below 2^52")]
         let share = 100.0 * n as f64 / ok as f64;
         let bar = "#".repeat(usize::try_from(n * 30 / ok).unwrap_or(0));
@@ -145,39 +206,12 @@ fn print_report(client: &str, servers: &[String], report: &Value) -> Result<()> 
     }
     #[expect(clippy::cast_precision_loss, reason = "call counts are far below 2^52")]
     let largest_share = largest as f64 / ok as f64;
+    let ms = |v: Option<f64>| v.map_or_else(|| "-".to_owned(), |v| format!("{v:.1}"));
     println!(
         "   backends receiving traffic: {receiving} of {}, largest share {largest_share:.2}, p50 {} ms, p99 {} ms",
         servers.len(),
-        report["p50_ms"],
-        report["p99_ms"]
+        ms(report.p50_ms),
+        ms(report.p99_ms)
     );
-    Ok(())
-}
-
-/// Generates the Python stubs for the echo proto into target/py-gen.
-fn generate_stubs() -> Result<PathBuf> {
-    let root = workspace_root();
-    let out = root.join("target/py-gen");
-    std::fs::create_dir_all(&out)?;
-    let proto_dir = root.join("proto");
-    setup::run(
-        Command::new(setup::venv_python())
-            .args(["-m", "grpc_tools.protoc"])
-            .arg(format!("-I{}", proto_dir.display()))
-            .arg(format!("--python_out={}", out.display()))
-            .arg(format!("--grpc_python_out={}", out.display()))
-            .arg(proto_dir.join("skewless/echo/v1/echo.proto")),
-    )?;
-    // grpc_tools emits absolute `from skewless.echo.v1 import ...`; make them packages.
-    for dir in ["skewless", "skewless/echo", "skewless/echo/v1"] {
-        touch(&out.join(dir).join("__init__.py"))?;
-    }
-    Ok(out)
-}
-
-fn touch(path: &Path) -> Result<()> {
-    if !path.exists() {
-        std::fs::write(path, b"")?;
-    }
     Ok(())
 }

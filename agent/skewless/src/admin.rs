@@ -1,24 +1,58 @@
-//! The admin API (`/live`, `/ready`, `/status`) and the `skewless status` client.
+//! The admin API (`/live`, `/ready`, `/status`, `/metrics`) and the `skewless status` client.
 
 use std::{
     convert::Infallible,
     net::SocketAddr,
-    sync::{Arc, Mutex, atomic::AtomicBool, atomic::Ordering},
+    sync::{Arc, Mutex},
 };
 
 use anyhow::{Context as _, Result};
 use http_body_util::{BodyExt as _, Full};
 use hyper::{Request, Response, StatusCode, body::Bytes, service::service_fn};
 use hyper_util::rt::TokioIo;
+use prometheus_client::{
+    collector::Collector,
+    encoding::{DescriptorEncoder, EncodeMetric as _},
+    metrics::{MetricType, counter::ConstCounter, gauge::ConstGauge},
+    registry::Registry,
+};
 use serde::{Deserialize, Serialize};
-use skewless_datapath::Datapath;
+use skewless_datapath::{Counters, Datapath};
 use tokio::net::{TcpListener, TcpStream};
 use tracing::{debug, warn};
 
+use crate::reconcile::{Reconciler, ServiceStatus};
+
 pub struct State {
-    pub node: String,
-    pub datapath: Mutex<Datapath>,
-    pub ready: AtomicBool,
+    node: String,
+    datapath: Arc<Mutex<Datapath>>,
+    reconciler: Arc<tokio::sync::Mutex<Reconciler>>,
+    registry: Mutex<Registry>,
+    /// What the metrics collector reports; refreshed right before each scrape is encoded.
+    scraped: Arc<Mutex<Scraped>>,
+    /// With Kubernetes discovery: whether the first full list is in.
+    synced: Option<tokio::sync::watch::Receiver<bool>>,
+}
+
+impl State {
+    pub fn new(
+        node: String,
+        datapath: Arc<Mutex<Datapath>>,
+        reconciler: Arc<tokio::sync::Mutex<Reconciler>>,
+        mut registry: Registry,
+        synced: Option<tokio::sync::watch::Receiver<bool>>,
+    ) -> Self {
+        let scraped = Arc::new(Mutex::new(Scraped::default()));
+        registry.register_collector(Box::new(AgentCollector(Arc::clone(&scraped))));
+        Self {
+            node,
+            datapath,
+            reconciler,
+            registry: Mutex::new(registry),
+            scraped,
+            synced,
+        }
+    }
 }
 
 /// What `/status` returns.
@@ -26,8 +60,9 @@ pub struct State {
 pub struct Status {
     pub node: String,
     pub redirects: Vec<RedirectStatus>,
-    pub connect4_seen: u64,
-    pub connect4_redirected: u64,
+    pub connect_seen: u64,
+    pub connect_redirected: u64,
+    pub services: Vec<ServiceStatus>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -52,7 +87,7 @@ pub async fn serve(addr: SocketAddr, state: Arc<State>) -> Result<()> {
         tokio::spawn(async move {
             let svc = service_fn(move |req| {
                 let state = Arc::clone(&state);
-                async move { Ok::<_, Infallible>(route(&req, &state)) }
+                async move { Ok::<_, Infallible>(route(&req, &state).await) }
             });
             if let Err(e) = hyper::server::conn::http1::Builder::new()
                 .serve_connection(TokioIo::new(stream), svc)
@@ -64,12 +99,17 @@ pub async fn serve(addr: SocketAddr, state: Arc<State>) -> Result<()> {
     }
 }
 
-fn route(req: &Request<hyper::body::Incoming>, state: &State) -> Response<Full<Bytes>> {
+async fn route(req: &Request<hyper::body::Incoming>, state: &State) -> Response<Full<Bytes>> {
     match req.uri().path() {
-        "/live" => text(StatusCode::OK, "live\n"),
-        "/ready" if state.ready.load(Ordering::Relaxed) => text(StatusCode::OK, "ready\n"),
-        "/ready" => text(StatusCode::SERVICE_UNAVAILABLE, "not ready\n"),
-        "/status" => match status_of(state) {
+        "/live" => text(StatusCode::OK, "ok\n"),
+        "/ready" if state.synced.as_ref().is_none_or(|s| *s.borrow()) => {
+            text(StatusCode::OK, "ok\n")
+        }
+        "/ready" => text(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "waiting for the first list of Services and EndpointSlices\n",
+        ),
+        "/status" => match status_of(state).await {
             Ok(s) => Response::builder()
                 .header("content-type", "application/json")
                 .body(Full::new(Bytes::from(
@@ -78,29 +118,156 @@ fn route(req: &Request<hyper::body::Incoming>, state: &State) -> Response<Full<B
                 .unwrap_or_default(),
             Err(e) => text(StatusCode::INTERNAL_SERVER_ERROR, &format!("{e:#}\n")),
         },
+        "/metrics" => match metrics_of(state).await {
+            Ok(body) => Response::builder()
+                .header(
+                    "content-type",
+                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                )
+                .body(Full::new(Bytes::from(body)))
+                .unwrap_or_default(),
+            Err(e) => text(StatusCode::INTERNAL_SERVER_ERROR, &format!("{e:#}\n")),
+        },
         _ => text(StatusCode::NOT_FOUND, "not found\n"),
     }
 }
 
-fn status_of(state: &State) -> Result<Status> {
+fn kernel(state: &State) -> Result<(Counters, Vec<RedirectStatus>)> {
     let dp = state
         .datapath
         .lock()
         .map_err(|_| anyhow::anyhow!("datapath lock poisoned"))?;
-    let counters = dp.counters()?;
+    let redirects = dp
+        .redirects()
+        .into_iter()
+        .map(|(s, t)| RedirectStatus {
+            service: s.to_string(),
+            target: t.to_string(),
+        })
+        .collect();
+    Ok((dp.counters()?, redirects))
+}
+
+async fn status_of(state: &State) -> Result<Status> {
+    let services = state.reconciler.lock().await.status();
+    let (counters, redirects) = kernel(state)?;
     Ok(Status {
         node: state.node.clone(),
-        redirects: dp
-            .redirects()
-            .into_iter()
-            .map(|(s, t)| RedirectStatus {
-                service: s.to_string(),
-                target: t.to_string(),
-            })
-            .collect(),
-        connect4_seen: counters.connect4_seen,
-        connect4_redirected: counters.connect4_redirected,
+        redirects,
+        connect_seen: counters.connect4_seen + counters.connect6_seen,
+        connect_redirected: counters.connect4_redirected + counters.connect6_redirected,
+        services,
     })
+}
+
+async fn metrics_of(state: &State) -> Result<String> {
+    let services = state.reconciler.lock().await.status();
+    let (counters, _) = kernel(state)?;
+    *state
+        .scraped
+        .lock()
+        .map_err(|_| anyhow::anyhow!("metrics lock poisoned"))? = Scraped { services, counters };
+    let registry = state
+        .registry
+        .lock()
+        .map_err(|_| anyhow::anyhow!("registry lock poisoned"))?;
+    let mut out = String::new();
+    prometheus_client::encoding::text::encode(&mut out, &registry)?;
+    Ok(out)
+}
+
+#[derive(Debug, Default)]
+struct Scraped {
+    services: Vec<ServiceStatus>,
+    counters: Counters,
+}
+
+/// Exposes the balancers' and the kernel's own counters at scrape time, so there is one source
+/// of truth and nothing to keep in sync. Labels are bounded by Services x backends.
+#[derive(Debug)]
+struct AgentCollector(Arc<Mutex<Scraped>>);
+
+impl Collector for AgentCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let Ok(s) = self.0.lock() else { return Ok(()) };
+        let c = s.counters;
+        let mut kernel = |name: &str, help: &str, v: u64| -> Result<(), std::fmt::Error> {
+            ConstCounter::new(v).encode(encoder.encode_descriptor(
+                name,
+                help,
+                None,
+                MetricType::Counter,
+            )?)
+        };
+        kernel(
+            "connect_seen",
+            "IPv4 connect() calls seen by the hook in attached pod cgroups.",
+            c.connect4_seen,
+        )?;
+        kernel(
+            "connect_redirected",
+            "connect() calls rewritten to a node balancer listener (IPv4 and IPv4-mapped IPv6).",
+            c.connect4_redirected + c.connect6_redirected,
+        )?;
+        kernel(
+            "origdst_update_failed",
+            "Redirected sockets whose original destination could not be recorded for getpeername.",
+            c.origdst_update_failed,
+        )?;
+
+        let backend = |svc: &ServiceStatus, name: &str| {
+            vec![
+                ("service", svc.service.clone()),
+                ("vip", svc.vip.clone()),
+                ("backend", name.to_owned()),
+            ]
+        };
+        let mut m = encoder.encode_descriptor(
+            "backend_requests",
+            "Requests the balancer sent to a backend (probes included).",
+            None,
+            MetricType::Counter,
+        )?;
+        for svc in &s.services {
+            for e in &svc.endpoints {
+                ConstCounter::new(e.requests).encode(m.encode_family(&backend(svc, &e.name))?)?;
+            }
+        }
+        let mut m = encoder.encode_descriptor(
+            "backend_failures",
+            "Requests that failed on a backend.",
+            None,
+            MetricType::Counter,
+        )?;
+        for svc in &s.services {
+            for e in &svc.endpoints {
+                ConstCounter::new(e.failures).encode(m.encode_family(&backend(svc, &e.name))?)?;
+            }
+        }
+        let mut m = encoder.encode_descriptor(
+            "backend_share",
+            "A backend's fraction of the requests its Service port's balancer sent (0..1).",
+            None,
+            MetricType::Gauge,
+        )?;
+        for svc in &s.services {
+            for e in &svc.endpoints {
+                ConstGauge::new(e.share).encode(m.encode_family(&backend(svc, &e.name))?)?;
+            }
+        }
+        let mut m = encoder.encode_descriptor(
+            "service_ready_backends",
+            "Ready backends of a redirected Service port, from the model.",
+            None,
+            MetricType::Gauge,
+        )?;
+        for svc in &s.services {
+            let labels = vec![("service", svc.service.clone()), ("vip", svc.vip.clone())];
+            let ready = i64::try_from(svc.ready_endpoints).unwrap_or(i64::MAX);
+            ConstGauge::new(ready).encode(m.encode_family(&labels)?)?;
+        }
+        Ok(())
+    }
 }
 
 fn text(status: StatusCode, body: &str) -> Response<Full<Bytes>> {
@@ -129,11 +296,32 @@ pub async fn status(args: StatusArgs) -> Result<()> {
     let s: Status = serde_json::from_slice(&body).context("decoding /status")?;
     println!(
         "node {}: {} connect()s seen, {} redirected",
-        s.node, s.connect4_seen, s.connect4_redirected
+        s.node, s.connect_seen, s.connect_redirected
     );
-    println!("{:<24} {:<24}", "SERVICE", "REDIRECTED TO");
+    println!("{:<24} {:<24}", "REDIRECT", "TO");
     for r in &s.redirects {
         println!("{:<24} {:<24}", r.service, r.target);
+    }
+    for svc in &s.services {
+        let receiving = svc.endpoints.iter().filter(|e| e.requests > 0).count();
+        let largest = svc.endpoints.iter().map(|e| e.share).fold(0.0, f64::max);
+        println!(
+            "\nservice {} ({}) {} -> {}: {} ready, {} receiving traffic, largest share {:.2}",
+            svc.service, svc.mode, svc.vip, svc.listener, svc.ready_endpoints, receiving, largest
+        );
+        println!(
+            "  {:<12} {:<22} {:<10} {:>9} {:>8} {:>7} {:>10}",
+            "BACKEND", "ADDRESS", "STATE", "REQUESTS", "FAILED", "SHARE", "EWMA ms"
+        );
+        for e in &svc.endpoints {
+            let latency = e
+                .latency_ms
+                .map_or_else(|| "-".to_owned(), |l| format!("{l:.1}"));
+            println!(
+                "  {:<12} {:<22} {:<10} {:>9} {:>8} {:>7.3} {:>10}",
+                e.name, e.addr, e.state, e.requests, e.failures, e.share, latency
+            );
+        }
     }
     Ok(())
 }

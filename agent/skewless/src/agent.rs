@@ -1,22 +1,27 @@
 //! `skewless agent`.
 //!
-//! Today the agent takes its redirects and pod cgroups from flags; the Kubernetes and
-//! local-file sources (issue 5) will feed the same datapath calls.
+//! Sources (today: the local services file; `--redirect` flags for raw redirects) feed the
+//! model; the [`Reconciler`] turns each snapshot into balancers and eBPF redirects; the admin
+//! API serves `/live`, `/ready`, `/status` and `/metrics`.
 
 use std::{
-    net::SocketAddr,
-    net::SocketAddrV4,
+    net::{Ipv4Addr, SocketAddr, SocketAddrV4},
     path::PathBuf,
     str::FromStr,
     sync::{Arc, Mutex},
+    time::Duration,
 };
 
 use anyhow::{Context as _, Result};
 use skewless_datapath::Datapath;
 use tokio::signal::unix::{SignalKind, signal};
-use tracing::info;
+use tracing::{Instrument as _, info, info_span};
 
-use crate::admin;
+use crate::{admin, reconcile::Reconciler};
+
+/// The node-local address the balancers listen on: a /32 on the node's `lo`, reachable from
+/// the node's pods through their default route.
+pub const DEFAULT_BALANCER_IP: Ipv4Addr = Ipv4Addr::new(169, 254, 77, 1);
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -24,11 +29,22 @@ pub struct Args {
     /// root of the hierarchy: that would redirect every process on the machine.
     #[arg(long = "cgroup", value_name = "DIR")]
     cgroups: Vec<PathBuf>,
-    /// Redirect connect()s to a Service address to a balancer listener:
-    /// `VIP:PORT=LISTENER_IP:PORT`. Repeatable.
+    /// Services and endpoints from a YAML file (see agent/config/examples/services.yaml),
+    /// re-read when it changes. Services in `request` mode get a balancer and a redirect.
+    #[arg(long, value_name = "FILE", env = "SKEWLESS_SERVICES_FILE")]
+    services_file: Option<PathBuf>,
+    /// Read Services and EndpointSlices from the Kubernetes API (in-cluster config, or the
+    /// kubeconfig), with watches. `/ready` answers 503 until the first full list is in.
+    #[arg(long, conflicts_with = "services_file")]
+    kubernetes: bool,
+    /// Node-local IPv4 address the balancers listen on (must exist on the node, e.g. on lo).
+    #[arg(long, default_value_t = DEFAULT_BALANCER_IP, env = "SKEWLESS_BALANCER_IP")]
+    balancer_ip: Ipv4Addr,
+    /// Raw redirect of a Service address to a listener, `VIP:PORT=ADDR:PORT`, bypassing the
+    /// model. Repeatable. For tests and debugging.
     #[arg(long = "redirect", value_name = "VIP:PORT=ADDR:PORT")]
     redirects: Vec<Redirect>,
-    /// Address of the admin API (/live, /ready, /status).
+    /// Address of the admin API (/live, /ready, /status, /metrics).
     #[arg(long, default_value = "127.0.0.1:9990", env = "SKEWLESS_ADMIN_ADDR")]
     admin_addr: SocketAddr,
     /// This node's name (from the downward API in the DaemonSet).
@@ -63,6 +79,9 @@ impl FromStr for Redirect {
 pub async fn run(args: Args) -> Result<()> {
     let Args {
         cgroups,
+        services_file,
+        kubernetes,
+        balancer_ip,
         redirects,
         admin_addr,
         node_name,
@@ -89,20 +108,68 @@ pub async fn run(args: Args) -> Result<()> {
         // Attachments stay for the agent's lifetime; they end with the process.
         let _attachment = datapath.attach(cg)?;
     }
+    let datapath = Arc::new(Mutex::new(datapath));
+    let mut registry = prometheus_client::registry::Registry::with_prefix("skewless");
+    let model_metrics = skewless_model::Metrics::register(&mut registry);
+    let reconciler = Arc::new(tokio::sync::Mutex::new(Reconciler::new(
+        Arc::clone(&datapath),
+        balancer_ip,
+    )));
+
+    let mut synced = None;
+    let snapshots = if let Some(path) = services_file {
+        let source = skewless_config::FileSource::new(path, Duration::from_secs(1), model_metrics);
+        let snapshots = source.snapshots();
+        tokio::spawn(source.run().instrument(info_span!("services_file")));
+        Some(snapshots)
+    } else if kubernetes {
+        let client = kube::Client::try_default()
+            .await
+            .context("building the Kubernetes client (in-cluster config or kubeconfig)")?;
+        let config = skewless_k8s::Config {
+            node_name: node_name.clone(),
+        };
+        let discovery = skewless_k8s::Discovery::new(client, config, model_metrics);
+        synced = Some(discovery.synced());
+        let snapshots = discovery.snapshots();
+        tokio::spawn(discovery.run().instrument(info_span!("discovery")));
+        Some(snapshots)
+    } else {
+        None
+    };
+    if let Some(mut snapshots) = snapshots {
+        let reconciler = Arc::clone(&reconciler);
+        tokio::spawn(
+            async move {
+                loop {
+                    let snapshot = snapshots.borrow_and_update().clone();
+                    reconciler.lock().await.apply(&snapshot).await;
+                    if snapshots.changed().await.is_err() {
+                        return;
+                    }
+                }
+            }
+            .instrument(info_span!("reconcile")),
+        );
+    }
+
     info!(node = %node_name, cgroups = cgroups.len(), redirects = redirects.len(), "agent ready");
-    let state = Arc::new(admin::State {
-        node: node_name,
-        datapath: Mutex::new(datapath),
-        ready: true.into(),
-    });
+    let state = Arc::new(admin::State::new(
+        node_name,
+        Arc::clone(&datapath),
+        Arc::clone(&reconciler),
+        registry,
+        synced,
+    ));
     let server = tokio::spawn(admin::serve(admin_addr, Arc::clone(&state)));
 
     let mut term = signal(SignalKind::terminate())?;
     tokio::select! {
-        _ = term.recv() => info!("SIGTERM: shutting down"),
-        _ = tokio::signal::ctrl_c() => info!("interrupted: shutting down"),
+        _ = term.recv() => info!("SIGTERM: removing redirects, draining balancers"),
+        _ = tokio::signal::ctrl_c() => info!("interrupted: removing redirects, draining balancers"),
         res = server => res.context("admin server task")?.context("admin server")?,
     }
+    reconciler.lock().await.shutdown().await;
     // Returning drops the datapath, which closes every bpf_link: pods connect directly again.
     // A SIGKILL has the same effect, because the kernel closes the links with the process.
     Ok(())

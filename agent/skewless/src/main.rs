@@ -3,6 +3,7 @@
 
 mod admin;
 mod agent;
+mod reconcile;
 
 use clap::{Parser, Subcommand};
 
@@ -33,6 +34,7 @@ fn main() -> anyhow::Result<()> {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -40,5 +42,38 @@ fn main() -> anyhow::Result<()> {
     match cmd {
         Cmd::Agent(args) => rt.block_on(agent::run(args)),
         Cmd::Status(args) => rt.block_on(admin::status(args)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser as _;
+
+    use super::{Cli, Cmd};
+
+    /// The DaemonSet's container args must be flags this binary accepts.
+    #[test]
+    fn daemonset_args_parse() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../deploy/daemonset.yaml");
+        let ds: serde_yaml::Value =
+            serde_yaml::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let args = ds["spec"]["template"]["spec"]["containers"][0]["args"]
+            .as_sequence()
+            .expect("the agent container has args");
+        let argv: Vec<String> = std::iter::once("skewless".to_owned())
+            .chain(
+                args.iter()
+                    .map(|a| a.as_str().unwrap().replace("$(NODE_NAME)", "node-a")),
+            )
+            .collect();
+        let cli = Cli::try_parse_from(&argv).unwrap_or_else(|e| panic!("{argv:?} rejected: {e}"));
+        assert!(
+            matches!(cli.cmd, Cmd::Agent(_)),
+            "the DaemonSet must run `skewless agent`"
+        );
+        assert!(
+            Cli::try_parse_from(["skewless", "agent", "--no-such-flag"]).is_err(),
+            "unknown flags must be rejected"
+        );
     }
 }

@@ -98,3 +98,156 @@ fn agent_refuses_the_cgroup_root() {
         "the error must say why: {stderr}"
     );
 }
+
+/// Writes the services file the agent reads: one Service `echo` at `vip` over `pods`.
+fn write_services(
+    path: &std::path::Path,
+    tb: &skewless_testbed::Testbed,
+    vip: SocketAddrV4,
+    mode: &str,
+    pods: &[&str],
+) {
+    let mut yaml = format!(
+        "services:\n  - name: echo\n    clusterIPs: [\"{}\"]\n    mode: {mode}\n    ports:\n      - port: {}\n        targetPort: {}\n    endpoints:\n",
+        vip.ip(),
+        vip.port(),
+        vip.port()
+    );
+    for p in pods {
+        yaml.push_str(&format!(
+            "      - {{address: {}, target: {p}}}\n",
+            tb.pod(p).unwrap().ip
+        ));
+    }
+    // Write-then-rename: the agent polls the file and must never read half of it.
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, yaml).unwrap();
+    std::fs::rename(&tmp, path).unwrap();
+}
+
+fn services_in_status(tb: &skewless_testbed::Testbed) -> usize {
+    let out = tb
+        .command(
+            Place::Node(0),
+            &[
+                env!("CARGO_BIN_EXE_skewless"),
+                "status",
+                "--json",
+                "--admin-addr",
+                ADMIN,
+            ],
+        )
+        .unwrap()
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+    v["services"].as_array().map_or(0, Vec::len)
+}
+
+fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    while !f() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out waiting until {what}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+#[ignore = "privileged: needs root and the real kernel; run with `cargo xtask test`"]
+fn agent_balances_pick_first_grpc_client_through_the_vip_and_follows_opt_out() {
+    use skewless_testbed::{Testbed, grpc};
+    const PODS: [&str; 4] = ["echo-0", "echo-1", "echo-2", "echo-3"];
+    let vip = SocketAddrV4::new(std::net::Ipv4Addr::new(198, 19, 0, 20), 50051);
+    let mut tb = Testbed::builder()
+        .nodes(1)
+        .pod("client", 0)
+        .pod(PODS[0], 0)
+        .pod(PODS[1], 0)
+        .pod(PODS[2], 0)
+        .pod(PODS[3], 0)
+        .service("echo", *vip.ip(), vip.port(), vip.port(), &PODS)
+        .build()
+        .expect("testbed builds (needs root)");
+    let gen_dir = grpc::generate_stubs().expect("python stubs (run `cargo xtask setup`)");
+    for p in PODS {
+        grpc::spawn_echo_server(&mut tb, &gen_dir, p, vip.port(), 0).unwrap();
+    }
+    for p in PODS {
+        let ip = tb.pod(p).unwrap().ip;
+        tb.wait_for_tcp(
+            Place::Node(0),
+            SocketAddrV4::new(ip, vip.port()),
+            Duration::from_secs(20),
+        )
+        .unwrap();
+    }
+    let target = vip.to_string();
+
+    // Control: without the agent, grpcio's pick_first channel pins to one pod.
+    let pinned = grpc::run_client(&tb, &gen_dir, "client", &target, 200, 4).unwrap();
+    assert_eq!(pinned.ok, 200, "{pinned:?}");
+    assert_eq!(
+        pinned.pods.len(),
+        1,
+        "without skewless the client must be pinned: {pinned:?}"
+    );
+
+    let services = std::env::temp_dir().join(format!("skewless-test-services-{}.yaml", tb.id()));
+    write_services(&services, &tb, vip, "request", &PODS);
+    let cgroup = tb.pod("client").unwrap().cgroup.display().to_string();
+    let agent = tb
+        .spawn(
+            Place::Node(0),
+            &[
+                env!("CARGO_BIN_EXE_skewless"),
+                "agent",
+                "--services-file",
+                &services.display().to_string(),
+                "--cgroup",
+                &cgroup,
+                "--admin-addr",
+                ADMIN,
+            ],
+        )
+        .unwrap();
+    wait_until("the agent redirects the Service", || {
+        services_in_status(&tb) == 1
+    });
+
+    let balanced = grpc::run_client(&tb, &gen_dir, "client", &target, 200, 4).unwrap();
+    assert_eq!(
+        balanced.ok, 200,
+        "every call must succeed through the balancer: {balanced:?}"
+    );
+    assert_eq!(
+        balanced.pods.len(),
+        4,
+        "the same client must reach every pod: {balanced:?}"
+    );
+    assert!(
+        balanced.pods.values().all(|&n| n >= 20),
+        "equal pods must get a fair share of 200 calls: {balanced:?}"
+    );
+
+    // Opt-out (mode observe): the redirect goes away; new connections are plain L4 again.
+    write_services(&services, &tb, vip, "observe", &PODS);
+    wait_until("the agent drops the redirect", || {
+        services_in_status(&tb) == 0
+    });
+    let after = grpc::run_client(&tb, &gen_dir, "client", &target, 100, 4).unwrap();
+    assert_eq!(after.ok, 100, "{after:?}");
+    assert_eq!(
+        after.pods.len(),
+        1,
+        "after opt-out the client is pinned again: {after:?}"
+    );
+
+    assert!(
+        tb.terminate(agent, Duration::from_secs(10)),
+        "the agent must exit on SIGTERM"
+    );
+    let _ = std::fs::remove_file(&services);
+}

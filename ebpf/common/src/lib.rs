@@ -74,9 +74,11 @@ pub enum Counter {
     /// Redirects whose original destination could not be recorded (getpeername then shows
     /// the balancer's address).
     OrigDstUpdateFailed = 5,
+    /// connect6 calls seen (any destination).
+    Connect6Seen = 6,
 }
 /// Number of entries in [`COUNTERS_MAP`].
-pub const COUNTERS_LEN: u32 = 6;
+pub const COUNTERS_LEN: u32 = 7;
 
 #[cfg(feature = "user")]
 mod user {

@@ -101,6 +101,7 @@ mod programs {
 
     #[cgroup_sock_addr(connect6)]
     pub fn connect6(ctx: SockAddrContext) -> i32 {
+        count(Counter::Connect6Seen);
         // SAFETY: as in connect4.
         let sa = unsafe { &mut *ctx.sock_addr };
         if sa.user_ip6[0] != 0 || sa.user_ip6[1] != 0 || sa.user_ip6[2] != V4_MAPPED_WORD {

@@ -23,6 +23,7 @@
 #![forbid(unsafe_code)]
 
 pub mod fixtures;
+pub mod grpc;
 pub mod scripts;
 
 use std::{

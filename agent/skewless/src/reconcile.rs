@@ -1,0 +1,289 @@
+//! Turns the model's snapshots into running balancers and eBPF redirects.
+//!
+//! For every IPv4 ClusterIP:port of a Service in `request` mode: a balancer listens on the
+//! node-local balancer address (an ephemeral port per Service port), follows the port's ready
+//! endpoints, and the datapath redirects the VIP:port to it. The order matters for "never
+//! redirect to a listener that is not serving": the listener is bound and its accept loop
+//! running before the redirect entry is written, and the entry is removed before the balancer
+//! drains.
+//!
+//! `observe` needs no redirect. `connection` mode is not built yet: such Services stay plain
+//! L4 and the agent says so once.
+
+use std::{
+    collections::{BTreeMap, HashSet},
+    net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4},
+    sync::{Arc, Mutex},
+};
+
+use serde::{Deserialize, Serialize};
+use skewless_balancer::{Balancer, Config, Endpoint};
+use skewless_datapath::Datapath;
+use skewless_model::{Mode, ServiceKey, ServiceState, Snapshot};
+use tokio::{
+    net::TcpListener,
+    sync::{oneshot, watch},
+    task::JoinHandle,
+};
+use tracing::{Instrument as _, info, info_span, warn};
+
+/// What one redirected Service port looks like in `/status`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ServiceStatus {
+    pub service: String,
+    pub mode: String,
+    pub vip: String,
+    pub listener: String,
+    pub ready_endpoints: usize,
+    pub endpoints: Vec<EndpointStatus>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct EndpointStatus {
+    pub name: String,
+    pub addr: String,
+    pub state: String,
+    pub requests: u64,
+    pub failures: u64,
+    pub share: f64,
+    pub latency_ms: Option<f64>,
+}
+
+struct Running {
+    service: ServiceKey,
+    listener: SocketAddrV4,
+    state: Arc<ServiceState>,
+    port: u16,
+    endpoints: watch::Sender<Vec<Endpoint>>,
+    balancer: Arc<Balancer>,
+    stop: Option<oneshot::Sender<()>>,
+    task: JoinHandle<()>,
+}
+
+/// Owns the balancers and the redirect entries derived from the model.
+pub struct Reconciler {
+    datapath: Arc<Mutex<Datapath>>,
+    balancer_ip: Ipv4Addr,
+    running: BTreeMap<SocketAddrV4, Running>,
+    warned: HashSet<(ServiceKey, &'static str)>,
+}
+
+impl Reconciler {
+    pub fn new(datapath: Arc<Mutex<Datapath>>, balancer_ip: Ipv4Addr) -> Self {
+        Self {
+            datapath,
+            balancer_ip,
+            running: BTreeMap::new(),
+            warned: HashSet::new(),
+        }
+    }
+
+    /// Brings balancers and redirects in line with `snapshot`.
+    pub async fn apply(&mut self, snapshot: &Snapshot) {
+        let mut wanted: BTreeMap<SocketAddrV4, (Arc<ServiceState>, u16)> = BTreeMap::new();
+        for svc in snapshot.iter() {
+            match svc.mode {
+                Mode::Request => {}
+                Mode::Observe => continue,
+                Mode::Connection => {
+                    self.warn_once(
+                        &svc.key,
+                        "connection",
+                        "connection mode is not implemented yet; the Service stays plain L4",
+                    );
+                    continue;
+                }
+            }
+            for ip in &svc.cluster_ips {
+                let IpAddr::V4(ip) = ip else {
+                    self.warn_once(
+                        &svc.key,
+                        "ipv6",
+                        "IPv6 ClusterIPs are not redirected yet; IPv6 clients stay plain L4",
+                    );
+                    continue;
+                };
+                for port in &svc.ports {
+                    wanted.insert(
+                        SocketAddrV4::new(*ip, port.port),
+                        (Arc::clone(svc), port.port),
+                    );
+                }
+            }
+        }
+
+        let gone: Vec<SocketAddrV4> = self
+            .running
+            .iter()
+            .filter(|(vip, r)| wanted.get(vip).is_none_or(|(s, _)| s.key != r.service))
+            .map(|(vip, _)| *vip)
+            .collect();
+        for vip in gone {
+            if let Some(r) = self.running.remove(&vip) {
+                // The drain runs on in the background; the handle is not needed.
+                drop(self.stop(vip, r));
+            }
+        }
+
+        for (vip, (state, port)) in wanted {
+            if let Some(r) = self.running.get_mut(&vip) {
+                if !Arc::ptr_eq(&r.state, &state) {
+                    r.endpoints.send_replace(endpoints(&state, port));
+                    r.state = state;
+                }
+                continue;
+            }
+            match self.start(vip, state, port).await {
+                Ok(r) => {
+                    info!(%vip, listener = %r.listener, service = %r.service, "redirecting to the balancer");
+                    self.running.insert(vip, r);
+                }
+                Err(error) => {
+                    warn!(%vip, error = %format!("{error:#}"), "not redirected; the Service stays plain L4")
+                }
+            }
+        }
+    }
+
+    async fn start(
+        &self,
+        vip: SocketAddrV4,
+        state: Arc<ServiceState>,
+        port: u16,
+    ) -> anyhow::Result<Running> {
+        let listener = TcpListener::bind((self.balancer_ip, 0)).await?;
+        let SocketAddr::V4(listen_addr) = listener.local_addr()? else {
+            anyhow::bail!("listener bound to a non-IPv4 address");
+        };
+        let (tx, rx) = watch::channel(endpoints(&state, port));
+        let balancer = Arc::new(Balancer::new(config(&state), rx));
+        let (stop_tx, stop_rx) = oneshot::channel::<()>();
+        let serving = Arc::clone(&balancer);
+        let span = info_span!("balancer", service = %state.key, %vip);
+        let task = tokio::spawn(
+            async move {
+                let shutdown = async {
+                    let _ = stop_rx.await;
+                };
+                if let Err(error) = serving.serve(listener, shutdown).await {
+                    warn!(%error, "balancer stopped");
+                }
+            }
+            .instrument(span),
+        );
+        // Only now, with the accept loop running, may connects be sent here.
+        let redirected = self
+            .datapath
+            .lock()
+            .map_err(|_| anyhow::anyhow!("datapath lock poisoned"))?
+            .set_redirect(vip, listen_addr);
+        if let Err(error) = redirected {
+            task.abort();
+            return Err(error.into());
+        }
+        Ok(Running {
+            service: state.key.clone(),
+            listener: listen_addr,
+            state,
+            port,
+            endpoints: tx,
+            balancer,
+            stop: Some(stop_tx),
+            task,
+        })
+    }
+
+    /// Removes the redirect first (new connects go plain L4), then lets the balancer drain its
+    /// client connections in the background.
+    fn stop(&self, vip: SocketAddrV4, mut r: Running) -> JoinHandle<()> {
+        match self.datapath.lock() {
+            Ok(mut dp) => {
+                if let Err(error) = dp.remove_redirect(vip) {
+                    warn!(%vip, %error, "removing redirect");
+                }
+            }
+            Err(_) => warn!(%vip, "datapath lock poisoned; redirect left in place"),
+        }
+        info!(%vip, service = %r.service, "no longer redirected; draining the balancer");
+        if let Some(stop) = r.stop.take() {
+            let _ = stop.send(());
+        }
+        r.task
+    }
+
+    /// Removes every redirect, then drains every balancer (bounded by its drain grace).
+    pub async fn shutdown(&mut self) {
+        let all = std::mem::take(&mut self.running);
+        let tasks: Vec<JoinHandle<()>> =
+            all.into_iter().map(|(vip, r)| self.stop(vip, r)).collect();
+        for task in tasks {
+            let _ = task.await;
+        }
+    }
+
+    /// Per Service port: where it is redirected and how its endpoints are doing.
+    pub fn status(&self) -> Vec<ServiceStatus> {
+        self.running
+            .iter()
+            .map(|(vip, r)| ServiceStatus {
+                service: r.service.to_string(),
+                mode: "request".to_owned(),
+                vip: vip.to_string(),
+                listener: r.listener.to_string(),
+                ready_endpoints: r.state.port(r.port).map_or(0, |p| p.ready().count()),
+                endpoints: r
+                    .balancer
+                    .stats()
+                    .into_iter()
+                    .map(|e| EndpointStatus {
+                        name: e.name,
+                        addr: e.addr.to_string(),
+                        state: format!("{:?}", e.state),
+                        requests: e.requests,
+                        failures: e.failures,
+                        share: e.share,
+                        latency_ms: e.latency.map(|l| l.as_secs_f64() * 1000.0),
+                    })
+                    .collect(),
+            })
+            .collect()
+    }
+
+    fn warn_once(&mut self, key: &ServiceKey, what: &'static str, message: &str) {
+        if self.warned.insert((key.clone(), what)) {
+            warn!(service = %key, "{message}");
+        }
+    }
+}
+
+/// The ready endpoints of one Service port, as the balancer wants them.
+fn endpoints(state: &ServiceState, port: u16) -> Vec<Endpoint> {
+    state.port(port).map_or_else(Vec::new, |p| {
+        p.ready()
+            .map(|e| {
+                Endpoint::new(
+                    e.addr,
+                    e.target_name.clone().unwrap_or_else(|| e.addr.to_string()),
+                )
+            })
+            .collect()
+    })
+}
+
+/// Balancer settings from the Service's tuning annotations.
+fn config(state: &ServiceState) -> Config {
+    let tuning = &state.tuning;
+    Config {
+        health_service: tuning.grpc_health_service.clone(),
+        max_connection_age: tuning.max_connection_age,
+        retryable_methods: tuning
+            .retryable_methods
+            .iter()
+            .map(|m| match &m.method {
+                Some(method) => format!("/{}/{method}", m.service),
+                None => format!("/{}/", m.service),
+            })
+            .collect(),
+        ..Config::default()
+    }
+}
