@@ -14,13 +14,13 @@ use std::{
 
 use aya::{
     Ebpf,
-    maps::{HashMap, MapData, PerCpuArray},
+    maps::{Array, HashMap, MapData, PerCpuArray},
     programs::{
         CgroupAttachMode, CgroupSockAddr, ProgramError, cgroup_sock_addr::CgroupSockAddrLinkId,
     },
 };
 use skewless_common::{
-    COUNTERS_MAP, Counter, REDIRECT4_CAPACITY, REDIRECT4_MAP, Redirect4, ServiceKey4,
+    COUNTERS_MAP, Counter, HEARTBEAT_MAP, REDIRECT4_CAPACITY, REDIRECT4_MAP, Redirect4, ServiceKey4,
 };
 use tracing::{debug, info};
 
@@ -57,6 +57,8 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+    #[error("reading CLOCK_MONOTONIC")]
+    Clock(#[source] std::io::Error),
     #[error("enabling eBPF run time statistics")]
     Stats(#[source] std::io::Error),
     #[error("redirect map is full ({capacity} Service addresses); {addr} is not redirected")]
@@ -87,6 +89,7 @@ pub struct Counters {
     pub connect6_redirected: u64,
     pub peername_restored: u64,
     pub origdst_update_failed: u64,
+    pub stale_heartbeat: u64,
 }
 
 /// Cumulative statistics of one program, from the kernel.
@@ -110,6 +113,7 @@ pub fn enable_stats() -> Result<std::os::fd::OwnedFd, Error> {
 pub struct Datapath {
     ebpf: Ebpf,
     redirect4: HashMap<MapData, ServiceKey4, Redirect4>,
+    heartbeat: Array<MapData, u64>,
     counters: PerCpuArray<MapData, u64>,
 }
 
@@ -133,11 +137,13 @@ impl Datapath {
                 .map_err(|source| Error::Program { name, source })?;
         }
         let redirect4 = take_map(&mut ebpf, REDIRECT4_MAP)?;
+        let heartbeat = take_map(&mut ebpf, HEARTBEAT_MAP)?;
         let counters = take_map(&mut ebpf, COUNTERS_MAP)?;
         info!("eBPF programs loaded");
         Ok(Self {
             ebpf,
             redirect4,
+            heartbeat,
             counters,
         })
     }
@@ -251,6 +257,24 @@ impl Datapath {
             .collect()
     }
 
+    /// Records that the agent is alive now. Once a heartbeat has been written, the hooks only
+    /// redirect while it stays fresh (younger than `HEARTBEAT_STALE_NS`), so the caller must
+    /// keep beating (the agent does every 200 ms) from the part of the program whose hang
+    /// should stop redirects.
+    ///
+    /// # Errors
+    /// When the clock or the map cannot be read or written.
+    pub fn beat(&mut self) -> Result<(), Error> {
+        let now = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)
+            .map_err(|e| Error::Clock(std::io::Error::from(e)))?;
+        let ns = u64::try_from(now.tv_sec()).unwrap_or(0) * 1_000_000_000
+            + u64::try_from(now.tv_nsec()).unwrap_or(0);
+        self.heartbeat.set(0, ns, 0).map_err(|source| Error::Map {
+            name: HEARTBEAT_MAP,
+            source,
+        })
+    }
+
     /// Reads the kernel counters, summed over CPUs.
     ///
     /// # Errors
@@ -274,6 +298,7 @@ impl Datapath {
             connect6_redirected: read(Counter::Connect6Redirected)?,
             peername_restored: read(Counter::PeerNameRestored)?,
             origdst_update_failed: read(Counter::OrigDstUpdateFailed)?,
+            stale_heartbeat: read(Counter::StaleHeartbeat)?,
         })
     }
 

@@ -210,6 +210,11 @@ impl Collector for AgentCollector {
             c.connect4_redirected + c.connect6_redirected,
         )?;
         kernel(
+            "stale_heartbeat",
+            "connect() calls to a redirected Service sent direct because the agent's heartbeat was stale (fail open).",
+            c.stale_heartbeat,
+        )?;
+        kernel(
             "origdst_update_failed",
             "Redirected sockets whose original destination could not be recorded for getpeername.",
             c.origdst_update_failed,

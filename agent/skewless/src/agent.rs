@@ -108,7 +108,9 @@ pub async fn run(args: Args) -> Result<()> {
         // Attachments stay for the agent's lifetime; they end with the process.
         let _attachment = datapath.attach(cg)?;
     }
+    datapath.beat().context("first heartbeat")?;
     let datapath = Arc::new(Mutex::new(datapath));
+    tokio::spawn(heartbeat(Arc::clone(&datapath)).instrument(info_span!("heartbeat")));
     let mut registry = prometheus_client::registry::Registry::with_prefix("skewless");
     let model_metrics = skewless_model::Metrics::register(&mut registry);
     let reconciler = Arc::new(tokio::sync::Mutex::new(Reconciler::new(
@@ -173,6 +175,29 @@ pub async fn run(args: Args) -> Result<()> {
     // Returning drops the datapath, which closes every bpf_link: pods connect directly again.
     // A SIGKILL has the same effect, because the kernel closes the links with the process.
     Ok(())
+}
+
+/// Tells the hooks the agent is alive, every 200 ms, from the same runtime that runs the
+/// balancers: if the runtime hangs (or the process is stopped), the heartbeat goes stale and
+/// new connections go straight to the Service within a second.
+async fn heartbeat(datapath: Arc<Mutex<Datapath>>) {
+    let mut tick = tokio::time::interval(Duration::from_millis(200));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let result = datapath
+            .lock()
+            .map_err(|_| None)
+            .and_then(|mut d| d.beat().map_err(Some));
+        match result {
+            Ok(()) => {}
+            Err(Some(error)) => tracing::warn!(%error, "heartbeat"),
+            Err(None) => {
+                tracing::error!("datapath lock poisoned; heartbeat stops, redirects fail open");
+                return;
+            }
+        }
+    }
 }
 
 #[cfg(test)]

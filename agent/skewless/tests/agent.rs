@@ -251,3 +251,63 @@ fn agent_balances_pick_first_grpc_client_through_the_vip_and_follows_opt_out() {
     );
     let _ = std::fs::remove_file(&services);
 }
+
+#[test]
+#[ignore = "privileged: needs root and the real kernel; run with `cargo xtask test`"]
+fn stopped_agent_fails_open_within_a_second_and_resumes() {
+    let mut bed = IdentBed::new().expect("testbed builds (needs root)");
+    let vip = IdentBed::vip();
+    let cgroup = bed.tb.pod("client").unwrap().cgroup.display().to_string();
+    let redirect = format!("{vip}={}", IdentBed::balancer());
+    let agent = bed
+        .tb
+        .spawn(
+            Place::Node(0),
+            &[
+                env!("CARGO_BIN_EXE_skewless"),
+                "agent",
+                "--cgroup",
+                &cgroup,
+                "--redirect",
+                &redirect,
+                "--admin-addr",
+                ADMIN,
+            ],
+        )
+        .unwrap();
+    bed.tb
+        .wait_for_tcp(
+            Place::Node(0),
+            ADMIN.parse::<SocketAddrV4>().unwrap(),
+            Duration::from_secs(10),
+        )
+        .expect("agent serves its admin API");
+    assert!(
+        bed.probe("client", vip, 20).unwrap().only("balancer"),
+        "the agent redirects while alive"
+    );
+
+    // A hung agent (here: stopped) keeps its bpf_links, so only the stale heartbeat can
+    // send connects around a balancer that no longer serves.
+    assert!(bed.tb.signal(agent, "STOP"));
+    std::thread::sleep(Duration::from_secs(1));
+    let stopped = bed.probe("client", vip, 50).unwrap();
+    assert!(bed.tb.signal(agent, "CONT"));
+    assert!(
+        stopped.all_servers(),
+        "1 s after the agent hung, connects must go direct: {stopped:?}"
+    );
+
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let resumed = bed.probe("client", vip, 10).unwrap();
+        if resumed.only("balancer") {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "redirects must resume once the agent runs again: {resumed:?}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}

@@ -15,6 +15,14 @@ pub const ORIGDST_MAP: &str = "ORIGDST";
 /// Capacity of [`ORIGDST_MAP`]. It is an LRU map: when full, the oldest entries go first, so it
 /// never refuses a new connection.
 pub const ORIGDST_CAPACITY: u32 = 65_536;
+/// Name of the one-slot array holding the agent's last heartbeat (CLOCK_MONOTONIC ns, as
+/// `bpf_ktime_get_ns` reads it). 0 means no heartbeat is kept (libraries and tests that drive
+/// the datapath directly); the agent always keeps one.
+pub const HEARTBEAT_MAP: &str = "HEARTBEAT";
+/// A heartbeat older than this makes the hooks stop redirecting (fail open): a hung agent
+/// cannot strand new connections on a balancer that no longer serves. The agent beats every
+/// 200 ms, so this tolerates a few late beats and still fails open within 1 s.
+pub const HEARTBEAT_STALE_NS: u64 = 750_000_000;
 /// Name of the per-CPU counter array (indexed by [`Counter`]).
 pub const COUNTERS_MAP: &str = "COUNTERS";
 
@@ -76,9 +84,12 @@ pub enum Counter {
     OrigDstUpdateFailed = 5,
     /// connect6 calls seen (any destination).
     Connect6Seen = 6,
+    /// connects to a redirected Service passed through untouched because the agent's heartbeat
+    /// was stale (fail open).
+    StaleHeartbeat = 7,
 }
 /// Number of entries in [`COUNTERS_MAP`].
-pub const COUNTERS_LEN: u32 = 7;
+pub const COUNTERS_LEN: u32 = 8;
 
 #[cfg(feature = "user")]
 mod user {

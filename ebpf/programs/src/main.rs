@@ -7,6 +7,9 @@
 //! - `getpeername4` / `getpeername6`: a redirected socket still reports the VIP:port it
 //!   connected to, so applications that log or check their peer see no difference.
 //!
+//! A redirect also needs a fresh heartbeat from the agent (`HEARTBEAT`): if the agent hangs,
+//! connects go straight to the Service again within a second.
+//!
 //! Anything else — another port, another address, UDP, a failed map lookup — passes
 //! untouched: every path returns "allow", so a fault here can never break a connection.
 #![cfg_attr(target_arch = "bpf", no_std, no_main)]
@@ -14,13 +17,14 @@
 #[cfg(target_arch = "bpf")]
 mod programs {
     use aya_ebpf::{
-        helpers::bpf_get_socket_cookie,
+        helpers::{bpf_get_socket_cookie, bpf_ktime_get_ns},
         macros::{cgroup_sock_addr, map},
-        maps::{HashMap, LruHashMap, PerCpuArray},
+        maps::{Array, HashMap, LruHashMap, PerCpuArray},
         programs::SockAddrContext,
     };
     use skewless_common::{
-        COUNTERS_LEN, Counter, ORIGDST_CAPACITY, REDIRECT4_CAPACITY, Redirect4, ServiceKey4,
+        COUNTERS_LEN, Counter, HEARTBEAT_STALE_NS, ORIGDST_CAPACITY, REDIRECT4_CAPACITY, Redirect4,
+        ServiceKey4,
     };
 
     /// Verdict for cgroup sock_addr programs: 1 lets the syscall proceed (with whatever address
@@ -37,6 +41,9 @@ mod programs {
     #[map(name = "ORIGDST")]
     static ORIGDST: LruHashMap<u64, ServiceKey4> =
         LruHashMap::with_max_entries(ORIGDST_CAPACITY, 0);
+
+    #[map(name = "HEARTBEAT")]
+    static HEARTBEAT: Array<u64> = Array::with_max_entries(1, 0);
 
     #[map(name = "COUNTERS")]
     static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(COUNTERS_LEN, 0);
@@ -60,6 +67,13 @@ mod programs {
         let target = unsafe { REDIRECT4.get(key) }.copied()?;
         if target.enabled == 0 {
             count(Counter::Connect4Disabled);
+            return None;
+        }
+        let beat = HEARTBEAT.get(0).copied().unwrap_or(0);
+        // SAFETY: bpf_ktime_get_ns has no preconditions.
+        let now = unsafe { bpf_ktime_get_ns() };
+        if beat != 0 && now.saturating_sub(beat) > HEARTBEAT_STALE_NS {
+            count(Counter::StaleHeartbeat);
             return None;
         }
         Some(target)

@@ -412,6 +412,16 @@ impl Testbed {
         false
     }
 
+    /// Sends a signal (`STOP`, `CONT`, `TERM`, ...) to a process started by this testbed.
+    /// Returns false if the PID is not one of ours.
+    pub fn signal(&self, pid: u32, signal: &str) -> bool {
+        self.children.iter().any(|c| c.id() == pid)
+            && Command::new("kill")
+                .args([format!("-{signal}"), pid.to_string()])
+                .status()
+                .is_ok_and(|s| s.success())
+    }
+
     /// Whether a process started by this testbed is still running.
     pub fn is_running(&mut self, pid: u32) -> bool {
         self.children
