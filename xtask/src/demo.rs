@@ -86,7 +86,7 @@ pub fn run(args: &Args) -> Result<()> {
         "\n1) Without skewless: {clients} grpcio client(s), default channel (pick_first: one HTTP/2 connection), {calls} calls each"
     );
     for name in &client_names {
-        let report = grpc::run_client(&tb, &gen_dir, name, &target, calls, 4)?;
+        let report = grpc::run_client(&tb, &gen_dir, Place::Pod(name), &target, calls, 4)?;
         print_report(name, &servers, &report)?;
     }
 
@@ -103,16 +103,16 @@ pub fn run(args: &Args) -> Result<()> {
         ADMIN.into(),
     ];
     for name in &client_names {
-        argv.extend([
-            "--cgroup".into(),
-            tb.pod(name)?.cgroup.display().to_string(),
-        ]);
+        let pod = tb.pod(name)?;
+        let [a, b, c, _] = pod.ip.octets();
+        argv.extend(["--cgroup".into(), pod.cgroup.display().to_string()]);
+        argv.extend(["--pod-cidr".into(), format!("{a}.{b}.{c}.0/24")]);
     }
     let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
     let agent = tb.spawn(Place::Node(0), &argv)?;
     wait_for_redirect(&mut tb, agent, &agent_bin)?;
     for name in &client_names {
-        let report = grpc::run_client(&tb, &gen_dir, name, &target, calls, 4)?;
+        let report = grpc::run_client(&tb, &gen_dir, Place::Pod(name), &target, calls, 4)?;
         print_report(name, &servers, &report)?;
     }
     println!("\n`skewless status` in the node:");

@@ -58,6 +58,8 @@ pub use error::BalancerError;
 pub use proxy::ProxyBody;
 pub use stats::{BalancerCounters, EndpointState, EndpointStats};
 
+use std::net::SocketAddr;
+
 use pool::Pool;
 
 /// The balancer of one Service. Cheap to share behind an `Arc`; dropping it stops following
@@ -125,6 +127,21 @@ impl Balancer {
         listener: TcpListener,
         shutdown: impl Future<Output = ()>,
     ) -> Result<(), BalancerError> {
+        self.serve_admitting(listener, shutdown, |_| true).await
+    }
+
+    /// Like [`Balancer::serve`], but a connection whose peer `admit` refuses is closed at once,
+    /// before any HTTP/2 is spoken: the agent uses it so that only this node's pods can use
+    /// the balancer.
+    ///
+    /// # Errors
+    /// As [`Balancer::serve`].
+    pub async fn serve_admitting(
+        &self,
+        listener: TcpListener,
+        shutdown: impl Future<Output = ()>,
+        admit: impl Fn(SocketAddr) -> bool,
+    ) -> Result<(), BalancerError> {
         let (drain_tx, drain_rx) = watch::channel(false);
         let mut conns = JoinSet::new();
         tokio::pin!(shutdown);
@@ -143,6 +160,11 @@ impl Balancer {
                 }
                 Err(error) => break Err(BalancerError::Accept(error)),
             };
+            if !admit(peer) {
+                tracing::debug!(%peer, "connection refused: peer not admitted");
+                drop(stream);
+                continue;
+            }
             let _ = stream.set_nodelay(true);
             let pool = self.pool.clone();
             let mut drain = drain_rx.clone();

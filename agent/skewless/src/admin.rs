@@ -21,9 +21,13 @@ use skewless_datapath::{Counters, Datapath};
 use tokio::net::{TcpListener, TcpStream};
 use tracing::{debug, warn};
 
-use crate::reconcile::{Reconciler, ServiceStatus};
+use crate::{
+    peers::PeerFilter,
+    reconcile::{Reconciler, ServiceStatus},
+};
 
 pub struct State {
+    peers: Arc<PeerFilter>,
     node: String,
     datapath: Arc<Mutex<Datapath>>,
     reconciler: Arc<tokio::sync::Mutex<Reconciler>>,
@@ -36,6 +40,7 @@ pub struct State {
 
 impl State {
     pub fn new(
+        peers: Arc<PeerFilter>,
         node: String,
         datapath: Arc<Mutex<Datapath>>,
         reconciler: Arc<tokio::sync::Mutex<Reconciler>>,
@@ -45,6 +50,7 @@ impl State {
         let scraped = Arc::new(Mutex::new(Scraped::default()));
         registry.register_collector(Box::new(AgentCollector(Arc::clone(&scraped))));
         Self {
+            peers,
             node,
             datapath,
             reconciler,
@@ -62,6 +68,7 @@ pub struct Status {
     pub redirects: Vec<RedirectStatus>,
     pub connect_seen: u64,
     pub connect_redirected: u64,
+    pub refused_peers: u64,
     pub services: Vec<ServiceStatus>,
 }
 
@@ -156,6 +163,7 @@ async fn status_of(state: &State) -> Result<Status> {
         redirects,
         connect_seen: counters.connect4_seen + counters.connect6_seen,
         connect_redirected: counters.connect4_redirected + counters.connect6_redirected,
+        refused_peers: state.peers.refused(),
         services,
     })
 }
@@ -166,7 +174,11 @@ async fn metrics_of(state: &State) -> Result<String> {
     *state
         .scraped
         .lock()
-        .map_err(|_| anyhow::anyhow!("metrics lock poisoned"))? = Scraped { services, counters };
+        .map_err(|_| anyhow::anyhow!("metrics lock poisoned"))? = Scraped {
+        services,
+        counters,
+        refused_peers: state.peers.refused(),
+    };
     let registry = state
         .registry
         .lock()
@@ -180,6 +192,7 @@ async fn metrics_of(state: &State) -> Result<String> {
 struct Scraped {
     services: Vec<ServiceStatus>,
     counters: Counters,
+    refused_peers: u64,
 }
 
 /// Exposes the balancers' and the kernel's own counters at scrape time, so there is one source
@@ -208,6 +221,11 @@ impl Collector for AgentCollector {
             "connect_redirected",
             "connect() calls rewritten to a node balancer listener (IPv4 and IPv4-mapped IPv6).",
             c.connect4_redirected + c.connect6_redirected,
+        )?;
+        kernel(
+            "balancer_refused",
+            "Connections to a balancer closed at once because the peer is not one of this node's pods.",
+            s.refused_peers,
         )?;
         kernel(
             "stale_heartbeat",

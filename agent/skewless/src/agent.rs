@@ -17,7 +17,11 @@ use skewless_datapath::Datapath;
 use tokio::signal::unix::{SignalKind, signal};
 use tracing::{Instrument as _, info, info_span};
 
-use crate::{admin, reconcile::Reconciler};
+use crate::{
+    admin,
+    peers::{Cidr, PeerFilter},
+    reconcile::Reconciler,
+};
 
 /// The node-local address the balancers listen on: a /32 on the node's `lo`, reachable from
 /// the node's pods through their default route.
@@ -40,6 +44,11 @@ pub struct Args {
     /// Node-local IPv4 address the balancers listen on (must exist on the node, e.g. on lo).
     #[arg(long, default_value_t = DEFAULT_BALANCER_IP, env = "SKEWLESS_BALANCER_IP")]
     balancer_ip: Ipv4Addr,
+    /// Network whose peers may use the balancers: this node's pod CIDR(s). Repeatable. With
+    /// `--kubernetes` the Node's `spec.podCIDRs` are added. Other peers are refused and
+    /// counted; with no network known at all, every peer is admitted (and the agent warns).
+    #[arg(long = "pod-cidr", value_name = "CIDR")]
+    pod_cidrs: Vec<Cidr>,
     /// Raw redirect of a Service address to a listener, `VIP:PORT=ADDR:PORT`, bypassing the
     /// model. Repeatable. For tests and debugging.
     #[arg(long = "redirect", value_name = "VIP:PORT=ADDR:PORT")]
@@ -82,6 +91,7 @@ pub async fn run(args: Args) -> Result<()> {
         services_file,
         kubernetes,
         balancer_ip,
+        pod_cidrs,
         redirects,
         admin_addr,
         node_name,
@@ -113,9 +123,16 @@ pub async fn run(args: Args) -> Result<()> {
     tokio::spawn(heartbeat(Arc::clone(&datapath)).instrument(info_span!("heartbeat")));
     let mut registry = prometheus_client::registry::Registry::with_prefix("skewless");
     let model_metrics = skewless_model::Metrics::register(&mut registry);
+    if pod_cidrs.is_empty() && !kubernetes {
+        tracing::warn!(
+            "no --pod-cidr: the balancers admit connections from any peer that reaches them"
+        );
+    }
+    let peers = Arc::new(PeerFilter::new(pod_cidrs.clone()));
     let reconciler = Arc::new(tokio::sync::Mutex::new(Reconciler::new(
         Arc::clone(&datapath),
         balancer_ip,
+        Arc::clone(&peers),
     )));
 
     let mut synced = None;
@@ -133,6 +150,20 @@ pub async fn run(args: Args) -> Result<()> {
         };
         let discovery = skewless_k8s::Discovery::new(client, config, model_metrics);
         synced = Some(discovery.synced());
+        let mut node = discovery.node();
+        let peers = Arc::clone(&peers);
+        tokio::spawn(async move {
+            loop {
+                let mut cidrs = pod_cidrs.clone();
+                if let Some(info) = node.borrow_and_update().as_ref() {
+                    cidrs.extend(info.pod_cidrs.iter().filter_map(|c| c.parse::<Cidr>().ok()));
+                }
+                peers.set(cidrs);
+                if node.changed().await.is_err() {
+                    return;
+                }
+            }
+        });
         let snapshots = discovery.snapshots();
         tokio::spawn(discovery.run().instrument(info_span!("discovery")));
         Some(snapshots)
@@ -157,6 +188,7 @@ pub async fn run(args: Args) -> Result<()> {
 
     info!(node = %node_name, cgroups = cgroups.len(), redirects = redirects.len(), "agent ready");
     let state = Arc::new(admin::State::new(
+        Arc::clone(&peers),
         node_name,
         Arc::clone(&datapath),
         Arc::clone(&reconciler),

@@ -3,6 +3,7 @@
 
 mod admin;
 mod agent;
+mod peers;
 mod reconcile;
 
 use clap::{Parser, Subcommand};

@@ -27,6 +27,8 @@ use tokio::{
 };
 use tracing::{Instrument as _, info, info_span, warn};
 
+use crate::peers::PeerFilter;
+
 /// What one redirected Service port looks like in `/status`.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct ServiceStatus {
@@ -64,15 +66,21 @@ struct Running {
 pub struct Reconciler {
     datapath: Arc<Mutex<Datapath>>,
     balancer_ip: Ipv4Addr,
+    peers: Arc<PeerFilter>,
     running: BTreeMap<SocketAddrV4, Running>,
     warned: HashSet<(ServiceKey, &'static str)>,
 }
 
 impl Reconciler {
-    pub fn new(datapath: Arc<Mutex<Datapath>>, balancer_ip: Ipv4Addr) -> Self {
+    pub fn new(
+        datapath: Arc<Mutex<Datapath>>,
+        balancer_ip: Ipv4Addr,
+        peers: Arc<PeerFilter>,
+    ) -> Self {
         Self {
             datapath,
             balancer_ip,
+            peers,
             running: BTreeMap::new(),
             warned: HashSet::new(),
         }
@@ -159,14 +167,23 @@ impl Reconciler {
         let balancer = Arc::new(Balancer::new(config(&state), rx));
         let (stop_tx, stop_rx) = oneshot::channel::<()>();
         let serving = Arc::clone(&balancer);
+        let peers = Arc::clone(&self.peers);
+        let datapath = Arc::clone(&self.datapath);
         let span = info_span!("balancer", service = %state.key, %vip);
         let task = tokio::spawn(
             async move {
                 let shutdown = async {
                     let _ = stop_rx.await;
                 };
-                if let Err(error) = serving.serve(listener, shutdown).await {
-                    warn!(%error, "balancer stopped");
+                if let Err(error) = serving
+                    .serve_admitting(listener, shutdown, |p| peers.admit(p))
+                    .await
+                {
+                    // Never leave a redirect pointing at a listener nobody serves.
+                    warn!(%error, "balancer stopped; removing its redirect");
+                    if let Ok(mut dp) = datapath.lock() {
+                        let _ = dp.remove_redirect(vip);
+                    }
                 }
             }
             .instrument(span),

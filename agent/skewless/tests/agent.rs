@@ -126,6 +126,10 @@ fn write_services(
 }
 
 fn services_in_status(tb: &skewless_testbed::Testbed) -> usize {
+    status_json(tb)["services"].as_array().map_or(0, Vec::len)
+}
+
+fn status_json(tb: &skewless_testbed::Testbed) -> serde_json::Value {
     let out = tb
         .command(
             Place::Node(0),
@@ -140,8 +144,7 @@ fn services_in_status(tb: &skewless_testbed::Testbed) -> usize {
         .unwrap()
         .output()
         .unwrap();
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
-    v["services"].as_array().map_or(0, Vec::len)
+    serde_json::from_slice(&out.stdout).unwrap_or_default()
 }
 
 fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
@@ -187,7 +190,7 @@ fn agent_balances_pick_first_grpc_client_through_the_vip_and_follows_opt_out() {
     let target = vip.to_string();
 
     // Control: without the agent, grpcio's pick_first channel pins to one pod.
-    let pinned = grpc::run_client(&tb, &gen_dir, "client", &target, 200, 4).unwrap();
+    let pinned = grpc::run_client(&tb, &gen_dir, Place::Pod("client"), &target, 200, 4).unwrap();
     assert_eq!(pinned.ok, 200, "{pinned:?}");
     assert_eq!(
         pinned.pods.len(),
@@ -198,6 +201,9 @@ fn agent_balances_pick_first_grpc_client_through_the_vip_and_follows_opt_out() {
     let services = std::env::temp_dir().join(format!("skewless-test-services-{}.yaml", tb.id()));
     write_services(&services, &tb, vip, "request", &PODS);
     let cgroup = tb.pod("client").unwrap().cgroup.display().to_string();
+    // Only the client pod's network may use the balancer.
+    let client_ip = tb.pod("client").unwrap().ip.octets();
+    let pod_cidr = format!("{}.{}.{}.0/24", client_ip[0], client_ip[1], client_ip[2]);
     let agent = tb
         .spawn(
             Place::Node(0),
@@ -208,6 +214,8 @@ fn agent_balances_pick_first_grpc_client_through_the_vip_and_follows_opt_out() {
                 &services.display().to_string(),
                 "--cgroup",
                 &cgroup,
+                "--pod-cidr",
+                &pod_cidr,
                 "--admin-addr",
                 ADMIN,
             ],
@@ -217,7 +225,7 @@ fn agent_balances_pick_first_grpc_client_through_the_vip_and_follows_opt_out() {
         services_in_status(&tb) == 1
     });
 
-    let balanced = grpc::run_client(&tb, &gen_dir, "client", &target, 200, 4).unwrap();
+    let balanced = grpc::run_client(&tb, &gen_dir, Place::Pod("client"), &target, 200, 4).unwrap();
     assert_eq!(
         balanced.ok, 200,
         "every call must succeed through the balancer: {balanced:?}"
@@ -232,12 +240,29 @@ fn agent_balances_pick_first_grpc_client_through_the_vip_and_follows_opt_out() {
         "equal pods must get a fair share of 200 calls: {balanced:?}"
     );
 
+    // Anyone else who reaches the listener (here: the node itself, as another node with a
+    // route to the link-local address would) is refused before any HTTP/2.
+    let listener = status_json(&tb)["services"][0]["listener"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let outsider = grpc::run_client(&tb, &gen_dir, Place::Node(0), &listener, 5, 1).unwrap();
+    assert_eq!(
+        outsider.ok, 0,
+        "a peer outside the pod CIDR must not be served: {outsider:?}"
+    );
+    let refused = status_json(&tb)["refused_peers"].as_u64().unwrap();
+    assert!(
+        refused >= 1,
+        "refused connections must be counted, got {refused}"
+    );
+
     // Opt-out (mode observe): the redirect goes away; new connections are plain L4 again.
     write_services(&services, &tb, vip, "observe", &PODS);
     wait_until("the agent drops the redirect", || {
         services_in_status(&tb) == 0
     });
-    let after = grpc::run_client(&tb, &gen_dir, "client", &target, 100, 4).unwrap();
+    let after = grpc::run_client(&tb, &gen_dir, Place::Pod("client"), &target, 100, 4).unwrap();
     assert_eq!(after.ok, 100, "{after:?}");
     assert_eq!(
         after.pods.len(),

@@ -104,14 +104,14 @@ pub struct ClientReport {
 }
 
 /// Runs a grpcio client with the default channel (pick_first: one HTTP/2 connection) in
-/// `pod`: `calls` unary calls to `target` with `concurrency` threads.
+/// `place`: `calls` unary calls to `target` with `concurrency` threads.
 ///
 /// # Errors
 /// If the client fails to run or prints something unexpected.
 pub fn run_client(
     tb: &Testbed,
     gen_dir: &Path,
-    pod: &str,
+    place: Place<'_>,
     target: &str,
     calls: u32,
     concurrency: u32,
@@ -134,7 +134,7 @@ pub fn run_client(
         "--concurrency",
         &conc,
     ];
-    let out = tb.run(Place::Pod(pod), &argv)?;
+    let out = tb.run(place, &argv)?;
     parse_report(&String::from_utf8_lossy(&out.stdout))
 }
 
