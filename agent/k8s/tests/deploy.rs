@@ -20,9 +20,10 @@ use serde_json::Value;
 use skewless_k8s::RBAC_RULES;
 
 /// The agent arguments the DaemonSet passes; the binary must accept these flags.
-const AGENT_ARGS: [&str; 4] = [
+const AGENT_ARGS: [&str; 5] = [
     "agent",
     "--kubernetes",
+    "--pod-cgroup-root=/run/skewless/cgroup",
     "--node-name=$(NODE_NAME)",
     "--admin-addr=0.0.0.0:9990",
 ];

@@ -33,6 +33,12 @@ pub struct Args {
     /// root of the hierarchy: that would redirect every process on the machine.
     #[arg(long = "cgroup", value_name = "DIR")]
     cgroups: Vec<PathBuf>,
+    /// Host cgroup v2 hierarchy (the DaemonSet mounts it at /run/skewless/cgroup): the hooks
+    /// attach to the kubelet's pod parent cgroup below it (`kubepods.slice` with the systemd
+    /// driver, `kubepods` with cgroupfs), which covers every pod on the node, present and
+    /// future. Never to the hierarchy root.
+    #[arg(long, value_name = "DIR")]
+    pod_cgroup_root: Option<PathBuf>,
     /// Services and endpoints from a YAML file (see agent/config/examples/services.yaml),
     /// re-read when it changes. Services in `request` mode get a balancer and a redirect.
     #[arg(long, value_name = "FILE", env = "SKEWLESS_SERVICES_FILE")]
@@ -87,7 +93,8 @@ impl FromStr for Redirect {
 
 pub async fn run(args: Args) -> Result<()> {
     let Args {
-        cgroups,
+        mut cgroups,
+        pod_cgroup_root,
         services_file,
         kubernetes,
         balancer_ip,
@@ -96,6 +103,9 @@ pub async fn run(args: Args) -> Result<()> {
         admin_addr,
         node_name,
     } = args;
+    if let Some(root) = pod_cgroup_root {
+        cgroups.push(pods_parent(&root)?);
+    }
     for cg in &cgroups {
         // A cgroup's parent is itself a cgroup (it has cgroup.procs) unless it is the root of
         // the hierarchy, where a hook would catch every process on the machine.
@@ -209,6 +219,20 @@ pub async fn run(args: Args) -> Result<()> {
     Ok(())
 }
 
+/// The kubelet's parent cgroup of all pods under the host's cgroup v2 root.
+fn pods_parent(root: &std::path::Path) -> Result<PathBuf> {
+    ["kubepods.slice", "kubepods"]
+        .iter()
+        .map(|name| root.join(name))
+        .find(|dir| dir.join("cgroup.procs").is_file())
+        .with_context(|| {
+            format!(
+                "no kubepods.slice or kubepods cgroup under {}",
+                root.display()
+            )
+        })
+}
+
 /// Tells the hooks the agent is alive, every 200 ms, from the same runtime that runs the
 /// balancers: if the runtime hangs (or the process is stopped), the heartbeat goes stale and
 /// new connections go straight to the Service within a second.
@@ -235,6 +259,22 @@ async fn heartbeat(datapath: Arc<Mutex<Datapath>>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pods_parent_prefers_the_systemd_slice_and_errors_without_one() {
+        let root = std::env::temp_dir().join(format!("skewless-cg-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        assert!(
+            pods_parent(&root).is_err(),
+            "no kubepods cgroup must be an error"
+        );
+        for name in ["kubepods", "kubepods.slice"] {
+            std::fs::create_dir_all(root.join(name)).unwrap();
+            std::fs::write(root.join(name).join("cgroup.procs"), b"").unwrap();
+        }
+        assert_eq!(pods_parent(&root).unwrap(), root.join("kubepods.slice"));
+        std::fs::remove_dir_all(&root).unwrap();
+    }
 
     #[test]
     fn redirect_flag_parses_and_rejects_garbage() {
