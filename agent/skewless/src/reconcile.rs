@@ -123,7 +123,10 @@ impl Reconciler {
         let gone: Vec<SocketAddrV4> = self
             .running
             .iter()
-            .filter(|(vip, r)| wanted.get(vip).is_none_or(|(s, _)| s.key != r.service))
+            // A balancer whose accept loop died (it removed its own redirect) is restarted.
+            .filter(|(vip, r)| {
+                r.task.is_finished() || wanted.get(vip).is_none_or(|(s, _)| s.key != r.service)
+            })
             .map(|(vip, _)| *vip)
             .collect();
         for vip in gone {
