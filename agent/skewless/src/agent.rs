@@ -187,8 +187,11 @@ pub async fn run(args: Args) -> Result<()> {
                 loop {
                     let snapshot = snapshots.borrow_and_update().clone();
                     reconciler.lock().await.apply(&snapshot).await;
-                    if snapshots.changed().await.is_err() {
-                        return;
+                    // Also re-apply now and then, so a balancer that died is restarted even if
+                    // the Services do not change.
+                    tokio::select! {
+                        changed = snapshots.changed() => if changed.is_err() { return },
+                        () = tokio::time::sleep(Duration::from_secs(5)) => {}
                     }
                 }
             }
