@@ -7,7 +7,10 @@
 //! fail-open behaviour skewless promises.
 //!
 //! The same attachment observes every client TCP connection of the pod (`sock_ops`):
-//! [`Datapath::connections`] dumps them.
+//! [`Datapath::connections`] dumps them, and [`conntrack`] resolves the backend each one is
+//! pinned to when a DNAT hides it from the socket.
+
+pub mod conntrack;
 
 use std::{
     fs::File,
