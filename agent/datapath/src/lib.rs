@@ -5,6 +5,12 @@
 //! they live exactly as long as the [`Datapath`] (and the process) does: if the agent dies, the
 //! kernel detaches every program and new connections go straight to the Service again — the
 //! fail-open behaviour skewless promises.
+//!
+//! The same attachment observes every client TCP connection of the pod (`sock_ops`):
+//! [`Datapath::connections`] dumps them, and [`conntrack`] resolves the backend each one is
+//! pinned to when a DNAT hides it from the socket.
+
+pub mod conntrack;
 
 use std::{
     fs::File,
@@ -16,11 +22,13 @@ use aya::{
     Ebpf,
     maps::{Array, HashMap, MapData, PerCpuArray},
     programs::{
-        CgroupAttachMode, CgroupSockAddr, ProgramError, cgroup_sock_addr::CgroupSockAddrLinkId,
+        CgroupAttachMode, CgroupSockAddr, ProgramError, SockOps,
+        cgroup_sock_addr::CgroupSockAddrLinkId, sock_ops::SockOpsLinkId,
     },
 };
 use skewless_common::{
-    COUNTERS_MAP, Counter, HEARTBEAT_MAP, REDIRECT4_CAPACITY, REDIRECT4_MAP, Redirect4, ServiceKey4,
+    CONN4_MAP, COUNTERS_MAP, Conn4, Counter, HEARTBEAT_MAP, REDIRECT4_CAPACITY, REDIRECT4_MAP,
+    Redirect4, ServiceKey4,
 };
 use tracing::{debug, info};
 
@@ -29,6 +37,8 @@ static PROGRAMS: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/
 
 /// The cgroup sock_addr programs, all attached to every pod cgroup.
 const SOCK_ADDR_PROGRAMS: [&str; 4] = ["connect4", "connect6", "getpeername4", "getpeername6"];
+/// The sock_ops program that records client connections, attached next to them.
+const SOCK_OPS_PROGRAM: &str = "sock_ops";
 
 /// Errors from loading programs, attaching them, or updating their maps.
 #[derive(Debug, thiserror::Error)]
@@ -70,6 +80,7 @@ pub enum Error {
 pub struct Attachment {
     cgroup: PathBuf,
     links: Vec<(&'static str, CgroupSockAddrLinkId)>,
+    sock_ops: SockOpsLinkId,
 }
 
 impl Attachment {
@@ -90,6 +101,57 @@ pub struct Counters {
     pub peername_restored: u64,
     pub origdst_update_failed: u64,
     pub stale_heartbeat: u64,
+    /// Active TCP connections established in attached cgroups.
+    pub conn_established: u64,
+    /// Connection records that could not be written (those connections are not observed).
+    pub conn_update_failed: u64,
+    /// Connections whose byte and close updates could not be enabled.
+    pub conn_cb_flags_failed: u64,
+    /// Connections not recorded because they are native IPv6.
+    pub conn_skipped_family: u64,
+}
+
+/// One client TCP connection from an attached cgroup, as its socket sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Connection {
+    /// The socket cookie: unique per socket for the kernel's uptime.
+    pub cookie: u64,
+    /// The pod's address and port.
+    pub local: SocketAddrV4,
+    /// The address the socket is connected to: the Service VIP under DNAT, the backend pod
+    /// under socket-level load balancing, the balancer's listener when redirected.
+    pub remote: SocketAddrV4,
+    /// The Service address a redirected socket asked for; `None` when not redirected.
+    pub redirected_from: Option<SocketAddrV4>,
+    /// Last TCP state seen (`BPF_TCP_*`: 1 established, 7 close).
+    pub state: u32,
+    /// CLOCK_MONOTONIC time the connection was established.
+    pub opened: std::time::Duration,
+    /// CLOCK_MONOTONIC time it closed; `None` while open.
+    pub closed: Option<std::time::Duration>,
+    /// Bytes the client sent that the peer acknowledged (refreshed on every RTT sample and
+    /// state change; final once closed).
+    pub bytes_sent: u64,
+    /// Bytes the client received (refreshed like `bytes_sent`).
+    pub bytes_received: u64,
+}
+
+impl Connection {
+    fn from_record(cookie: u64, c: &Conn4) -> Self {
+        let ip = |a: u32| Ipv4Addr::from(u32::from_be(a));
+        Self {
+            cookie,
+            local: SocketAddrV4::new(ip(c.local_addr), c.local_port),
+            remote: SocketAddrV4::new(ip(c.remote_addr), c.remote_port),
+            redirected_from: (c.orig_addr != 0)
+                .then(|| SocketAddrV4::new(ip(c.orig_addr), c.orig_port)),
+            state: c.state,
+            opened: std::time::Duration::from_nanos(c.opened_ns),
+            closed: (c.closed_ns != 0).then(|| std::time::Duration::from_nanos(c.closed_ns)),
+            bytes_sent: c.bytes_acked,
+            bytes_received: c.bytes_received,
+        }
+    }
 }
 
 /// Cumulative statistics of one program, from the kernel.
@@ -115,6 +177,7 @@ pub struct Datapath {
     redirect4: HashMap<MapData, ServiceKey4, Redirect4>,
     heartbeat: Array<MapData, u64>,
     counters: PerCpuArray<MapData, u64>,
+    conns: HashMap<MapData, u64, Conn4>,
 }
 
 impl std::fmt::Debug for Datapath {
@@ -136,15 +199,23 @@ impl Datapath {
                 .load()
                 .map_err(|source| Error::Program { name, source })?;
         }
+        sock_ops_program(&mut ebpf)?
+            .load()
+            .map_err(|source| Error::Program {
+                name: SOCK_OPS_PROGRAM,
+                source,
+            })?;
         let redirect4 = take_map(&mut ebpf, REDIRECT4_MAP)?;
         let heartbeat = take_map(&mut ebpf, HEARTBEAT_MAP)?;
         let counters = take_map(&mut ebpf, COUNTERS_MAP)?;
+        let conns = take_map(&mut ebpf, CONN4_MAP)?;
         info!("eBPF programs loaded");
         Ok(Self {
             ebpf,
             redirect4,
             heartbeat,
             counters,
+            conns,
         })
     }
 
@@ -176,10 +247,27 @@ impl Datapath {
                 }
             }
         }
+        let sock_ops = sock_ops_program(&mut self.ebpf).and_then(|p| {
+            p.attach(&file, CgroupAttachMode::Single)
+                .map_err(|source| Error::Program {
+                    name: SOCK_OPS_PROGRAM,
+                    source,
+                })
+        });
+        let sock_ops = match sock_ops {
+            Ok(link) => link,
+            Err(e) => {
+                if let Err(undo) = self.detach_links(links) {
+                    tracing::warn!(error = %undo, "undoing a partial attachment");
+                }
+                return Err(e);
+            }
+        };
         debug!(cgroup = %cgroup.display(), "attached");
         Ok(Attachment {
             cgroup: cgroup.to_owned(),
             links,
+            sock_ops,
         })
     }
 
@@ -188,8 +276,20 @@ impl Datapath {
     /// # Errors
     /// When the attachment is unknown to the program.
     pub fn detach(&mut self, attachment: Attachment) -> Result<(), Error> {
-        let Attachment { cgroup, links } = attachment;
+        let Attachment {
+            cgroup,
+            links,
+            sock_ops,
+        } = attachment;
+        let observed = sock_ops_program(&mut self.ebpf).and_then(|p| {
+            p.detach(sock_ops).map_err(|source| Error::Program {
+                name: SOCK_OPS_PROGRAM,
+                source,
+            })
+        });
+        // Detach the redirect hooks even if the observer could not be detached.
         self.detach_links(links)?;
+        observed?;
         debug!(cgroup = %cgroup.display(), "detached");
         Ok(())
     }
@@ -299,7 +399,41 @@ impl Datapath {
             peername_restored: read(Counter::PeerNameRestored)?,
             origdst_update_failed: read(Counter::OrigDstUpdateFailed)?,
             stale_heartbeat: read(Counter::StaleHeartbeat)?,
+            conn_established: read(Counter::ConnEstablished)?,
+            conn_update_failed: read(Counter::ConnUpdateFailed)?,
+            conn_cb_flags_failed: read(Counter::ConnCbFlagsFailed)?,
+            conn_skipped_family: read(Counter::ConnSkippedFamily)?,
         })
+    }
+
+    /// The client connections recorded by the `sock_ops` program: open ones and closed ones
+    /// the LRU map has not evicted yet (closed records stay until [`Datapath::forget`] or
+    /// eviction, so a dump after a close still sees the final byte counts).
+    ///
+    /// Entries that disappear while the map is walked are skipped, so a dump is a best-effort
+    /// snapshot, never an error.
+    #[must_use]
+    pub fn connections(&self) -> Vec<Connection> {
+        self.conns
+            .iter()
+            .filter_map(Result::ok)
+            .map(|(cookie, c)| Connection::from_record(cookie, &c))
+            .collect()
+    }
+
+    /// Removes a connection record (for example a closed one the observer has accounted
+    /// for). Removing an unknown cookie is not an error.
+    ///
+    /// # Errors
+    /// When the kernel refuses the deletion for another reason than a missing key.
+    pub fn forget(&mut self, cookie: u64) -> Result<(), Error> {
+        match self.conns.remove(&cookie) {
+            Ok(()) | Err(aya::maps::MapError::KeyNotFound) => Ok(()),
+            Err(source) => Err(Error::Map {
+                name: CONN4_MAP,
+                source,
+            }),
+        }
     }
 
     /// Cumulative run count and run time of one of the socket programs. The kernel only
@@ -344,6 +478,16 @@ fn sock_addr_program<'a>(
         .ok_or(Error::MissingProgram(name))?
         .try_into()
         .map_err(|source| Error::Program { name, source })
+}
+
+fn sock_ops_program(ebpf: &mut Ebpf) -> Result<&mut SockOps, Error> {
+    ebpf.program_mut(SOCK_OPS_PROGRAM)
+        .ok_or(Error::MissingProgram(SOCK_OPS_PROGRAM))?
+        .try_into()
+        .map_err(|source| Error::Program {
+            name: SOCK_OPS_PROGRAM,
+            source,
+        })
 }
 
 fn take_map<T>(ebpf: &mut Ebpf, name: &'static str) -> Result<T, Error>

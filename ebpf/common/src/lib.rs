@@ -25,6 +25,12 @@ pub const HEARTBEAT_MAP: &str = "HEARTBEAT";
 pub const HEARTBEAT_STALE_NS: u64 = 750_000_000;
 /// Name of the per-CPU counter array (indexed by [`Counter`]).
 pub const COUNTERS_MAP: &str = "COUNTERS";
+/// Name of the map of observed client TCP connections (socket cookie `u64` -> [`Conn4`]),
+/// written by the `sock_ops` program for every active connection from an attached cgroup.
+pub const CONN4_MAP: &str = "CONN4";
+/// Capacity of [`CONN4_MAP`]. It is an LRU map: when full, the least recently updated
+/// connection (usually a closed one) is evicted, so recording never blocks a connection.
+pub const CONN4_CAPACITY: u32 = 65_536;
 
 /// An IPv4 Service address as the connect4 hook sees it: both fields in network byte order,
 /// exactly as `bpf_sock_addr.user_ip4` / `user_port` carry them.
@@ -65,6 +71,44 @@ pub struct Redirect4 {
 }
 const _: () = assert!(core::mem::size_of::<Redirect4>() == 12);
 
+/// One client TCP connection as its own socket sees it, recorded by the `sock_ops` program.
+///
+/// Addresses are in network byte order (as `bpf_sock_ops` carries them); ports are in host
+/// order (the program converts them). Times are `bpf_ktime_get_ns` (CLOCK_MONOTONIC, ns).
+/// Byte counts are the kernel's RFC 4898 counters (`tcp_sock.bytes_acked` and
+/// `bytes_received`), refreshed on every RTT sample and every state change, and final once
+/// `closed_ns` is set.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Conn4 {
+    /// Local (pod) IPv4 address, network byte order.
+    pub local_addr: u32,
+    /// Remote IPv4 address the socket is connected to (the VIP under DNAT, the pod IP under
+    /// socket-level load balancing, the balancer when redirected), network byte order.
+    pub remote_addr: u32,
+    /// The Service address a redirected socket asked for (from `ORIGDST`), network byte
+    /// order; 0 when the socket was not redirected.
+    pub orig_addr: u32,
+    /// Last TCP state seen (`BPF_TCP_*`, 1 = established, 7 = close).
+    pub state: u32,
+    /// Local port, host byte order.
+    pub local_port: u16,
+    /// Remote port, host byte order.
+    pub remote_port: u16,
+    /// Port of `orig_addr`, host byte order; 0 when not redirected.
+    pub orig_port: u16,
+    pub _pad: u16,
+    /// When the connection was established.
+    pub opened_ns: u64,
+    /// When it reached TCP_CLOSE; 0 while open.
+    pub closed_ns: u64,
+    /// Bytes the peer acknowledged (sent by the client).
+    pub bytes_acked: u64,
+    /// Bytes received from the peer.
+    pub bytes_received: u64,
+}
+const _: () = assert!(core::mem::size_of::<Conn4>() == 56);
+
 /// Indices into the per-CPU [`COUNTERS_MAP`] array.
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -87,9 +131,19 @@ pub enum Counter {
     /// connects to a redirected Service passed through untouched because the agent's heartbeat
     /// was stale (fail open).
     StaleHeartbeat = 7,
+    /// Active TCP connections that reached ESTABLISHED in an attached cgroup (sock_ops).
+    ConnEstablished = 8,
+    /// Connection records that could not be written (the connection is not observed; it is
+    /// never affected).
+    ConnUpdateFailed = 9,
+    /// Established connections whose callbacks (state changes, RTT samples) could not be
+    /// enabled: their bytes and close time stay at the values seen at establishment.
+    ConnCbFlagsFailed = 10,
+    /// Active connections of a family the observer does not record (native IPv6).
+    ConnSkippedFamily = 11,
 }
 /// Number of entries in [`COUNTERS_MAP`].
-pub const COUNTERS_LEN: u32 = 8;
+pub const COUNTERS_LEN: u32 = 12;
 
 #[cfg(feature = "user")]
 mod user {
@@ -98,4 +152,6 @@ mod user {
     unsafe impl aya::Pod for super::ServiceKey4 {}
     // SAFETY: as above.
     unsafe impl aya::Pod for super::Redirect4 {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::Conn4 {}
 }

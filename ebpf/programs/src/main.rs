@@ -7,6 +7,11 @@
 //! - `getpeername4` / `getpeername6`: a redirected socket still reports the VIP:port it
 //!   connected to, so applications that log or check their peer see no difference.
 //!
+//! - `sock_ops`: for every active (client-side) TCP connection that reaches ESTABLISHED,
+//!   records its addresses, open time and, on every RTT sample and state change, the kernel's
+//!   byte counters and the close time in the LRU map `CONN4` under the socket cookie. The
+//!   agent resolves the real backend from these records (conntrack under DNAT).
+//!
 //! A redirect also needs a fresh heartbeat from the agent (`HEARTBEAT`): if the agent hangs,
 //! connects go straight to the Service again within a second.
 //!
@@ -17,14 +22,18 @@
 #[cfg(target_arch = "bpf")]
 mod programs {
     use aya_ebpf::{
+        bindings::{
+            BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB, BPF_SOCK_OPS_RTT_CB, BPF_SOCK_OPS_RTT_CB_FLAG,
+            BPF_SOCK_OPS_STATE_CB, BPF_SOCK_OPS_STATE_CB_FLAG, BPF_TCP_CLOSE,
+        },
         helpers::{bpf_get_socket_cookie, bpf_ktime_get_ns},
-        macros::{cgroup_sock_addr, map},
+        macros::{cgroup_sock_addr, map, sock_ops},
         maps::{Array, HashMap, LruHashMap, PerCpuArray},
-        programs::SockAddrContext,
+        programs::{SockAddrContext, SockOpsContext},
     };
     use skewless_common::{
-        COUNTERS_LEN, Counter, HEARTBEAT_STALE_NS, ORIGDST_CAPACITY, REDIRECT4_CAPACITY, Redirect4,
-        ServiceKey4,
+        CONN4_CAPACITY, COUNTERS_LEN, Conn4, Counter, HEARTBEAT_STALE_NS, ORIGDST_CAPACITY,
+        REDIRECT4_CAPACITY, Redirect4, ServiceKey4,
     };
 
     /// Verdict for cgroup sock_addr programs: 1 lets the syscall proceed (with whatever address
@@ -44,6 +53,9 @@ mod programs {
 
     #[map(name = "HEARTBEAT")]
     static HEARTBEAT: Array<u64> = Array::with_max_entries(1, 0);
+
+    #[map(name = "CONN4")]
+    static CONN4: LruHashMap<u64, Conn4> = LruHashMap::with_max_entries(CONN4_CAPACITY, 0);
 
     #[map(name = "COUNTERS")]
     static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(COUNTERS_LEN, 0);
@@ -153,6 +165,130 @@ mod programs {
             count(Counter::PeerNameRestored);
         }
         ALLOW
+    }
+
+    /// Return value of sock_ops programs; the kernel ignores it for the callbacks used here.
+    const SOCK_OPS_OK: u32 = 1;
+    const AF_INET: u32 = 2;
+    const AF_INET6: u32 = 10;
+
+    #[sock_ops]
+    pub fn sock_ops(ctx: SockOpsContext) -> u32 {
+        match ctx.op() {
+            BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB => established(&ctx),
+            BPF_SOCK_OPS_RTT_CB => refresh(&ctx, None),
+            // args: old state, new state; the callback runs before the socket changes state.
+            BPF_SOCK_OPS_STATE_CB => refresh(&ctx, Some(ctx.arg(1))),
+            _ => {}
+        }
+        // Observation only: nothing here can change or fail the connection.
+        SOCK_OPS_OK
+    }
+
+    /// IPv4 addresses of the socket (network order), or `None` for native IPv6. Dual-stack
+    /// sockets reach IPv4 peers through IPv4-mapped addresses, which count as IPv4.
+    #[inline(always)]
+    fn addrs(ctx: &SockOpsContext) -> Option<(u32, u32)> {
+        let o = ctx.ops;
+        // Every field is read up front with volatile loads, one word each: otherwise the
+        // compiler merges the IPv4 and IPv6 loads into one load through an offset context
+        // pointer, which the verifier rejects ("dereference of modified ctx ptr").
+        // SAFETY: `ops` is the kernel-provided context, valid for the whole run; each address
+        // is a field of it, so the verifier sees constant-offset context loads.
+        let word = |p: *const u32| unsafe { core::ptr::read_volatile(p) };
+        // SAFETY: as above: only field addresses are formed, nothing is dereferenced here.
+        let (family, l4, r4, l6, r6) = unsafe {
+            (
+                word(&raw const (*o).family),
+                word(&raw const (*o).local_ip4),
+                word(&raw const (*o).remote_ip4),
+                [
+                    word(&raw const (*o).local_ip6[0]),
+                    word(&raw const (*o).local_ip6[1]),
+                    word(&raw const (*o).local_ip6[2]),
+                    word(&raw const (*o).local_ip6[3]),
+                ],
+                [
+                    word(&raw const (*o).remote_ip6[0]),
+                    word(&raw const (*o).remote_ip6[1]),
+                    word(&raw const (*o).remote_ip6[2]),
+                    word(&raw const (*o).remote_ip6[3]),
+                ],
+            )
+        };
+        let mapped = |a: [u32; 4]| a[0] == 0 && a[1] == 0 && a[2] == V4_MAPPED_WORD;
+        match family {
+            AF_INET => Some((l4, r4)),
+            AF_INET6 if mapped(l6) && mapped(r6) => Some((l6[3], r6[3])),
+            _ => None,
+        }
+    }
+
+    #[inline(always)]
+    fn established(ctx: &SockOpsContext) {
+        count(Counter::ConnEstablished);
+        let Some((local_addr, remote_addr)) = addrs(ctx) else {
+            count(Counter::ConnSkippedFamily);
+            return;
+        };
+        // SAFETY: sock_ops programs may call bpf_get_socket_cookie on their context.
+        let cookie = unsafe { bpf_get_socket_cookie(ctx.ops.cast()) };
+        // SAFETY: the value is copied out immediately.
+        let orig = unsafe { ORIGDST.get(cookie) }.copied();
+        // SAFETY: `ops` is the kernel-provided context, valid for the whole run; the verifier
+        // checks every field access (a full socket is guaranteed at ESTABLISHED callbacks).
+        let ops = unsafe { &*ctx.ops };
+        // SAFETY: bpf_ktime_get_ns has no preconditions.
+        let now = unsafe { bpf_ktime_get_ns() };
+        let conn = Conn4 {
+            local_addr,
+            remote_addr,
+            orig_addr: orig.map_or(0, |o| o.addr),
+            state: ops.state,
+            // local_port is host order; remote_port is network order in the high half.
+            local_port: ctx.local_port() as u16,
+            remote_port: u32::from_be(ctx.remote_port()) as u16,
+            orig_port: orig.map_or(0, |o| u16::from_be(o.port)),
+            _pad: 0,
+            opened_ns: now,
+            closed_ns: 0,
+            bytes_acked: ops.bytes_acked,
+            bytes_received: ops.bytes_received,
+        };
+        if CONN4.insert(cookie, conn, 0).is_err() {
+            count(Counter::ConnUpdateFailed);
+            return;
+        }
+        let flags = ctx.cb_flags() | BPF_SOCK_OPS_STATE_CB_FLAG | BPF_SOCK_OPS_RTT_CB_FLAG;
+        if ctx.set_cb_flags(flags as i32).is_err() {
+            count(Counter::ConnCbFlagsFailed);
+        }
+    }
+
+    /// Copies the byte counters, the state (`new_state` on a state change) and, at
+    /// TCP_CLOSE, the close time into the record.
+    #[inline(always)]
+    fn refresh(ctx: &SockOpsContext, new_state: Option<u32>) {
+        // SAFETY: as in `established`.
+        let cookie = unsafe { bpf_get_socket_cookie(ctx.ops.cast()) };
+        // Callbacks are only enabled for recorded sockets; a missing record was evicted.
+        let Some(conn) = CONN4.get_ptr_mut(cookie) else {
+            return;
+        };
+        // SAFETY: as in `established`; state and RTT callbacks run on full sockets.
+        let ops = unsafe { &*ctx.ops };
+        // SAFETY: the pointer is to a live map value; a concurrent update of the same socket
+        // cannot happen (callbacks run under the socket lock), and a torn read by user space
+        // only delays a counter by one refresh.
+        unsafe {
+            (*conn).bytes_acked = ops.bytes_acked;
+            (*conn).bytes_received = ops.bytes_received;
+            let state = new_state.unwrap_or(ops.state);
+            (*conn).state = state;
+            if state == BPF_TCP_CLOSE {
+                (*conn).closed_ns = bpf_ktime_get_ns();
+            }
+        }
     }
 
     #[panic_handler]

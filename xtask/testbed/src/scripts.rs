@@ -73,3 +73,111 @@ for _ in sys.stdin:
         sys.stdout.write("ERR %s\n" % e)
     sys.stdout.flush()
 "#;
+
+/// `python3 -c ECHO_IDENT_SERVER NAME HOST PORT`: on every TCP connection (one thread each),
+/// sends `NAME\n`, then echoes everything it reads until the client shuts down its side.
+/// Tells a client which server it reached and lets it move a known number of bytes.
+pub const ECHO_IDENT_SERVER: &str = r#"
+import socket, sys, threading
+name, host, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+def serve(c):
+    try:
+        c.sendall((name + "\n").encode())
+        while True:
+            data = c.recv(65536)
+            if not data:
+                break
+            c.sendall(data)
+    except OSError:
+        pass
+    finally:
+        c.close()
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((host, port))
+s.listen(1024)
+while True:
+    c, _ = s.accept()
+    threading.Thread(target=serve, args=(c,), daemon=True).start()
+"#;
+
+/// `python3 -c ECHO_TALK HOST PORT COUNT BYTES`: opens COUNT connections one after another
+/// to an [`ECHO_IDENT_SERVER`]; on each reads the name line, sends about BYTES bytes (varied
+/// per connection) in 4 KiB chunks reading each echo back, shuts down its side, reads to EOF
+/// and closes. Prints one line per connection: `<name> <local ip>:<port> <sent> <received>`
+/// (received includes the name line), or `ERR <reason>`.
+pub const ECHO_TALK: &str = r#"
+import socket, sys
+host, port, n, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+def read_exact(s, k):
+    got = 0
+    while got < k:
+        chunk = s.recv(min(65536, k - got))
+        if not chunk:
+            raise OSError("early EOF")
+        got += len(chunk)
+    return got
+out = []
+for i in range(n):
+    try:
+        s = socket.create_connection((host, port), timeout=5)
+        local = s.getsockname()
+        name = b""
+        while not name.endswith(b"\n"):
+            chunk = s.recv(1)
+            if not chunk:
+                raise OSError("no name")
+            name += chunk
+        received = len(name)
+        total = size + (i * 7919) % size
+        sent = 0
+        while sent < total:
+            k = min(4096, total - sent)
+            s.sendall(b"x" * k)
+            sent += k
+            received += read_exact(s, k)
+        s.shutdown(socket.SHUT_WR)
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            received += len(chunk)
+        s.close()
+        out.append("%s %s:%d %d %d" % (name.decode().strip(), local[0], local[1], sent, received))
+    except OSError as e:
+        out.append("ERR %s" % e)
+print("\n".join(out))
+"#;
+
+/// `python3 -c ECHO_STREAM HOST PORT SECONDS CHUNK`: one long-lived connection to an
+/// [`ECHO_IDENT_SERVER`], like a pinned gRPC channel: prints `<name> <local ip>:<port>` as
+/// soon as it is connected, then sends CHUNK bytes and reads the echo every 10 ms for SECONDS,
+/// then prints `<sent> <received>` and closes.
+pub const ECHO_STREAM: &str = r#"
+import socket, sys, time
+host, port, secs, size = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
+s = socket.create_connection((host, port), timeout=5)
+local = s.getsockname()
+name = b""
+while not name.endswith(b"\n"):
+    chunk = s.recv(1)
+    if not chunk:
+        sys.exit("no name")
+    name += chunk
+print("%s %s:%d" % (name.decode().strip(), local[0], local[1]), flush=True)
+sent, received = 0, len(name)
+end = time.monotonic() + secs
+while time.monotonic() < end:
+    s.sendall(b"x" * size)
+    sent += size
+    got = 0
+    while got < size:
+        chunk = s.recv(size - got)
+        if not chunk:
+            sys.exit("early EOF")
+        got += len(chunk)
+    received += got
+    time.sleep(0.01)
+s.close()
+print("%d %d" % (sent, received), flush=True)
+"#;

@@ -1,0 +1,330 @@
+//! Privileged: the `sock_ops` observer on the real kernel. Client connections from an attached
+//! pod are recorded, their backend is resolved (conntrack under DNAT, the peer under
+//! socket-LB) and compared with ground truth: the echo server that answered names itself.
+//! Run with `cargo xtask test` (as root).
+
+use std::{
+    collections::BTreeMap,
+    io::{BufRead as _, BufReader},
+    net::{Ipv4Addr, SocketAddrV4},
+    process::Stdio,
+    time::{Duration, Instant},
+};
+
+use skewless_datapath::{
+    Datapath,
+    conntrack::{Attributed, Conntrack, Via, attribute},
+};
+use skewless_observe::{Sample, ServiceSpec, Snapshot, aggregate};
+use skewless_testbed::{Place, Testbed, scripts};
+
+const VIP: Ipv4Addr = Ipv4Addr::new(198, 19, 0, 20);
+const PORT: u16 = 8080;
+const SERVERS: [&str; 4] = ["server-0", "server-1", "server-2", "server-3"];
+
+/// One node; a `client` pod and four echo servers behind Service `echo` (VIP:PORT, DNAT).
+fn echo_bed() -> Testbed {
+    let mut tb = Testbed::builder()
+        .nodes(1)
+        .pod("client", 0)
+        .pod(SERVERS[0], 0)
+        .pod(SERVERS[1], 0)
+        .pod(SERVERS[2], 0)
+        .pod(SERVERS[3], 0)
+        .service("echo", VIP, PORT, PORT, &SERVERS)
+        .build()
+        .expect("testbed builds (needs root)");
+    let port = PORT.to_string();
+    for s in SERVERS {
+        tb.spawn(
+            Place::Pod(s),
+            &[
+                "python3",
+                "-c",
+                scripts::ECHO_IDENT_SERVER,
+                s,
+                "0.0.0.0",
+                &port,
+            ],
+        )
+        .unwrap();
+    }
+    for s in SERVERS {
+        let ip = tb.pod(s).unwrap().ip;
+        tb.wait_for_tcp(
+            Place::Node(0),
+            SocketAddrV4::new(ip, PORT),
+            Duration::from_secs(10),
+        )
+        .expect("echo server comes up");
+    }
+    tb
+}
+
+fn vip() -> SocketAddrV4 {
+    SocketAddrV4::new(VIP, PORT)
+}
+
+fn backend_of(tb: &Testbed, name: &str) -> SocketAddrV4 {
+    SocketAddrV4::new(tb.pod(name).unwrap().ip, PORT)
+}
+
+fn spec(tb: &Testbed) -> ServiceSpec {
+    ServiceSpec {
+        addr: vip(),
+        endpoints: SERVERS.iter().map(|s| backend_of(tb, s)).collect(),
+    }
+}
+
+/// What one connection of `ECHO_TALK` reported.
+#[derive(Debug)]
+struct Talked {
+    server: String,
+    local: SocketAddrV4,
+    sent: u64,
+    received: u64,
+}
+
+fn talk(tb: &Testbed, to: SocketAddrV4, n: usize, bytes: usize) -> Vec<Talked> {
+    let (host, port, n_s, b) = (
+        to.ip().to_string(),
+        to.port().to_string(),
+        n.to_string(),
+        bytes.to_string(),
+    );
+    let out = tb
+        .run(
+            Place::Pod("client"),
+            &["python3", "-c", scripts::ECHO_TALK, &host, &port, &n_s, &b],
+        )
+        .expect("talk script runs");
+    let lines: Vec<Talked> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| {
+            let w: Vec<&str> = l.split_whitespace().collect();
+            assert!(w.len() == 4 && w[0] != "ERR", "connection failed: {l}");
+            Talked {
+                server: w[0].to_owned(),
+                local: w[1].parse().unwrap(),
+                sent: w[2].parse().unwrap(),
+                received: w[3].parse().unwrap(),
+            }
+        })
+        .collect();
+    assert_eq!(lines.len(), n, "every connection must report");
+    lines
+}
+
+/// Dumps the recorded connections and resolves them in the node's network namespace.
+fn observe(tb: &Testbed, dp: &Datapath) -> Vec<Attributed> {
+    let conns = dp.connections();
+    let table = Conntrack::in_netns(format!("/run/netns/{}", tb.node(0).netns))
+        .dump()
+        .expect("conntrack dump in the node netns");
+    attribute(&conns, &table)
+}
+
+fn snapshot(at: Duration, attributed: &[Attributed]) -> Snapshot {
+    Snapshot {
+        at,
+        samples: attributed
+            .iter()
+            .map(|a| Sample {
+                cookie: a.conn.cookie,
+                remote: a.conn.remote,
+                redirected_from: a.conn.redirected_from,
+                backend: a.backend,
+                open: a.conn.closed.is_none(),
+                bytes_sent: a.conn.bytes_sent,
+                bytes_received: a.conn.bytes_received,
+            })
+            .collect(),
+    }
+}
+
+/// Checks every talked connection against its record; returns the largest relative byte error
+/// per backend (sent, received).
+fn check_attribution(tb: &Testbed, talked: &[Talked], seen: &[Attributed], via: Via) -> (f64, f64) {
+    let mut truth: BTreeMap<SocketAddrV4, (u64, u64)> = BTreeMap::new();
+    let mut measured: BTreeMap<SocketAddrV4, (u64, u64)> = BTreeMap::new();
+    for t in talked {
+        let rec = seen
+            .iter()
+            .find(|a| a.conn.local == t.local)
+            .unwrap_or_else(|| panic!("no record for {t:?}"));
+        let want = backend_of(tb, &t.server);
+        assert_eq!(
+            rec.backend, want,
+            "attributed backend must be the server that answered: {t:?} {rec:?}"
+        );
+        assert_eq!(rec.via, via, "resolution path: {rec:?}");
+        assert!(
+            rec.conn.closed.is_some(),
+            "closed connection must have a close time: {rec:?}"
+        );
+        let e = truth.entry(want).or_default();
+        e.0 += t.sent;
+        e.1 += t.received;
+        let m = measured.entry(want).or_default();
+        m.0 += rec.conn.bytes_sent;
+        m.1 += rec.conn.bytes_received;
+    }
+    let rel = |m: u64, t: u64| (m as f64 - t as f64).abs() / t as f64;
+    let mut worst = (0.0_f64, 0.0_f64);
+    for (b, (ts, tr)) in &truth {
+        let (ms, mr) = measured[b];
+        worst.0 = worst.0.max(rel(ms, *ts));
+        worst.1 = worst.1.max(rel(mr, *tr));
+        assert!(
+            rel(ms, *ts) <= 0.01 && rel(mr, *tr) <= 0.01,
+            "bytes to/from {b} must be within 1%: sent {ms} vs {ts}, received {mr} vs {tr}"
+        );
+    }
+    worst
+}
+
+/// Waits until every connection the client made is recorded as closed.
+fn settle(dp: &Datapath, locals: &[SocketAddrV4]) {
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while Instant::now() < deadline {
+        let conns = dp.connections();
+        if locals
+            .iter()
+            .all(|l| conns.iter().any(|c| c.local == *l && c.closed.is_some()))
+        {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+#[ignore = "privileged: needs root and the real kernel; run with `cargo xtask test`"]
+fn dnat_connections_are_attributed_to_the_pod_that_answered() {
+    let tb = echo_bed();
+    let mut dp = Datapath::load().expect("eBPF programs load");
+    let _attachment = dp.attach(&tb.pod("client").unwrap().cgroup).unwrap();
+    let n = 200;
+    let talked = talk(&tb, vip(), n, 8192);
+    settle(&dp, &talked.iter().map(|t| t.local).collect::<Vec<_>>());
+    let seen = observe(&tb, &dp);
+    let (worst_sent, worst_received) = check_attribution(&tb, &talked, &seen, Via::Conntrack);
+    eprintln!(
+        "DNAT: {n}/{n} connections attributed; worst per-backend byte error: sent {:.4}%, \
+         received {:.4}%",
+        worst_sent * 100.0,
+        worst_received * 100.0
+    );
+
+    let report = &aggregate(&[spec(&tb)], None, &snapshot(Duration::ZERO, &seen))[0];
+    let answered: std::collections::BTreeSet<_> = talked.iter().map(|t| &t.server).collect();
+    assert_eq!(report.unresolved, 0, "{report:?}");
+    assert_eq!(
+        report.backends_receiving,
+        answered.len(),
+        "every server that answered receives traffic: {report:?}"
+    );
+    let counters = dp.counters().unwrap();
+    assert!(counters.conn_established >= n as u64, "{counters:?}");
+    assert_eq!(counters.conn_update_failed, 0, "{counters:?}");
+    assert_eq!(counters.conn_cb_flags_failed, 0, "{counters:?}");
+}
+
+#[test]
+#[ignore = "privileged: needs root and the real kernel; run with `cargo xtask test`"]
+fn socket_lb_connections_are_attributed_to_their_peer() {
+    let tb = echo_bed();
+    let mut dp = Datapath::load().expect("eBPF programs load");
+    let _attachment = dp.attach(&tb.pod("client").unwrap().cgroup).unwrap();
+    let mut talked = Vec::new();
+    for s in SERVERS {
+        // What Cilium's socket-LB does: the socket connects straight to a backend pod.
+        talked.extend(talk(&tb, backend_of(&tb, s), 25, 4096));
+    }
+    settle(&dp, &talked.iter().map(|t| t.local).collect::<Vec<_>>());
+    let seen = observe(&tb, &dp);
+    let (ws, wr) = check_attribution(&tb, &talked, &seen, Via::Peer);
+    eprintln!(
+        "socket-LB: {}/{} connections attributed; worst byte error: sent {:.4}%, received {:.4}%",
+        talked.len(),
+        talked.len(),
+        ws * 100.0,
+        wr * 100.0
+    );
+    let report = &aggregate(&[spec(&tb)], None, &snapshot(Duration::ZERO, &seen))[0];
+    assert_eq!(report.backends_receiving, 4, "{report:?}");
+    assert!(
+        report.skew < 1.5,
+        "25 connections each is close to even: {report:?}"
+    );
+}
+
+#[test]
+#[ignore = "privileged: needs root and the real kernel; run with `cargo xtask test`"]
+fn one_long_lived_connection_is_flagged_as_pinned() {
+    let tb = echo_bed();
+    let mut dp = Datapath::load().expect("eBPF programs load");
+    let _attachment = dp.attach(&tb.pod("client").unwrap().cgroup).unwrap();
+    let (host, port) = (VIP.to_string(), PORT.to_string());
+    let mut child = tb
+        .command(
+            Place::Pod("client"),
+            &[
+                "python3",
+                "-c",
+                scripts::ECHO_STREAM,
+                &host,
+                &port,
+                "4",
+                "2048",
+            ],
+        )
+        .unwrap()
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("stream client starts");
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let first = lines.next().expect("stream client reports").unwrap();
+    let (server, local) = first.split_once(' ').expect("`<name> <local>`");
+    let local: SocketAddrV4 = local.parse().unwrap();
+    let start = Instant::now();
+
+    std::thread::sleep(Duration::from_millis(300));
+    let before = snapshot(start.elapsed(), &observe(&tb, &dp));
+    std::thread::sleep(Duration::from_secs(1));
+    let seen = observe(&tb, &dp);
+    let after = snapshot(start.elapsed(), &seen);
+    let flagged_within = start.elapsed();
+    let report = &aggregate(&[spec(&tb)], Some(&before), &after)[0];
+
+    let rec = seen
+        .iter()
+        .find(|a| a.conn.local == local)
+        .expect("recorded");
+    assert_eq!(rec.backend, backend_of(&tb, server), "{rec:?}");
+    assert!(rec.conn.closed.is_none(), "still open: {rec:?}");
+    assert_eq!(
+        report.backends_receiving, 1,
+        "pinned to one of 4: {report:?}"
+    );
+    assert!((report.largest_share - 1.0).abs() < 1e-9, "{report:?}");
+    assert!((report.skew - 4.0).abs() < 1e-9, "{report:?}");
+    let b = &report.backends[0];
+    assert!(
+        b.sent_per_sec > 10_000.0 && b.received_per_sec > 10_000.0,
+        "live bytes/s must be seen on an open connection: {b:?}"
+    );
+    eprintln!(
+        "pinning: flagged {flagged_within:?} after connect; {:.0} B/s sent, {:.0} B/s received \
+         to {server}",
+        b.sent_per_sec, b.received_per_sec
+    );
+
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while child.try_wait().unwrap().is_none() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+}
