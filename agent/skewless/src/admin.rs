@@ -22,6 +22,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tracing::{debug, warn};
 
 use crate::{
+    observer::ObservedService,
     peers::PeerFilter,
     reconcile::{Reconciler, ServiceStatus},
 };
@@ -36,6 +37,8 @@ pub struct State {
     scraped: Arc<Mutex<Scraped>>,
     /// With Kubernetes discovery: whether the first full list is in.
     synced: Option<tokio::sync::watch::Receiver<bool>>,
+    /// The observer's latest per-Service reports.
+    observed: Arc<Mutex<Vec<ObservedService>>>,
 }
 
 impl State {
@@ -46,6 +49,7 @@ impl State {
         reconciler: Arc<tokio::sync::Mutex<Reconciler>>,
         mut registry: Registry,
         synced: Option<tokio::sync::watch::Receiver<bool>>,
+        observed: Arc<Mutex<Vec<ObservedService>>>,
     ) -> Self {
         let scraped = Arc::new(Mutex::new(Scraped::default()));
         registry.register_collector(Box::new(AgentCollector(Arc::clone(&scraped))));
@@ -57,6 +61,7 @@ impl State {
             registry: Mutex::new(registry),
             scraped,
             synced,
+            observed,
         }
     }
 }
@@ -70,6 +75,8 @@ pub struct Status {
     pub connect_redirected: u64,
     pub refused_peers: u64,
     pub services: Vec<ServiceStatus>,
+    /// Services not balanced by skewless: where their connections are pinned.
+    pub observed: Vec<ObservedService>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -165,7 +172,12 @@ async fn status_of(state: &State) -> Result<Status> {
         connect_redirected: counters.connect4_redirected + counters.connect6_redirected,
         refused_peers: state.peers.refused(),
         services,
+        observed: observed_of(state),
     })
+}
+
+fn observed_of(state: &State) -> Vec<ObservedService> {
+    state.observed.lock().map(|o| o.clone()).unwrap_or_default()
 }
 
 async fn metrics_of(state: &State) -> Result<String> {
@@ -178,6 +190,7 @@ async fn metrics_of(state: &State) -> Result<String> {
         services,
         counters,
         refused_peers: state.peers.refused(),
+        observed: observed_of(state),
     };
     let registry = state
         .registry
@@ -193,6 +206,7 @@ struct Scraped {
     services: Vec<ServiceStatus>,
     counters: Counters,
     refused_peers: u64,
+    observed: Vec<ObservedService>,
 }
 
 /// Exposes the balancers' and the kernel's own counters at scrape time, so there is one source
@@ -289,6 +303,54 @@ impl Collector for AgentCollector {
             let ready = i64::try_from(svc.ready_endpoints).unwrap_or(i64::MAX);
             ConstGauge::new(ready).encode(m.encode_family(&labels)?)?;
         }
+        let observed =
+            |o: &ObservedService| vec![("service", o.service.clone()), ("vip", o.vip.clone())];
+        let mut m = encoder.encode_descriptor(
+            "observed_skew",
+            "Largest backend share / fair share of an observed Service's pod connections (1 = even; the number of ready backends = all on one).",
+            None,
+            MetricType::Gauge,
+        )?;
+        for o in &s.observed {
+            ConstGauge::new(o.skew).encode(m.encode_family(&observed(o))?)?;
+        }
+        let mut m = encoder.encode_descriptor(
+            "observed_backends_receiving",
+            "Backends of an observed Service that this node's pods send traffic to.",
+            None,
+            MetricType::Gauge,
+        )?;
+        for o in &s.observed {
+            let n = i64::try_from(o.backends_receiving).unwrap_or(i64::MAX);
+            ConstGauge::new(n).encode(m.encode_family(&observed(o))?)?;
+        }
+        let mut m = encoder.encode_descriptor(
+            "observed_backend_share",
+            "A backend's share of an observed Service's traffic from this node's pods (bytes, or open connections when idle).",
+            None,
+            MetricType::Gauge,
+        )?;
+        for o in &s.observed {
+            for b in &o.backends {
+                let mut labels = observed(o);
+                labels.push(("backend", b.backend.clone()));
+                ConstGauge::new(b.share).encode(m.encode_family(&labels)?)?;
+            }
+        }
+        let mut m = encoder.encode_descriptor(
+            "observed_backend_connections",
+            "Open connections from this node's pods pinned to a backend of an observed Service.",
+            None,
+            MetricType::Gauge,
+        )?;
+        for o in &s.observed {
+            for b in &o.backends {
+                let mut labels = observed(o);
+                labels.push(("backend", b.backend.clone()));
+                let n = i64::try_from(b.open_connections).unwrap_or(i64::MAX);
+                ConstGauge::new(n).encode(m.encode_family(&labels)?)?;
+            }
+        }
         Ok(())
     }
 }
@@ -324,6 +386,33 @@ pub async fn status(args: StatusArgs) -> Result<()> {
     println!("{:<24} {:<24}", "REDIRECT", "TO");
     for r in &s.redirects {
         println!("{:<24} {:<24}", r.service, r.target);
+    }
+    for o in &s.observed {
+        println!(
+            "\nservice {} ({}) {}: {} ready, {} receiving traffic from this node's pods, largest share {:.2}, skew {:.2}{}",
+            o.service,
+            o.mode,
+            o.vip,
+            o.ready_backends,
+            o.backends_receiving,
+            o.largest_share,
+            o.skew,
+            if o.unresolved > 0 {
+                format!(", {} unresolved", o.unresolved)
+            } else {
+                String::new()
+            }
+        );
+        println!(
+            "  {:<22} {:>6} {:>7} {:>12} {:>12}",
+            "BACKEND", "CONNS", "SHARE", "SENT B/s", "RECV B/s"
+        );
+        for b in &o.backends {
+            println!(
+                "  {:<22} {:>6} {:>7.3} {:>12.0} {:>12.0}",
+                b.backend, b.open_connections, b.share, b.sent_per_sec, b.received_per_sec
+            );
+        }
     }
     for svc in &s.services {
         let receiving = svc.endpoints.iter().filter(|e| e.requests > 0).count();

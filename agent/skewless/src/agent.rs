@@ -18,7 +18,7 @@ use tokio::signal::unix::{SignalKind, signal};
 use tracing::{Instrument as _, info, info_span};
 
 use crate::{
-    admin,
+    admin, observer,
     peers::{Cidr, PeerFilter},
     reconcile::Reconciler,
 };
@@ -180,7 +180,16 @@ pub async fn run(args: Args) -> Result<()> {
     } else {
         None
     };
+    let observed = Arc::new(Mutex::new(Vec::new()));
     if let Some(mut snapshots) = snapshots {
+        tokio::spawn(
+            observer::run(
+                Arc::clone(&datapath),
+                snapshots.clone(),
+                Arc::clone(&observed),
+            )
+            .instrument(info_span!("observer")),
+        );
         let reconciler = Arc::clone(&reconciler);
         tokio::spawn(
             async move {
@@ -207,6 +216,7 @@ pub async fn run(args: Args) -> Result<()> {
         Arc::clone(&reconciler),
         registry,
         synced,
+        observed,
     ));
     let server = tokio::spawn(admin::serve(admin_addr, Arc::clone(&state)));
 

@@ -3,6 +3,7 @@
 
 mod admin;
 mod agent;
+mod observer;
 mod peers;
 mod reconcile;
 

@@ -340,3 +340,108 @@ fn stopped_agent_fails_open_within_a_second_and_resumes() {
         std::thread::sleep(Duration::from_millis(100));
     }
 }
+
+#[test]
+#[ignore = "privileged: needs root and the real kernel; run with `cargo xtask test`"]
+fn observe_mode_flags_a_pinned_pick_first_client_within_ten_seconds() {
+    use skewless_testbed::{Testbed, grpc};
+    const PODS: [&str; 4] = ["echo-0", "echo-1", "echo-2", "echo-3"];
+    let vip = SocketAddrV4::new(std::net::Ipv4Addr::new(198, 19, 0, 30), 50051);
+    let mut tb = Testbed::builder()
+        .nodes(1)
+        .pod("client", 0)
+        .pod(PODS[0], 0)
+        .pod(PODS[1], 0)
+        .pod(PODS[2], 0)
+        .pod(PODS[3], 0)
+        .service("echo", *vip.ip(), vip.port(), vip.port(), &PODS)
+        .build()
+        .expect("testbed builds (needs root)");
+    let gen_dir = grpc::generate_stubs().expect("python stubs (run `cargo xtask setup`)");
+    for p in PODS {
+        grpc::spawn_echo_server(&mut tb, &gen_dir, p, vip.port(), 0).unwrap();
+    }
+    for p in PODS {
+        let ip = tb.pod(p).unwrap().ip;
+        tb.wait_for_tcp(
+            Place::Node(0),
+            SocketAddrV4::new(ip, vip.port()),
+            Duration::from_secs(20),
+        )
+        .unwrap();
+    }
+    let services = std::env::temp_dir().join(format!("skewless-test-services-{}.yaml", tb.id()));
+    write_services(&services, &tb, vip, "observe", &PODS);
+    let cgroup = tb.pod("client").unwrap().cgroup.display().to_string();
+    tb.spawn(
+        Place::Node(0),
+        &[
+            env!("CARGO_BIN_EXE_skewless"),
+            "agent",
+            "--services-file",
+            &services.display().to_string(),
+            "--cgroup",
+            &cgroup,
+            "--admin-addr",
+            ADMIN,
+        ],
+    )
+    .unwrap();
+    tb.wait_for_tcp(
+        Place::Node(0),
+        ADMIN.parse::<SocketAddrV4>().unwrap(),
+        Duration::from_secs(10),
+    )
+    .expect("agent serves its admin API");
+
+    // A long-running pick_first client: one connection, calls for as long as the test needs.
+    let (py, client) = (grpc::python(), grpc::script("echo_client.py"));
+    let gen_arg = gen_dir.display().to_string();
+    let target = vip.to_string();
+    tb.spawn(
+        Place::Pod("client"),
+        &[
+            py.to_str().unwrap(),
+            client.to_str().unwrap(),
+            "--gen",
+            &gen_arg,
+            "--target",
+            &target,
+            "--calls",
+            "1000000",
+            "--concurrency",
+            "2",
+        ],
+    )
+    .unwrap();
+    let started = std::time::Instant::now();
+    let mut last = serde_json::Value::Null;
+    let flagged = loop {
+        let status = status_json(&tb);
+        let o = &status["observed"][0];
+        if o["backends_receiving"] == 1 && o["largest_share"].as_f64() == Some(1.0) {
+            break Some(o.clone());
+        }
+        last = status;
+        if started.elapsed() > Duration::from_secs(10) {
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let _ = std::fs::remove_file(&services);
+    let o = flagged.unwrap_or_else(|| {
+        panic!("the pinned client must be flagged within 10 s; last status: {last}")
+    });
+    assert_eq!(o["ready_backends"], 4, "{o}");
+    assert_eq!(
+        o["skew"].as_f64(),
+        Some(4.0),
+        "all traffic on 1 of 4 backends is skew 4: {o}"
+    );
+    let backend = o["backends"][0]["backend"].as_str().unwrap().to_owned();
+    assert!(
+        PODS.iter()
+            .any(|p| backend == format!("{}:{}", tb.pod(p).unwrap().ip, vip.port())),
+        "the backend must be a pod resolved through conntrack, not the VIP: {backend}"
+    );
+}

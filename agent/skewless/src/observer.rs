@@ -1,0 +1,189 @@
+//! Which backend every pod connection to an observed Service is pinned to, and the skew that
+//! results: the agent's view of the problem, for Services that are not balanced by it.
+//!
+//! Every 2 s: dump the sock_ops connection records, resolve each one's backend (conntrack in
+//! this node's namespace under DNAT, the socket's own peer under socket-level balancing),
+//! and aggregate per Service and backend. Services in `request` mode are left out: their
+//! connections go to the balancer by design, and the balancer's own counters show where the
+//! requests went.
+
+use std::{
+    net::{IpAddr, SocketAddr, SocketAddrV4},
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use serde::{Deserialize, Serialize};
+use skewless_datapath::{
+    Datapath,
+    conntrack::{self, Attributed, Conntrack},
+};
+use skewless_model::{Mode, ServiceKey, Snapshot as Model};
+use skewless_observe::{ServiceReport, ServiceSpec, Snapshot, aggregate};
+use tokio::sync::watch;
+use tracing::{debug, warn};
+
+/// How often connections are sampled.
+pub const INTERVAL: Duration = Duration::from_secs(2);
+
+/// One observed Service port, as `/status` and `/metrics` show it.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ObservedService {
+    pub service: String,
+    pub mode: String,
+    pub vip: String,
+    pub ready_backends: usize,
+    pub backends_receiving: usize,
+    pub largest_share: f64,
+    /// Largest share / fair share: 1.0 is even; the number of ready backends means everything
+    /// lands on one.
+    pub skew: f64,
+    pub unresolved: usize,
+    pub backends: Vec<ObservedBackend>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ObservedBackend {
+    pub backend: String,
+    pub open_connections: usize,
+    pub share: f64,
+    pub sent_per_sec: f64,
+    pub received_per_sec: f64,
+}
+
+/// Samples forever; the latest reports are published in `out`.
+pub async fn run(
+    datapath: Arc<Mutex<Datapath>>,
+    model: watch::Receiver<Model>,
+    out: Arc<Mutex<Vec<ObservedService>>>,
+) {
+    let mut previous: Option<Snapshot> = None;
+    let started = tokio::time::Instant::now();
+    let mut conntrack_failed = false;
+    let mut tick = tokio::time::interval(INTERVAL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let specs = specs(&model.borrow());
+        if specs.is_empty() {
+            if let Ok(mut o) = out.lock() {
+                o.clear();
+            }
+            continue;
+        }
+        let conns = match datapath.lock() {
+            Ok(dp) => dp.connections(),
+            Err(_) => return,
+        };
+        // Running the conntrack tool blocks; keep it off the balancers' threads.
+        let table = tokio::task::spawn_blocking(|| Conntrack::here().dump()).await;
+        let table = match table {
+            Ok(Ok(t)) => {
+                conntrack_failed = false;
+                t
+            }
+            Ok(Err(error)) => {
+                if !conntrack_failed {
+                    warn!(%error, "reading conntrack; DNAT connections stay unresolved");
+                    conntrack_failed = true;
+                }
+                conntrack::NatTable::default()
+            }
+            Err(_) => continue,
+        };
+        let attributed = conntrack::attribute(&conns, &table);
+        let current = snapshot(started.elapsed(), &attributed);
+        let addrs: Vec<SocketAddrV4> = specs.iter().map(|(s, _, _)| s.addr).collect();
+        let plain: Vec<ServiceSpec> = specs.iter().map(|(s, _, _)| s.clone()).collect();
+        let reports = aggregate(&plain, previous.as_ref(), &current);
+        let published: Vec<ObservedService> = reports
+            .iter()
+            .filter_map(|r| {
+                let i = addrs.iter().position(|a| *a == r.service)?;
+                Some(publish(&specs[i].1, specs[i].2, r))
+            })
+            .collect();
+        debug!(
+            connections = conns.len(),
+            services = published.len(),
+            "observed"
+        );
+        if let Ok(mut o) = out.lock() {
+            *o = published;
+        }
+        // Closed connections have been counted once; drop them so the map holds live ones.
+        if let Ok(mut dp) = datapath.lock() {
+            for a in attributed.iter().filter(|a| a.conn.closed.is_some()) {
+                let _ = dp.forget(a.conn.cookie);
+            }
+        }
+        previous = Some(current);
+    }
+}
+
+/// The observed Service ports (IPv4, not `request` mode) with their ready endpoints.
+fn specs(model: &Model) -> Vec<(ServiceSpec, ServiceKey, Mode)> {
+    let mut out = Vec::new();
+    for svc in model.iter().filter(|s| s.mode != Mode::Request) {
+        for ip in &svc.cluster_ips {
+            let IpAddr::V4(ip) = ip else { continue };
+            for port in &svc.ports {
+                let endpoints = port
+                    .ready()
+                    .filter_map(|e| match e.addr {
+                        SocketAddr::V4(a) => Some(a),
+                        SocketAddr::V6(_) => None,
+                    })
+                    .collect();
+                let spec = ServiceSpec {
+                    addr: SocketAddrV4::new(*ip, port.port),
+                    endpoints,
+                };
+                out.push((spec, svc.key.clone(), svc.mode));
+            }
+        }
+    }
+    out
+}
+
+fn snapshot(at: Duration, attributed: &[Attributed]) -> Snapshot {
+    Snapshot {
+        at,
+        samples: attributed
+            .iter()
+            .map(|a| skewless_observe::Sample {
+                cookie: a.conn.cookie,
+                remote: a.conn.remote,
+                redirected_from: a.conn.redirected_from,
+                backend: a.backend,
+                open: a.conn.closed.is_none(),
+                bytes_sent: a.conn.bytes_sent,
+                bytes_received: a.conn.bytes_received,
+            })
+            .collect(),
+    }
+}
+
+fn publish(key: &ServiceKey, mode: Mode, r: &ServiceReport) -> ObservedService {
+    ObservedService {
+        service: key.to_string(),
+        mode: format!("{mode:?}").to_lowercase(),
+        vip: r.service.to_string(),
+        ready_backends: r.ready_backends,
+        backends_receiving: r.backends_receiving,
+        largest_share: r.largest_share,
+        skew: r.skew,
+        unresolved: r.unresolved,
+        backends: r
+            .backends
+            .iter()
+            .map(|b| ObservedBackend {
+                backend: b.backend.to_string(),
+                open_connections: b.open_connections,
+                share: b.share,
+                sent_per_sec: b.sent_per_sec,
+                received_per_sec: b.received_per_sec,
+            })
+            .collect(),
+    }
+}
