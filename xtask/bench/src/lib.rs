@@ -273,6 +273,150 @@ pub fn targets_table(rows: &[Row]) -> (String, bool) {
     (t, all)
 }
 
+/// Order and colour of the targets in the charts.
+const SERIES: &[(&str, &str)] = &[
+    ("direct-healthy", "#4c78a8"),
+    ("direct-slow", "#9d755d"),
+    ("l4-roundrobin", "#bab0ac"),
+    ("haproxy", "#f58518"),
+    ("nginx", "#54a24b"),
+    ("skewless", "#e45756"),
+];
+
+/// A grouped bar chart (one group per delay and connection count, one bar per target) of
+/// `value` of every row, as a standalone SVG. With `log` the y axis is log10 (for latencies
+/// that span 1 ms to 200 ms).
+#[must_use]
+pub fn bar_chart_svg(
+    title: &str,
+    unit: &str,
+    rows: &[Row],
+    value: fn(&Row) -> f64,
+    log: bool,
+) -> String {
+    let mut groups: Vec<(u64, usize)> = Vec::new();
+    for r in rows {
+        if !groups.contains(&(r.delay_ms, r.connections)) {
+            groups.push((r.delay_ms, r.connections));
+        }
+    }
+    let series: Vec<(&str, &str)> = SERIES
+        .iter()
+        .copied()
+        .filter(|(n, _)| rows.iter().any(|r| r.target == *n))
+        .collect();
+    let (w, h, left, top, bottom) = (760.0_f64, 360.0_f64, 70.0_f64, 40.0_f64, 70.0_f64);
+    let plot_h = h - top - bottom;
+    let max = rows.iter().map(value).fold(0.0_f64, f64::max).max(1e-9);
+    let min_log = rows
+        .iter()
+        .map(value)
+        .filter(|v| *v > 0.0)
+        .fold(f64::INFINITY, f64::min)
+        .log10()
+        .floor();
+    let (lo, hi) = if log {
+        (min_log, max.log10().ceil().max(min_log + 1.0))
+    } else {
+        (0.0, max * 1.1)
+    };
+    let y = |v: f64| {
+        let t = if log {
+            (v.max(10f64.powf(lo)).log10() - lo) / (hi - lo)
+        } else {
+            v / hi
+        };
+        top + plot_h * (1.0 - t)
+    };
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">"#
+    );
+    let _ = writeln!(s, r#"<rect width="{w}" height="{h}" fill="white"/>"#);
+    let _ = writeln!(
+        s,
+        r#"<text x="{}" y="22" text-anchor="middle" font-size="15">{title}</text>"#,
+        w / 2.0
+    );
+    // Grid lines and y labels.
+    let ticks: Vec<f64> = if log {
+        (lo as i32..=hi as i32).map(|e| 10f64.powi(e)).collect()
+    } else {
+        (0..=4).map(|i| hi * f64::from(i) / 4.0).collect()
+    };
+    for t in ticks {
+        let ty = y(t);
+        let _ = writeln!(
+            s,
+            r##"<line x1="{left}" x2="{}" y1="{ty:.1}" y2="{ty:.1}" stroke="#ddd"/>"##,
+            w - 10.0
+        );
+        let _ = writeln!(
+            s,
+            r#"<text x="{}" y="{:.1}" text-anchor="end">{}</text>"#,
+            left - 6.0,
+            ty + 4.0,
+            fmt_tick(t)
+        );
+    }
+    let _ = writeln!(
+        s,
+        r#"<text x="16" y="{:.1}" transform="rotate(-90 16 {:.1})" text-anchor="middle">{unit}</text>"#,
+        top + plot_h / 2.0,
+        top + plot_h / 2.0
+    );
+    let group_w = (w - left - 10.0) / groups.len().max(1) as f64;
+    let bar_w = group_w * 0.8 / series.len().max(1) as f64;
+    for (gi, (delay, conns)) in groups.iter().enumerate() {
+        let gx = left + group_w * gi as f64 + group_w * 0.1;
+        for (si, (name, colour)) in series.iter().enumerate() {
+            let Some(r) = rows
+                .iter()
+                .find(|r| r.target == *name && r.delay_ms == *delay && r.connections == *conns)
+            else {
+                continue;
+            };
+            let v = value(r);
+            let (bx, by) = (gx + bar_w * si as f64, y(v));
+            let _ = writeln!(
+                s,
+                r#"<rect x="{bx:.1}" y="{by:.1}" width="{:.1}" height="{:.1}" fill="{colour}"><title>{name}: {v:.2} {unit}</title></rect>"#,
+                bar_w * 0.9,
+                (top + plot_h - by).max(0.0)
+            );
+        }
+        let _ = writeln!(
+            s,
+            r#"<text x="{:.1}" y="{:.1}" text-anchor="middle">delay {delay} ms, {conns} conn</text>"#,
+            gx + group_w * 0.4,
+            top + plot_h + 16.0
+        );
+    }
+    for (si, (name, colour)) in series.iter().enumerate() {
+        let lx = left + 115.0 * si as f64;
+        let ly = h - 18.0;
+        let _ = writeln!(
+            s,
+            r#"<rect x="{lx:.1}" y="{:.1}" width="10" height="10" fill="{colour}"/>"#,
+            ly - 9.0
+        );
+        let _ = writeln!(s, r#"<text x="{:.1}" y="{ly:.1}">{name}</text>"#, lx + 14.0);
+    }
+    s.push_str("</svg>\n");
+    s
+}
+
+fn fmt_tick(v: f64) -> String {
+    if v >= 1000.0 {
+        format!("{:.0}k", v / 1000.0)
+    } else if v >= 1.0 {
+        format!("{v:.0}")
+    } else {
+        format!("{v}")
+    }
+}
+
 /// Replaces the section that starts with the line `heading` (up to the next `## ` heading or
 /// the end) by `section`, or appends `section` when there is none.
 #[must_use]
@@ -399,6 +543,22 @@ mod tests {
         assert!((r.slow_share - 0.2).abs() < 1e-9);
         assert!((r.p99_ms - 9.0).abs() < 1e-9);
         assert_eq!(r.errors, 3);
+    }
+
+    #[test]
+    fn charts_are_svg_with_one_bar_per_row() {
+        let rows = vec![
+            row("direct-healthy", 10_000.0, 4.0, None, None),
+            row("haproxy", 8_000.0, 120.0, Some(0.05), Some(20.0)),
+            row("skewless", 10_000.0, 8.0, Some(0.04), Some(12.0)),
+        ];
+        for log in [false, true] {
+            let svg = bar_chart_svg("p99", "ms", &rows, |r| r.p99_ms, log);
+            assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+            assert_eq!(svg.matches("<title>").count(), 3);
+            assert!(svg.contains("haproxy: 120.00 ms"));
+            assert!(svg.contains("delay 50 ms, 1 conn"));
+        }
     }
 
     #[test]

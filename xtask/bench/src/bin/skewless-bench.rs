@@ -19,12 +19,21 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, bail};
 use clap::Parser;
 use skewless_bench::{
-    Pod, Row, haproxy_config, markdown_table, nginx_config, replace_section, stat_cpu_ticks,
-    stat_ppid, status_vm_hwm_kib, targets_table,
+    Pod, Row, bar_chart_svg, haproxy_config, markdown_table, nginx_config, replace_section,
+    stat_cpu_ticks, stat_ppid, status_vm_hwm_kib, targets_table,
 };
 
 const PODS: usize = 5;
 const SECTION: &str = "## Proxies side by side";
+
+/// File name, title, unit, value of a row, log scale.
+type Chart = (
+    &'static str,
+    &'static str,
+    &'static str,
+    fn(&Row) -> f64,
+    bool,
+);
 
 #[derive(Debug, Parser)]
 #[command(about = "Side-by-side gRPC balancing benchmark: direct, L4, HAProxy, nginx, skewless")]
@@ -454,6 +463,24 @@ fn run(args: Args, bin_dir: PathBuf, work: PathBuf) -> anyhow::Result<()> {
     );
     if let Some(path) = &a.write {
         let doc = std::fs::read_to_string(path).unwrap_or_default();
+        let dir = path.parent().context("the results file has no directory")?;
+        let charts: [Chart; 2] = [
+            (
+                "bench-p99.svg",
+                "p99 latency (log scale)",
+                "ms",
+                |r| r.p99_ms,
+                true,
+            ),
+            ("bench-rps.svg", "Throughput", "RPS", |r| r.rps, false),
+        ];
+        for (file, title, unit, value, log) in charts {
+            std::fs::write(
+                dir.join(file),
+                bar_chart_svg(title, unit, &rows, value, log),
+            )
+            .with_context(|| format!("writing {file}"))?;
+        }
         let section = section(a, &table, &targets);
         std::fs::write(path, replace_section(&doc, SECTION, &section))
             .with_context(|| format!("writing {}", path.display()))?;
@@ -469,6 +496,7 @@ fn section(a: &Args, table: &str, targets: &str) -> String {
         .ok()
         .and_then(|o| String::from_utf8(o.stdout).ok())
         .unwrap_or_default();
+    let date = date.trim();
     let cpus = std::thread::available_parallelism().map_or(0, usize::from);
     format!(
         "{SECTION}\n\n\
@@ -481,6 +509,7 @@ fn section(a: &Args, table: &str, targets: &str) -> String {
          CPU is the proxy's utime+stime over the measured window (all its processes), as cores \
          per 1,000 RPS; peak RSS is `VmHWM` summed over its processes.\n\n\
          {table}\n\
+         ![p99 by target](bench-p99.svg) ![RPS by target](bench-rps.svg)\n\n\
          Targets (issue 4), skewless against the peers of the same run:\n\n\
          {targets}",
         cmd = a.command,
