@@ -24,8 +24,9 @@ enum Cmd {
     Test(TestArgs),
     /// Show the problem on one machine: a pick_first gRPC client pinned to one of 5 pods.
     Demo(demo::Args),
-    /// Benchmarks. Today: the connect4 hook's run time per call, from the kernel's accounting.
-    Bench,
+    /// Benchmarks: the connect4 hook's run time per call (kernel accounting, needs root), then
+    /// skewless-proxy side by side with direct, HAProxy and nginx (docs/benchmarks.md).
+    Bench(BenchArgs),
     /// Testbed maintenance.
     Testbed {
         #[command(subcommand)]
@@ -46,6 +47,19 @@ struct TestArgs {
     test_args: Vec<String>,
 }
 
+#[derive(clap::Args)]
+struct BenchArgs {
+    /// Only the connect4 hook benchmark.
+    #[arg(long, conflicts_with = "proxies_only")]
+    hook_only: bool,
+    /// Only the proxy comparison (no root needed).
+    #[arg(long)]
+    proxies_only: bool,
+    /// Passed to skewless-bench, e.g. `-- --connections 1,2,4,8 --duration 20`.
+    #[arg(last = true)]
+    bench_args: Vec<String>,
+}
+
 #[derive(Subcommand)]
 enum TestbedCmd {
     /// Remove the namespaces, cgroups and processes that a crashed run left behind.
@@ -61,24 +75,15 @@ fn main() -> Result<()> {
             setup::ensure_installed(false)?;
             demo::run(&args)
         }
-        Cmd::Bench => {
+        Cmd::Bench(args) => {
             setup::ensure_installed(false)?;
-            if !is_root() {
-                bail!("the benchmarks need root (real eBPF, network namespaces)");
+            if !args.proxies_only {
+                hook_bench()?;
             }
-            println!(
-                "==> bench: connect4 hook run time (kernel BPF stats, one sample per connect)"
-            );
-            let mut cmd = cargo();
-            cmd.args([
-                "run",
-                "--release",
-                "--quiet",
-                "--package",
-                "skewless-datapath",
-            ])
-            .args(["--example", "connect_hook_bench"]);
-            setup::run(&mut cmd)
+            if !args.hook_only {
+                proxy_bench(&args)?;
+            }
+            Ok(())
         }
         Cmd::Testbed {
             cmd: TestbedCmd::Clean,
@@ -88,6 +93,63 @@ fn main() -> Result<()> {
             Ok(())
         }
     }
+}
+
+fn hook_bench() -> Result<()> {
+    if !is_root() {
+        bail!(
+            "the connect4 hook benchmark needs root (real eBPF, network namespaces); run as root or pass --proxies-only"
+        );
+    }
+    println!("==> bench: connect4 hook run time (kernel BPF stats, one sample per connect)");
+    let mut cmd = cargo();
+    cmd.args([
+        "run",
+        "--release",
+        "--quiet",
+        "--package",
+        "skewless-datapath",
+    ])
+    .args(["--example", "connect_hook_bench"]);
+    setup::run(&mut cmd)
+}
+
+/// The side-by-side proxy benchmark: release binaries of the echo pods, the load generator and
+/// skewless-proxy, driven by skewless-bench (which finds the others next to itself), with the
+/// results written to docs/benchmarks.md.
+fn proxy_bench(args: &BenchArgs) -> Result<()> {
+    println!("==> bench: skewless-proxy side by side with direct, HAProxy and nginx");
+    let mut build = cargo();
+    build.args(["build", "--release", "--quiet"]);
+    for p in ["skewless-echo", "skewless-loadgen", "skewless-bench"] {
+        build.args(["--package", p]);
+    }
+    setup::run(&mut build)?;
+    let mut shown = String::from("cargo xtask bench");
+    if args.proxies_only {
+        shown.push_str(" --proxies-only");
+    }
+    if !args.bench_args.is_empty() {
+        shown.push_str(" -- ");
+        shown.push_str(&args.bench_args.join(" "));
+    }
+    let mut cmd = cargo();
+    cmd.args([
+        "run",
+        "--release",
+        "--quiet",
+        "--package",
+        "skewless-bench",
+        "--bin",
+        "skewless-bench",
+        "--",
+    ])
+    .arg("--write")
+    .arg(workspace_root().join("docs/benchmarks.md"))
+    .arg("--command")
+    .arg(shown)
+    .args(&args.bench_args);
+    setup::run(&mut cmd)
 }
 
 pub(crate) fn workspace_root() -> PathBuf {
@@ -259,7 +321,30 @@ fn is_root() -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::parse_test_result;
+    use clap::Parser as _;
+
+    use super::{Cli, Cmd, parse_test_result};
+
+    #[test]
+    fn bench_flags_and_pass_through() {
+        let Cli {
+            cmd: Cmd::Bench(args),
+        } = Cli::try_parse_from([
+            "xtask",
+            "bench",
+            "--proxies-only",
+            "--",
+            "--connections",
+            "1,2",
+        ])
+        .unwrap()
+        else {
+            panic!("not bench");
+        };
+        assert!(args.proxies_only && !args.hook_only);
+        assert_eq!(args.bench_args, ["--connections", "1,2"]);
+        assert!(Cli::try_parse_from(["xtask", "bench", "--hook-only", "--proxies-only"]).is_err());
+    }
 
     #[test]
     fn libtest_summaries_are_counted() {

@@ -98,6 +98,27 @@ impl Report {
     pub fn quantile(&self, q: f64) -> Duration {
         Duration::from_micros(self.latency_us.value_at_quantile(q))
     }
+
+    /// The report as one JSON object (what `skewless-loadgen run --json` prints): `ok`,
+    /// `elapsed_s`, `rps`, latency quantiles in microseconds (`p50_us`, `p90_us`, `p99_us`,
+    /// `p999_us`, `max_us`), `pods` (successful calls per pod) and `errors` (failed calls by
+    /// gRPC code).
+    #[must_use]
+    pub fn to_json(&self) -> serde_json::Value {
+        let us = |q: f64| self.latency_us.value_at_quantile(q);
+        serde_json::json!({
+            "ok": self.ok(),
+            "elapsed_s": self.elapsed.as_secs_f64(),
+            "rps": self.rps(),
+            "p50_us": us(0.5),
+            "p90_us": us(0.9),
+            "p99_us": us(0.99),
+            "p999_us": us(0.999),
+            "max_us": self.latency_us.max(),
+            "pods": self.pods,
+            "errors": self.errors,
+        })
+    }
 }
 
 impl std::fmt::Display for Report {
@@ -222,4 +243,30 @@ pub async fn run(config: &LoadConfig) -> Result<Report, LoadError> {
         }
     }
     Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn json_report_has_quantiles_and_tallies() {
+        let mut latency_us = histogram().unwrap();
+        for us in 1..=1000 {
+            latency_us.record(us).unwrap();
+        }
+        let report = Report {
+            latency_us,
+            pods: BTreeMap::from([("pod-0".to_owned(), 600), ("pod-1".to_owned(), 400)]),
+            errors: BTreeMap::from([("Unavailable".to_owned(), 2)]),
+            elapsed: Duration::from_secs(2),
+        };
+        let v = report.to_json();
+        assert_eq!(v["ok"], 1000);
+        assert_eq!(v["rps"], 500.0);
+        assert_eq!(v["p50_us"], 500);
+        assert_eq!(v["max_us"], 1000);
+        assert_eq!(v["pods"]["pod-1"], 400);
+        assert_eq!(v["errors"]["Unavailable"], 2);
+    }
 }

@@ -26,6 +26,9 @@ enum Command {
         target: SocketAddr,
         #[command(flatten)]
         load: Load,
+        /// Print the report as one JSON object instead of text.
+        #[arg(long)]
+        json: bool,
     },
     /// Start `pods` echo pods and a balancer in this process, then load the balancer.
     Local {
@@ -88,10 +91,14 @@ fn main() -> anyhow::Result<()> {
         .init();
     let Cli { command } = Cli::parse();
     match command {
-        Command::Run { target, load } => {
+        Command::Run { target, load, json } => {
             let rt = tokio::runtime::Runtime::new().context("runtime")?;
             let report = rt.block_on(run(&load.config(target)))?;
-            print!("{report}");
+            if json {
+                println!("{}", report.to_json());
+            } else {
+                print!("{report}");
+            }
         }
         Command::Local {
             pods,
