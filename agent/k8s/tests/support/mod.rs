@@ -141,6 +141,11 @@ impl FakeApi {
         }
     }
 
+    /// The server's base URL, e.g. for a kubeconfig.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
     /// A real kube `Client` pointed at this server (plain HTTP, no auth).
     pub fn client(&self) -> kube::Client {
         let url: http::Uri = format!("http://{}", self.addr).parse().expect("url");

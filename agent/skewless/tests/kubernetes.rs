@@ -1,0 +1,259 @@
+//! Privileged: the real `skewless agent --kubernetes` against the fake API server (the real
+//! list/watch wire protocol, shared with agent/k8s's tests), asserting what reaches the
+//! balancer and the eBPF redirect map, and how long an EndpointSlice change takes to reach
+//! the balancer's endpoint set.
+//!
+//! The agent runs in this process's network namespace with the balancers on 127.0.0.1 and no
+//! pod cgroup attached, so the redirect entries it writes are inspected but route nothing,
+//! and every endpoint is a loopback address (nothing listens there; connects are refused).
+
+#[path = "../../k8s/tests/support/mod.rs"]
+mod support;
+
+use std::{
+    collections::BTreeMap,
+    net::TcpListener,
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use http_body_util::{BodyExt as _, Empty};
+use hyper::body::Bytes;
+use hyper_util::rt::TokioIo;
+use k8s_openapi::{
+    api::{
+        core::v1::{Node, ObjectReference, Service, ServicePort, ServiceSpec},
+        discovery::v1::{Endpoint, EndpointConditions, EndpointPort, EndpointSlice},
+    },
+    apimachinery::pkg::apis::meta::v1::ObjectMeta,
+};
+use support::FakeApi;
+
+const VIP: &str = "198.19.0.40";
+
+fn mk_service(mode: Option<&str>) -> Service {
+    Service {
+        metadata: ObjectMeta {
+            name: Some("echo".into()),
+            namespace: Some("ns".into()),
+            uid: Some("uid-echo".into()),
+            annotations: mode
+                .map(|m| BTreeMap::from([("skewless.io/mode".to_owned(), m.to_owned())])),
+            ..ObjectMeta::default()
+        },
+        spec: Some(ServiceSpec {
+            cluster_ip: Some(VIP.into()),
+            cluster_ips: Some(vec![VIP.into()]),
+            ports: Some(vec![ServicePort {
+                name: Some("grpc".into()),
+                port: 50051,
+                protocol: Some("TCP".into()),
+                ..ServicePort::default()
+            }]),
+            ..ServiceSpec::default()
+        }),
+        ..Service::default()
+    }
+}
+
+fn mk_slice(n: usize) -> EndpointSlice {
+    EndpointSlice {
+        metadata: ObjectMeta {
+            name: Some("echo-abc".into()),
+            namespace: Some("ns".into()),
+            labels: Some(BTreeMap::from([(
+                "kubernetes.io/service-name".to_owned(),
+                "echo".to_owned(),
+            )])),
+            ..ObjectMeta::default()
+        },
+        address_type: "IPv4".into(),
+        ports: Some(vec![EndpointPort {
+            name: Some("grpc".into()),
+            port: Some(18080),
+            protocol: Some("TCP".into()),
+            ..EndpointPort::default()
+        }]),
+        endpoints: (1..=n)
+            .map(|i| Endpoint {
+                addresses: vec![format!("127.0.1.{i}")],
+                conditions: Some(EndpointConditions {
+                    ready: Some(true),
+                    serving: Some(true),
+                    terminating: Some(false),
+                }),
+                target_ref: Some(ObjectReference {
+                    kind: Some("Pod".into()),
+                    name: Some(format!("echo-{i}")),
+                    namespace: Some("ns".into()),
+                    ..ObjectReference::default()
+                }),
+                ..Endpoint::default()
+            })
+            .collect(),
+    }
+}
+
+fn mk_node() -> Node {
+    Node {
+        metadata: ObjectMeta {
+            name: Some("node-a".into()),
+            ..ObjectMeta::default()
+        },
+        ..Node::default()
+    }
+}
+
+struct AgentProcess(Child);
+
+impl Drop for AgentProcess {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+async fn status(admin: &str) -> Option<serde_json::Value> {
+    let stream = tokio::net::TcpStream::connect(admin).await.ok()?;
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .ok()?;
+    tokio::spawn(conn);
+    let req = http::Request::get("/status")
+        .header("host", admin)
+        .body(Empty::<Bytes>::new())
+        .ok()?;
+    let body = sender
+        .send_request(req)
+        .await
+        .ok()?
+        .into_body()
+        .collect()
+        .await
+        .ok()?
+        .to_bytes();
+    serde_json::from_slice(&body).ok()
+}
+
+/// Polls `/status` every 2 ms until `f` holds; returns how long that took.
+async fn until(admin: &str, what: &str, f: impl Fn(&serde_json::Value) -> bool) -> Duration {
+    let start = Instant::now();
+    loop {
+        if let Some(s) = status(admin).await
+            && f(&s)
+        {
+            return start.elapsed();
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(15),
+            "timed out waiting until {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+fn balancer_endpoints(s: &serde_json::Value) -> Option<usize> {
+    s["services"].as_array()?.first()?["endpoints"]
+        .as_array()
+        .map(Vec::len)
+}
+
+fn redirected(s: &serde_json::Value) -> bool {
+    s["redirects"]
+        .as_array()
+        .is_some_and(|r| r.iter().any(|r| r["service"] == format!("{VIP}:50051")))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "privileged: needs root and the real kernel; run with `cargo xtask test`"]
+async fn kubernetes_changes_reach_balancer_and_redirect_map() {
+    let api = FakeApi::start().await;
+    api.apply(&mk_node());
+    api.apply(&mk_service(Some("request")));
+    api.apply(&mk_slice(2));
+
+    let dir = std::env::temp_dir().join(format!("skewless-kube-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let kubeconfig = dir.join("kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters: [{{name: fake, cluster: {{server: \"{}\"}}}}]\nusers: [{{name: fake, user: {{}}}}]\ncontexts: [{{name: fake, context: {{cluster: fake, user: fake}}}}]\ncurrent-context: fake\n",
+            api.url()
+        ),
+    )
+    .unwrap();
+    let admin = {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().to_string()
+    };
+    let _agent = AgentProcess(
+        Command::new(env!("CARGO_BIN_EXE_skewless"))
+            .args([
+                "agent",
+                "--kubernetes",
+                "--node-name",
+                "node-a",
+                "--balancer-ip",
+                "127.0.0.1",
+                "--admin-addr",
+                &admin,
+            ])
+            .env("KUBECONFIG", &kubeconfig)
+            .env_remove("KUBERNETES_SERVICE_HOST")
+            .stdin(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+
+    // Opt-in: a balancer with the slice's 2 endpoints, and the VIP in the redirect map.
+    until(&admin, "opt-in reaches the balancer", |s| {
+        balancer_endpoints(s) == Some(2) && redirected(s)
+    })
+    .await;
+
+    // Scale 2 -> 10 -> 3, several times: the latency from the API change to the balancer's own
+    // endpoint set (its stats list the endpoints it balances over).
+    let mut latencies = Vec::new();
+    for _ in 0..5 {
+        for n in [10, 3] {
+            api.apply(&mk_slice(n));
+            latencies.push(
+                until(&admin, "the scale reaches the balancer", |s| {
+                    balancer_endpoints(s) == Some(n)
+                })
+                .await,
+            );
+        }
+    }
+    latencies.sort();
+    println!(
+        "EndpointSlice change -> balancer endpoint set: p50 {:?}, max {:?} over {} changes",
+        latencies[latencies.len() / 2],
+        latencies[latencies.len() - 1],
+        latencies.len()
+    );
+
+    // A bad annotation keeps the last good config (still redirected, still 3 endpoints) and
+    // posts a Warning Event on the Service.
+    api.apply(&mk_service(Some("sideways")));
+    support::eventually(Duration::from_secs(10), "a Warning Event is posted", || {
+        api.events()
+            .iter()
+            .any(|e| e["type"] == "Warning" && e["regarding"]["name"] == "echo")
+    })
+    .await;
+    let s = status(&admin).await.unwrap();
+    assert!(
+        redirected(&s) && balancer_endpoints(&s) == Some(3),
+        "last good config must stay: {s}"
+    );
+
+    // Opt-out: the redirect entry and the balancer go away.
+    api.apply(&mk_service(None));
+    until(&admin, "opt-out removes the redirect", |s| {
+        !redirected(s) && balancer_endpoints(s).is_none()
+    })
+    .await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
