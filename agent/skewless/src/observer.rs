@@ -3,9 +3,10 @@
 //!
 //! Every 2 s: dump the sock_ops connection records, resolve each one's backend (conntrack in
 //! this node's namespace under DNAT, the socket's own peer under socket-level balancing),
-//! and aggregate per Service and backend. Services in `request` mode are left out: their
-//! connections go to the balancer by design, and the balancer's own counters show where the
-//! requests went.
+//! and aggregate per Service and backend. Redirected connections are left out (they go to the
+//! balancer by design, and the balancer's own counters show where their requests went), so
+//! for a `request`-mode Service this shows the connections it does not balance: those opened
+//! before it opted in, still pinned.
 
 use std::{
     net::{IpAddr, SocketAddr, SocketAddrV4},
@@ -93,6 +94,7 @@ pub async fn run(
         };
         let attributed = conntrack::attribute(&conns, &table);
         let current = snapshot(started.elapsed(), &attributed);
+        let request_mode: Vec<bool> = specs.iter().map(|(_, _, m)| *m == Mode::Request).collect();
         let addrs: Vec<SocketAddrV4> = specs.iter().map(|(s, _, _)| s.addr).collect();
         let plain: Vec<ServiceSpec> = specs.iter().map(|(s, _, _)| s.clone()).collect();
         let reports = aggregate(&plain, previous.as_ref(), &current);
@@ -100,6 +102,10 @@ pub async fn run(
             .iter()
             .filter_map(|r| {
                 let i = addrs.iter().position(|a| *a == r.service)?;
+                // A balanced Service is only worth showing while unbalanced connections remain.
+                if request_mode[i] && r.backends.is_empty() {
+                    return None;
+                }
                 Some(publish(&specs[i].1, specs[i].2, r))
             })
             .collect();
@@ -121,10 +127,10 @@ pub async fn run(
     }
 }
 
-/// The observed Service ports (IPv4, not `request` mode) with their ready endpoints.
+/// Every opted-in IPv4 Service port with its ready endpoints.
 fn specs(model: &Model) -> Vec<(ServiceSpec, ServiceKey, Mode)> {
     let mut out = Vec::new();
-    for svc in model.iter().filter(|s| s.mode != Mode::Request) {
+    for svc in model.iter() {
         for ip in &svc.cluster_ips {
             let IpAddr::V4(ip) = ip else { continue };
             for port in &svc.ports {
@@ -151,6 +157,7 @@ fn snapshot(at: Duration, attributed: &[Attributed]) -> Snapshot {
         at,
         samples: attributed
             .iter()
+            .filter(|a| a.conn.redirected_from.is_none())
             .map(|a| skewless_observe::Sample {
                 cookie: a.conn.cookie,
                 remote: a.conn.remote,

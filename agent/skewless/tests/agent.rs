@@ -341,27 +341,22 @@ fn stopped_agent_fails_open_within_a_second_and_resumes() {
     }
 }
 
-#[test]
-#[ignore = "privileged: needs root and the real kernel; run with `cargo xtask test`"]
-fn observe_mode_flags_a_pinned_pick_first_client_within_ten_seconds() {
+/// Four grpcio echo pods behind `vip`, a client pod, the Python stubs.
+fn echo_bed(vip: SocketAddrV4, pods: &[&str]) -> (skewless_testbed::Testbed, std::path::PathBuf) {
     use skewless_testbed::{Testbed, grpc};
-    const PODS: [&str; 4] = ["echo-0", "echo-1", "echo-2", "echo-3"];
-    let vip = SocketAddrV4::new(std::net::Ipv4Addr::new(198, 19, 0, 30), 50051);
-    let mut tb = Testbed::builder()
-        .nodes(1)
-        .pod("client", 0)
-        .pod(PODS[0], 0)
-        .pod(PODS[1], 0)
-        .pod(PODS[2], 0)
-        .pod(PODS[3], 0)
-        .service("echo", *vip.ip(), vip.port(), vip.port(), &PODS)
+    let mut b = Testbed::builder().nodes(1).pod("client", 0);
+    for p in pods {
+        b = b.pod(p, 0);
+    }
+    let mut tb = b
+        .service("echo", *vip.ip(), vip.port(), vip.port(), pods)
         .build()
         .expect("testbed builds (needs root)");
     let gen_dir = grpc::generate_stubs().expect("python stubs (run `cargo xtask setup`)");
-    for p in PODS {
+    for p in pods {
         grpc::spawn_echo_server(&mut tb, &gen_dir, p, vip.port(), 0).unwrap();
     }
-    for p in PODS {
+    for p in pods {
         let ip = tb.pod(p).unwrap().ip;
         tb.wait_for_tcp(
             Place::Node(0),
@@ -370,68 +365,82 @@ fn observe_mode_flags_a_pinned_pick_first_client_within_ten_seconds() {
         )
         .unwrap();
     }
-    let services = std::env::temp_dir().join(format!("skewless-test-services-{}.yaml", tb.id()));
-    write_services(&services, &tb, vip, "observe", &PODS);
+    (tb, gen_dir)
+}
+
+/// Starts the agent on a services file, attached to the client pod; waits for its admin API.
+fn spawn_file_agent(tb: &mut skewless_testbed::Testbed, services: &std::path::Path) -> u32 {
     let cgroup = tb.pod("client").unwrap().cgroup.display().to_string();
-    tb.spawn(
-        Place::Node(0),
-        &[
-            env!("CARGO_BIN_EXE_skewless"),
-            "agent",
-            "--services-file",
-            &services.display().to_string(),
-            "--cgroup",
-            &cgroup,
-            "--admin-addr",
-            ADMIN,
-        ],
-    )
-    .unwrap();
+    let file = services.display().to_string();
+    let argv = [
+        env!("CARGO_BIN_EXE_skewless"),
+        "agent",
+        "--services-file",
+        &file,
+        "--cgroup",
+        &cgroup,
+        "--admin-addr",
+        ADMIN,
+    ];
+    let pid = tb.spawn(Place::Node(0), &argv).unwrap();
     tb.wait_for_tcp(
         Place::Node(0),
         ADMIN.parse::<SocketAddrV4>().unwrap(),
         Duration::from_secs(10),
     )
     .expect("agent serves its admin API");
+    pid
+}
 
-    // A long-running pick_first client: one connection, calls for as long as the test needs.
+/// A long-running pick_first grpcio client in the client pod: one connection, calls until
+/// killed.
+fn spawn_long_client(
+    tb: &mut skewless_testbed::Testbed,
+    gen_dir: &std::path::Path,
+    vip: SocketAddrV4,
+) -> u32 {
+    use skewless_testbed::grpc;
     let (py, client) = (grpc::python(), grpc::script("echo_client.py"));
-    let gen_arg = gen_dir.display().to_string();
-    let target = vip.to_string();
-    tb.spawn(
-        Place::Pod("client"),
-        &[
-            py.to_str().unwrap(),
-            client.to_str().unwrap(),
-            "--gen",
-            &gen_arg,
-            "--target",
-            &target,
-            "--calls",
-            "1000000",
-            "--concurrency",
-            "2",
-        ],
-    )
-    .unwrap();
+    let (gen_arg, target) = (gen_dir.display().to_string(), vip.to_string());
+    let argv = [
+        py.to_str().unwrap(),
+        client.to_str().unwrap(),
+        "--gen",
+        &gen_arg,
+        "--target",
+        &target,
+        "--calls",
+        "1000000",
+        "--concurrency",
+        "2",
+    ];
+    tb.spawn(Place::Pod("client"), &argv).unwrap()
+}
+
+/// Waits up to 10 s for `/status` to show the Service's pod traffic all on one backend, and
+/// returns that report.
+fn wait_pinned(tb: &skewless_testbed::Testbed) -> serde_json::Value {
     let started = std::time::Instant::now();
-    let mut last = serde_json::Value::Null;
-    let flagged = loop {
-        let status = status_json(&tb);
+    loop {
+        let status = status_json(tb);
         let o = &status["observed"][0];
         if o["backends_receiving"] == 1 && o["largest_share"].as_f64() == Some(1.0) {
-            break Some(o.clone());
+            return o.clone();
         }
-        last = status;
-        if started.elapsed() > Duration::from_secs(10) {
-            break None;
-        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the pinned client must be reported within 10 s; last status: {status}"
+        );
         std::thread::sleep(Duration::from_millis(200));
-    };
-    let _ = std::fs::remove_file(&services);
-    let o = flagged.unwrap_or_else(|| {
-        panic!("the pinned client must be flagged within 10 s; last status: {last}")
-    });
+    }
+}
+
+fn assert_pinned_to_a_pod(
+    o: &serde_json::Value,
+    tb: &skewless_testbed::Testbed,
+    pods: &[&str],
+    vip: SocketAddrV4,
+) {
     assert_eq!(o["ready_backends"], 4, "{o}");
     assert_eq!(
         o["skew"].as_f64(),
@@ -440,8 +449,49 @@ fn observe_mode_flags_a_pinned_pick_first_client_within_ten_seconds() {
     );
     let backend = o["backends"][0]["backend"].as_str().unwrap().to_owned();
     assert!(
-        PODS.iter()
+        pods.iter()
             .any(|p| backend == format!("{}:{}", tb.pod(p).unwrap().ip, vip.port())),
         "the backend must be a pod resolved through conntrack, not the VIP: {backend}"
+    );
+}
+
+const ECHO_PODS: [&str; 4] = ["echo-0", "echo-1", "echo-2", "echo-3"];
+
+#[test]
+#[ignore = "privileged: needs root and the real kernel; run with `cargo xtask test`"]
+fn observe_mode_flags_a_pinned_pick_first_client_within_ten_seconds() {
+    let vip = SocketAddrV4::new(std::net::Ipv4Addr::new(198, 19, 0, 30), 50051);
+    let (mut tb, gen_dir) = echo_bed(vip, &ECHO_PODS);
+    let services = std::env::temp_dir().join(format!("skewless-test-services-{}.yaml", tb.id()));
+    write_services(&services, &tb, vip, "observe", &ECHO_PODS);
+    spawn_file_agent(&mut tb, &services);
+    spawn_long_client(&mut tb, &gen_dir, vip);
+    let o = wait_pinned(&tb);
+    let _ = std::fs::remove_file(&services);
+    assert_eq!(o["mode"], "observe", "{o}");
+    assert_pinned_to_a_pod(&o, &tb, &ECHO_PODS, vip);
+}
+
+#[test]
+#[ignore = "privileged: needs root and the real kernel; run with `cargo xtask test`"]
+fn connection_opened_before_opt_in_is_left_alone_and_reported_pinned() {
+    let vip = SocketAddrV4::new(std::net::Ipv4Addr::new(198, 19, 0, 31), 50051);
+    let (mut tb, gen_dir) = echo_bed(vip, &ECHO_PODS);
+    let services = std::env::temp_dir().join(format!("skewless-test-services-{}.yaml", tb.id()));
+    std::fs::write(&services, "services: []\n").unwrap();
+    spawn_file_agent(&mut tb, &services);
+    let client = spawn_long_client(&mut tb, &gen_dir, vip);
+    std::thread::sleep(Duration::from_secs(1));
+
+    // Opt in to request mode while the client's connection is open: that connection is not
+    // redirected (it connected before), keeps working, and is reported as pinned.
+    write_services(&services, &tb, vip, "request", &ECHO_PODS);
+    let o = wait_pinned(&tb);
+    let _ = std::fs::remove_file(&services);
+    assert_eq!(o["mode"], "request", "{o}");
+    assert_pinned_to_a_pod(&o, &tb, &ECHO_PODS, vip);
+    assert!(
+        tb.is_running(client),
+        "the client's existing connection must not be disturbed"
     );
 }
