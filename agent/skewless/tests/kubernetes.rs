@@ -255,5 +255,26 @@ async fn kubernetes_changes_reach_balancer_and_redirect_map() {
         !redirected(s) && balancer_endpoints(s).is_none()
     })
     .await;
+
+    // Opt in again, then change the mode: how long until the redirect map says so (the next
+    // connect() follows the map at once).
+    let mut opt_in = Vec::new();
+    let mut mode_change = Vec::new();
+    for _ in 0..5 {
+        api.apply(&mk_service(Some("request")));
+        opt_in.push(until(&admin, "opt-in writes the redirect", redirected).await);
+        api.apply(&mk_service(Some("observe")));
+        mode_change.push(
+            until(&admin, "mode observe removes the redirect", |s| {
+                !redirected(s)
+            })
+            .await,
+        );
+    }
+    println!(
+        "opt-in -> redirect entry: max {:?}; mode change -> entry removed: max {:?} (5 each)",
+        opt_in.iter().max().unwrap(),
+        mode_change.iter().max().unwrap()
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
