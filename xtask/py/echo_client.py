@@ -4,7 +4,10 @@ The channel is grpcio's default, i.e. the pick_first policy that the seeds descr
 resolves the Service name once and sends every call over one HTTP/2 connection.
 
 Usage: echo_client.py --gen DIR --target HOST:PORT --calls N [--concurrency C]
+                      [--duration S] [--log FILE] [--reconnect-backoff-ms MS]
 Prints one line: ok=K p50=MS p99=MS pods=pod:count,... errors=CODE:count,...
+With --duration the client stops after S seconds (or N calls, whichever comes first). With
+--log every call is written as "<start, seconds since the epoch> <OK or status code>".
 """
 import argparse
 import sys
@@ -19,12 +22,22 @@ def main():
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--timeout", type=float, default=5.0)
+    ap.add_argument("--duration", type=float, default=0.0)
+    ap.add_argument("--log")
+    ap.add_argument("--reconnect-backoff-ms", type=int, default=0)
     args = ap.parse_args()
     sys.path.insert(0, args.gen)
     import grpc
     from skewless.echo.v1 import echo_pb2, echo_pb2_grpc
 
-    channel = grpc.insecure_channel(args.target)
+    options = []
+    if args.reconnect_backoff_ms:
+        ms = args.reconnect_backoff_ms
+        options = [("grpc.initial_reconnect_backoff_ms", ms), ("grpc.min_reconnect_backoff_ms", ms),
+                   ("grpc.max_reconnect_backoff_ms", ms)]
+    channel = grpc.insecure_channel(args.target, options=options)
+    deadline = time.time() + args.duration if args.duration else None
+    log = []
     stub = echo_pb2_grpc.EchoStub(channel)
     lock = threading.Lock()
     pods, errors, latencies = {}, {}, []
@@ -33,9 +46,10 @@ def main():
     def worker():
         while True:
             with lock:
-                if remaining[0] == 0:
+                if remaining[0] == 0 or (deadline and time.time() >= deadline):
                     return
                 remaining[0] -= 1
+            started_at = time.time()
             start = time.perf_counter()
             try:
                 reply = stub.Echo(echo_pb2.EchoRequest(payload=b"hi"), timeout=args.timeout)
@@ -43,10 +57,12 @@ def main():
                 with lock:
                     pods[reply.pod] = pods.get(reply.pod, 0) + 1
                     latencies.append(elapsed)
+                    log.append("%.6f OK" % started_at)
             except grpc.RpcError as e:
                 with lock:
                     key = e.code().name
                     errors[key] = errors.get(key, 0) + 1
+                    log.append("%.6f %s" % (started_at, key))
 
     threads = [threading.Thread(target=worker) for _ in range(max(1, args.concurrency))]
     for t in threads:
@@ -54,6 +70,9 @@ def main():
     for t in threads:
         t.join()
     latencies.sort()
+    if args.log:
+        with open(args.log, "w") as f:
+            f.write("\n".join(log) + "\n")
 
     def pct(p):
         if not latencies:

@@ -495,3 +495,86 @@ fn connection_opened_before_opt_in_is_left_alone_and_reported_pinned() {
         "the client's existing connection must not be disturbed"
     );
 }
+
+#[test]
+#[ignore = "privileged: needs root and the real kernel; run with `cargo xtask test`"]
+fn sigkill_under_grpc_load_every_call_a_second_later_succeeds() {
+    use skewless_testbed::grpc;
+    let vip = SocketAddrV4::new(std::net::Ipv4Addr::new(198, 19, 0, 32), 50051);
+    let (mut tb, gen_dir) = echo_bed(vip, &ECHO_PODS);
+    let services = std::env::temp_dir().join(format!("skewless-test-services-{}.yaml", tb.id()));
+    write_services(&services, &tb, vip, "request", &ECHO_PODS);
+    let agent = spawn_file_agent(&mut tb, &services);
+    wait_until("the agent redirects the Service", || {
+        services_in_status(&tb) == 1
+    });
+
+    // pick_first client under load for 5 s. Its reconnect backoff is set to 100 ms so the
+    // measurement is about skewless, not about grpcio's default 1 s first backoff.
+    let log = std::env::temp_dir().join(format!("skewless-test-calls-{}.log", tb.id()));
+    let (py, client) = (grpc::python(), grpc::script("echo_client.py"));
+    let (gen_arg, target, log_arg) = (
+        gen_dir.display().to_string(),
+        vip.to_string(),
+        log.display().to_string(),
+    );
+    let argv = [
+        py.to_str().unwrap(),
+        client.to_str().unwrap(),
+        "--gen",
+        &gen_arg,
+        "--target",
+        &target,
+        "--calls",
+        "1000000",
+        "--concurrency",
+        "4",
+        "--duration",
+        "5",
+        "--timeout",
+        "2",
+        "--reconnect-backoff-ms",
+        "100",
+        "--log",
+        &log_arg,
+    ];
+    let client_pid = tb.spawn(Place::Pod("client"), &argv).unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    let killed_at = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64();
+    tb.kill(agent);
+    wait_until("the client finishes", || !tb.is_running(client_pid));
+
+    let text = std::fs::read_to_string(&log).expect("the client writes its call log");
+    let _ = std::fs::remove_file(&log);
+    let _ = std::fs::remove_file(&services);
+    let calls: Vec<(f64, String)> = text
+        .lines()
+        .filter_map(|l| l.split_once(' '))
+        .map(|(t, r)| (t.parse().unwrap(), r.to_owned()))
+        .collect();
+    let before = calls.iter().filter(|(t, _)| *t < killed_at).count();
+    let late: Vec<&(f64, String)> = calls
+        .iter()
+        .filter(|(t, _)| *t >= killed_at + 1.0)
+        .collect();
+    assert!(
+        before > 50,
+        "the load must run through the balancer before the kill ({before} calls)"
+    );
+    assert!(
+        late.len() > 50,
+        "the load must go on after the kill ({} calls)",
+        late.len()
+    );
+    let failed: Vec<&&(f64, String)> = late.iter().filter(|(_, r)| r != "OK").collect();
+    assert!(
+        failed.is_empty(),
+        "every call started 1 s or more after SIGKILL must succeed; {} of {} failed, first: {:?}",
+        failed.len(),
+        late.len(),
+        failed.first()
+    );
+}
