@@ -7,29 +7,22 @@ use skewless_testbed::{Place, fixtures::IdentBed};
 
 const ADMIN: &str = "127.0.0.1:9990";
 
-#[test]
-#[ignore = "privileged: needs root and the real kernel; run with `cargo xtask test`"]
-fn agent_redirects_reports_status_and_fails_open_when_killed() {
-    let mut bed = IdentBed::new().expect("testbed builds (needs root)");
-    let vip = IdentBed::vip();
+/// Starts the agent in the node with a raw redirect of the IdentBed VIP to its balancer
+/// stand-in, attached to the client pod; waits for its admin API. Returns its PID.
+fn spawn_redirect_agent(bed: &mut IdentBed) -> u32 {
     let cgroup = bed.tb.pod("client").unwrap().cgroup.display().to_string();
-    let redirect = format!("{vip}={}", IdentBed::balancer());
-    let agent = bed
-        .tb
-        .spawn(
-            Place::Node(0),
-            &[
-                env!("CARGO_BIN_EXE_skewless"),
-                "agent",
-                "--cgroup",
-                &cgroup,
-                "--redirect",
-                &redirect,
-                "--admin-addr",
-                ADMIN,
-            ],
-        )
-        .unwrap();
+    let redirect = format!("{}={}", IdentBed::vip(), IdentBed::balancer());
+    let argv = [
+        env!("CARGO_BIN_EXE_skewless"),
+        "agent",
+        "--cgroup",
+        &cgroup,
+        "--redirect",
+        &redirect,
+        "--admin-addr",
+        ADMIN,
+    ];
+    let agent = bed.tb.spawn(Place::Node(0), &argv).unwrap();
     bed.tb
         .wait_for_tcp(
             Place::Node(0),
@@ -37,6 +30,15 @@ fn agent_redirects_reports_status_and_fails_open_when_killed() {
             Duration::from_secs(10),
         )
         .expect("agent serves its admin API");
+    agent
+}
+
+#[test]
+#[ignore = "privileged: needs root and the real kernel; run with `cargo xtask test`"]
+fn agent_redirects_reports_status_and_fails_open_when_killed() {
+    let mut bed = IdentBed::new().expect("testbed builds (needs root)");
+    let vip = IdentBed::vip();
+    let agent = spawn_redirect_agent(&mut bed);
 
     let redirected = bed.probe("client", vip, 100).unwrap();
     assert!(
@@ -286,31 +288,7 @@ fn agent_balances_pick_first_grpc_client_through_the_vip_and_follows_opt_out() {
 fn stopped_agent_fails_open_within_a_second_and_resumes() {
     let mut bed = IdentBed::new().expect("testbed builds (needs root)");
     let vip = IdentBed::vip();
-    let cgroup = bed.tb.pod("client").unwrap().cgroup.display().to_string();
-    let redirect = format!("{vip}={}", IdentBed::balancer());
-    let agent = bed
-        .tb
-        .spawn(
-            Place::Node(0),
-            &[
-                env!("CARGO_BIN_EXE_skewless"),
-                "agent",
-                "--cgroup",
-                &cgroup,
-                "--redirect",
-                &redirect,
-                "--admin-addr",
-                ADMIN,
-            ],
-        )
-        .unwrap();
-    bed.tb
-        .wait_for_tcp(
-            Place::Node(0),
-            ADMIN.parse::<SocketAddrV4>().unwrap(),
-            Duration::from_secs(10),
-        )
-        .expect("agent serves its admin API");
+    let agent = spawn_redirect_agent(&mut bed);
     assert!(
         bed.probe("client", vip, 20).unwrap().only("balancer"),
         "the agent redirects while alive"
