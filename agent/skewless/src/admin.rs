@@ -12,7 +12,7 @@ use hyper::{Request, Response, StatusCode, body::Bytes, service::service_fn};
 use hyper_util::rt::TokioIo;
 use prometheus_client::{
     collector::Collector,
-    encoding::{DescriptorEncoder, EncodeMetric as _},
+    encoding::{DescriptorEncoder, EncodeMetric},
     metrics::{MetricType, counter::ConstCounter, gauge::ConstGauge},
     registry::Registry,
 };
@@ -214,144 +214,146 @@ struct Scraped {
 #[derive(Debug)]
 struct AgentCollector(Arc<Mutex<Scraped>>);
 
+type Labels = Vec<(&'static str, String)>;
+
+/// Encodes one metric family from (labels, value) rows.
+fn family<M: EncodeMetric>(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    kind: MetricType,
+    rows: impl IntoIterator<Item = (Labels, M)>,
+) -> Result<(), std::fmt::Error> {
+    let mut m = encoder.encode_descriptor(name, help, None, kind)?;
+    for (labels, value) in rows {
+        value.encode(m.encode_family(&labels)?)?;
+    }
+    Ok(())
+}
+
+fn count(n: usize) -> ConstGauge<i64> {
+    ConstGauge::new(i64::try_from(n).unwrap_or(i64::MAX))
+}
+
 impl Collector for AgentCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let Ok(s) = self.0.lock() else { return Ok(()) };
         let c = s.counters;
-        let mut kernel = |name: &str, help: &str, v: u64| -> Result<(), std::fmt::Error> {
-            ConstCounter::new(v).encode(encoder.encode_descriptor(
-                name,
-                help,
-                None,
-                MetricType::Counter,
-            )?)
-        };
-        kernel(
-            "connect_seen",
-            "IPv4 connect() calls seen by the hook in attached pod cgroups.",
-            c.connect4_seen,
-        )?;
-        kernel(
-            "connect_redirected",
-            "connect() calls rewritten to a node balancer listener (IPv4 and IPv4-mapped IPv6).",
-            c.connect4_redirected + c.connect6_redirected,
-        )?;
-        kernel(
-            "balancer_refused",
-            "Connections to a balancer closed at once because the peer is not one of this node's pods.",
-            s.refused_peers,
-        )?;
-        kernel(
-            "stale_heartbeat",
-            "connect() calls to a redirected Service sent direct because the agent's heartbeat was stale (fail open).",
-            c.stale_heartbeat,
-        )?;
-        kernel(
-            "origdst_update_failed",
-            "Redirected sockets whose original destination could not be recorded for getpeername.",
-            c.origdst_update_failed,
-        )?;
+        let kernel = [
+            (
+                "connect_seen",
+                "connect() calls (IPv4 and IPv6) seen by the hooks in attached pod cgroups.",
+                c.connect4_seen + c.connect6_seen,
+            ),
+            (
+                "connect_redirected",
+                "connect() calls rewritten to a node balancer listener (IPv4 and IPv4-mapped IPv6).",
+                c.connect4_redirected + c.connect6_redirected,
+            ),
+            (
+                "balancer_refused",
+                "Connections to a balancer closed at once because the peer is not one of this node's pods.",
+                s.refused_peers,
+            ),
+            (
+                "stale_heartbeat",
+                "connect() calls to a redirected Service sent direct because the agent's heartbeat was stale (fail open).",
+                c.stale_heartbeat,
+            ),
+            (
+                "origdst_update_failed",
+                "Redirected sockets whose original destination could not be recorded for getpeername.",
+                c.origdst_update_failed,
+            ),
+        ];
+        for (name, help, v) in kernel {
+            // No labels: encoded directly, so the line reads `name_total 3`, not `name_total{} 3`.
+            let m = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+            ConstCounter::new(v).encode(m)?;
+        }
 
-        let backend = |svc: &ServiceStatus, name: &str| {
-            vec![
-                ("service", svc.service.clone()),
-                ("vip", svc.vip.clone()),
-                ("backend", name.to_owned()),
-            ]
+        let svc = |x: &ServiceStatus| vec![("service", x.service.clone()), ("vip", x.vip.clone())];
+        let backends = || {
+            s.services.iter().flat_map(move |x| {
+                x.endpoints.iter().map(move |e| {
+                    let mut l = svc(x);
+                    l.push(("backend", e.name.clone()));
+                    (l, e)
+                })
+            })
         };
-        let mut m = encoder.encode_descriptor(
+        family(
+            &mut encoder,
             "backend_requests",
             "Requests the balancer sent to a backend (probes included).",
-            None,
             MetricType::Counter,
+            backends().map(|(l, e)| (l, ConstCounter::new(e.requests))),
         )?;
-        for svc in &s.services {
-            for e in &svc.endpoints {
-                ConstCounter::new(e.requests).encode(m.encode_family(&backend(svc, &e.name))?)?;
-            }
-        }
-        let mut m = encoder.encode_descriptor(
+        family(
+            &mut encoder,
             "backend_failures",
             "Requests that failed on a backend.",
-            None,
             MetricType::Counter,
+            backends().map(|(l, e)| (l, ConstCounter::new(e.failures))),
         )?;
-        for svc in &s.services {
-            for e in &svc.endpoints {
-                ConstCounter::new(e.failures).encode(m.encode_family(&backend(svc, &e.name))?)?;
-            }
-        }
-        let mut m = encoder.encode_descriptor(
+        family(
+            &mut encoder,
             "backend_share",
             "A backend's fraction of the requests its Service port's balancer sent (0..1).",
-            None,
             MetricType::Gauge,
+            backends().map(|(l, e)| (l, ConstGauge::new(e.share))),
         )?;
-        for svc in &s.services {
-            for e in &svc.endpoints {
-                ConstGauge::new(e.share).encode(m.encode_family(&backend(svc, &e.name))?)?;
-            }
-        }
-        let mut m = encoder.encode_descriptor(
+        family(
+            &mut encoder,
             "service_ready_backends",
             "Ready backends of a redirected Service port, from the model.",
-            None,
             MetricType::Gauge,
+            s.services
+                .iter()
+                .map(|x| (svc(x), count(x.ready_endpoints))),
         )?;
-        for svc in &s.services {
-            let labels = vec![("service", svc.service.clone()), ("vip", svc.vip.clone())];
-            let ready = i64::try_from(svc.ready_endpoints).unwrap_or(i64::MAX);
-            ConstGauge::new(ready).encode(m.encode_family(&labels)?)?;
-        }
-        let observed =
+
+        let obs =
             |o: &ObservedService| vec![("service", o.service.clone()), ("vip", o.vip.clone())];
-        let mut m = encoder.encode_descriptor(
+        let observed_backends = || {
+            s.observed.iter().flat_map(move |o| {
+                o.backends.iter().map(move |b| {
+                    let mut l = obs(o);
+                    l.push(("backend", b.backend.clone()));
+                    (l, b)
+                })
+            })
+        };
+        family(
+            &mut encoder,
             "observed_skew",
             "Largest backend share / fair share of an observed Service's pod connections (1 = even; the number of ready backends = all on one).",
-            None,
             MetricType::Gauge,
+            s.observed.iter().map(|o| (obs(o), ConstGauge::new(o.skew))),
         )?;
-        for o in &s.observed {
-            ConstGauge::new(o.skew).encode(m.encode_family(&observed(o))?)?;
-        }
-        let mut m = encoder.encode_descriptor(
+        family(
+            &mut encoder,
             "observed_backends_receiving",
             "Backends of an observed Service that this node's pods send traffic to.",
-            None,
             MetricType::Gauge,
+            s.observed
+                .iter()
+                .map(|o| (obs(o), count(o.backends_receiving))),
         )?;
-        for o in &s.observed {
-            let n = i64::try_from(o.backends_receiving).unwrap_or(i64::MAX);
-            ConstGauge::new(n).encode(m.encode_family(&observed(o))?)?;
-        }
-        let mut m = encoder.encode_descriptor(
+        family(
+            &mut encoder,
             "observed_backend_share",
             "A backend's share of an observed Service's traffic from this node's pods (bytes, or open connections when idle).",
-            None,
             MetricType::Gauge,
+            observed_backends().map(|(l, b)| (l, ConstGauge::new(b.share))),
         )?;
-        for o in &s.observed {
-            for b in &o.backends {
-                let mut labels = observed(o);
-                labels.push(("backend", b.backend.clone()));
-                ConstGauge::new(b.share).encode(m.encode_family(&labels)?)?;
-            }
-        }
-        let mut m = encoder.encode_descriptor(
+        family(
+            &mut encoder,
             "observed_backend_connections",
             "Open connections from this node's pods pinned to a backend of an observed Service.",
-            None,
             MetricType::Gauge,
-        )?;
-        for o in &s.observed {
-            for b in &o.backends {
-                let mut labels = observed(o);
-                labels.push(("backend", b.backend.clone()));
-                let n = i64::try_from(b.open_connections).unwrap_or(i64::MAX);
-                ConstGauge::new(n).encode(m.encode_family(&labels)?)?;
-            }
-        }
-        Ok(())
+            observed_backends().map(|(l, b)| (l, count(b.open_connections))),
+        )
     }
 }
 

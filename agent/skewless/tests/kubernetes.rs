@@ -113,26 +113,31 @@ impl Drop for AgentProcess {
     }
 }
 
-async fn status(admin: &str) -> Option<serde_json::Value> {
+async fn get(admin: &str, path: &str) -> Option<Bytes> {
     let stream = tokio::net::TcpStream::connect(admin).await.ok()?;
     let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
         .await
         .ok()?;
     tokio::spawn(conn);
-    let req = http::Request::get("/status")
+    let req = http::Request::get(path)
         .header("host", admin)
         .body(Empty::<Bytes>::new())
         .ok()?;
-    let body = sender
-        .send_request(req)
-        .await
-        .ok()?
-        .into_body()
-        .collect()
-        .await
-        .ok()?
-        .to_bytes();
-    serde_json::from_slice(&body).ok()
+    Some(
+        sender
+            .send_request(req)
+            .await
+            .ok()?
+            .into_body()
+            .collect()
+            .await
+            .ok()?
+            .to_bytes(),
+    )
+}
+
+async fn status(admin: &str) -> Option<serde_json::Value> {
+    serde_json::from_slice(&get(admin, "/status").await?).ok()
 }
 
 /// Polls `/status` every 2 ms until `f` holds; returns how long that took.
@@ -232,6 +237,24 @@ async fn kubernetes_changes_reach_balancer_and_redirect_map() {
         latencies[latencies.len() / 2],
         latencies[latencies.len() - 1],
         latencies.len()
+    );
+
+    // The same state in /metrics (OpenMetrics text), one row per backend.
+    let metrics = String::from_utf8(get(&admin, "/metrics").await.unwrap().to_vec()).unwrap();
+    let ready =
+        format!("skewless_service_ready_backends{{service=\"ns/echo\",vip=\"{VIP}:50051\"}} 3");
+    assert!(
+        metrics.contains(&ready),
+        "ready backends must be exported: {metrics}"
+    );
+    let rows = metrics
+        .lines()
+        .filter(|l| l.starts_with("skewless_backend_requests_total{"))
+        .count();
+    assert_eq!(rows, 3, "one request counter per backend: {metrics}");
+    assert!(
+        metrics.contains("skewless_connect_seen_total "),
+        "kernel counters must be exported: {metrics}"
     );
 
     // A bad annotation keeps the last good config (still redirected, still 3 endpoints) and
