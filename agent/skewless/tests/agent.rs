@@ -101,6 +101,35 @@ fn agent_refuses_the_cgroup_root() {
     );
 }
 
+/// A file under the temp directory, removed when dropped (also when a test fails).
+struct TempPath(std::path::PathBuf);
+
+impl TempPath {
+    fn new(name: String) -> Self {
+        Self(std::env::temp_dir().join(name))
+    }
+}
+
+impl std::ops::Deref for TempPath {
+    type Target = std::path::Path;
+
+    fn deref(&self) -> &std::path::Path {
+        &self.0
+    }
+}
+
+impl AsRef<std::path::Path> for TempPath {
+    fn as_ref(&self) -> &std::path::Path {
+        &self.0
+    }
+}
+
+impl Drop for TempPath {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
 /// Writes the services file the agent reads: one Service `echo` at `vip` over `pods`.
 fn write_services(
     path: &std::path::Path,
@@ -200,7 +229,7 @@ fn agent_balances_pick_first_grpc_client_through_the_vip_and_follows_opt_out() {
         "without skewless the client must be pinned: {pinned:?}"
     );
 
-    let services = std::env::temp_dir().join(format!("skewless-test-services-{}.yaml", tb.id()));
+    let services = TempPath::new(format!("skewless-test-services-{}.yaml", tb.id()));
     write_services(&services, &tb, vip, "request", &PODS);
     let cgroup = tb.pod("client").unwrap().cgroup.display().to_string();
     // Only the client pod's network may use the balancer.
@@ -280,7 +309,6 @@ fn agent_balances_pick_first_grpc_client_through_the_vip_and_follows_opt_out() {
         tb.terminate(agent, Duration::from_secs(10)),
         "the agent must exit on SIGTERM"
     );
-    let _ = std::fs::remove_file(&services);
 }
 
 #[test]
@@ -440,12 +468,11 @@ const ECHO_PODS: [&str; 4] = ["echo-0", "echo-1", "echo-2", "echo-3"];
 fn observe_mode_flags_a_pinned_pick_first_client_within_ten_seconds() {
     let vip = SocketAddrV4::new(std::net::Ipv4Addr::new(198, 19, 0, 30), 50051);
     let (mut tb, gen_dir) = echo_bed(vip, &ECHO_PODS);
-    let services = std::env::temp_dir().join(format!("skewless-test-services-{}.yaml", tb.id()));
+    let services = TempPath::new(format!("skewless-test-services-{}.yaml", tb.id()));
     write_services(&services, &tb, vip, "observe", &ECHO_PODS);
     spawn_file_agent(&mut tb, &services);
     spawn_long_client(&mut tb, &gen_dir, vip);
     let o = wait_pinned(&tb);
-    let _ = std::fs::remove_file(&services);
     assert_eq!(o["mode"], "observe", "{o}");
     assert_pinned_to_a_pod(&o, &tb, &ECHO_PODS, vip);
 }
@@ -455,7 +482,7 @@ fn observe_mode_flags_a_pinned_pick_first_client_within_ten_seconds() {
 fn connection_opened_before_opt_in_is_left_alone_and_reported_pinned() {
     let vip = SocketAddrV4::new(std::net::Ipv4Addr::new(198, 19, 0, 31), 50051);
     let (mut tb, gen_dir) = echo_bed(vip, &ECHO_PODS);
-    let services = std::env::temp_dir().join(format!("skewless-test-services-{}.yaml", tb.id()));
+    let services = TempPath::new(format!("skewless-test-services-{}.yaml", tb.id()));
     std::fs::write(&services, "services: []\n").unwrap();
     spawn_file_agent(&mut tb, &services);
     let client = spawn_long_client(&mut tb, &gen_dir, vip);
@@ -465,7 +492,6 @@ fn connection_opened_before_opt_in_is_left_alone_and_reported_pinned() {
     // redirected (it connected before), keeps working, and is reported as pinned.
     write_services(&services, &tb, vip, "request", &ECHO_PODS);
     let o = wait_pinned(&tb);
-    let _ = std::fs::remove_file(&services);
     assert_eq!(o["mode"], "request", "{o}");
     assert_pinned_to_a_pod(&o, &tb, &ECHO_PODS, vip);
     assert!(
@@ -480,7 +506,7 @@ fn sigkill_under_grpc_load_every_call_a_second_later_succeeds() {
     use skewless_testbed::grpc;
     let vip = SocketAddrV4::new(std::net::Ipv4Addr::new(198, 19, 0, 32), 50051);
     let (mut tb, gen_dir) = echo_bed(vip, &ECHO_PODS);
-    let services = std::env::temp_dir().join(format!("skewless-test-services-{}.yaml", tb.id()));
+    let services = TempPath::new(format!("skewless-test-services-{}.yaml", tb.id()));
     write_services(&services, &tb, vip, "request", &ECHO_PODS);
     let agent = spawn_file_agent(&mut tb, &services);
     wait_until("the agent redirects the Service", || {
@@ -489,7 +515,7 @@ fn sigkill_under_grpc_load_every_call_a_second_later_succeeds() {
 
     // pick_first client under load for 5 s. Its reconnect backoff is set to 100 ms so the
     // measurement is about skewless, not about grpcio's default 1 s first backoff.
-    let log = std::env::temp_dir().join(format!("skewless-test-calls-{}.log", tb.id()));
+    let log = TempPath::new(format!("skewless-test-calls-{}.log", tb.id()));
     let (py, client) = (grpc::python(), grpc::script("echo_client.py"));
     let (gen_arg, target, log_arg) = (
         gen_dir.display().to_string(),
@@ -526,8 +552,6 @@ fn sigkill_under_grpc_load_every_call_a_second_later_succeeds() {
     wait_until("the client finishes", || !tb.is_running(client_pid));
 
     let text = std::fs::read_to_string(&log).expect("the client writes its call log");
-    let _ = std::fs::remove_file(&log);
-    let _ = std::fs::remove_file(&services);
     let calls: Vec<(f64, String)> = text
         .lines()
         .filter_map(|l| l.split_once(' '))
