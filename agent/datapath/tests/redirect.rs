@@ -248,6 +248,21 @@ fn connect_to_listed_native_ipv6_vip_port_is_redirected_and_nothing_else_is() {
         "every redirected socket's getpeername must be restored once: {counters:?}"
     );
 
+    // The same heartbeat rule as IPv4: a stale heartbeat fails open, a fresh one resumes.
+    dp.beat().unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(1000));
+    let stale = bed.probe("client", vip6, 20).unwrap();
+    assert!(
+        stale.all_servers(),
+        "with a stale heartbeat the IPv6 VIP must reach the pods: {stale:?}"
+    );
+    assert!(dp.counters().unwrap().stale_heartbeat >= 20);
+    dp.beat().unwrap();
+    assert!(
+        bed.probe("client", vip6, 10).unwrap().only("balancer"),
+        "a fresh heartbeat resumes the IPv6 redirect"
+    );
+
     // Disabling by removal and detaching both restore plain L4.
     dp.remove_redirect6(vip6).unwrap();
     let removed = bed.probe("client", vip6, 30).unwrap();
