@@ -14,7 +14,7 @@ pub mod conntrack;
 
 use std::{
     fs::File,
-    net::{Ipv4Addr, SocketAddrV4},
+    net::{Ipv4Addr, Ipv6Addr, SocketAddrV4, SocketAddrV6},
     path::{Path, PathBuf},
 };
 
@@ -28,7 +28,7 @@ use aya::{
 };
 use skewless_common::{
     CONN4_MAP, COUNTERS_MAP, Conn4, Counter, HEARTBEAT_MAP, REDIRECT4_CAPACITY, REDIRECT4_MAP,
-    Redirect4, ServiceKey4,
+    REDIRECT6_CAPACITY, REDIRECT6_MAP, Redirect4, Redirect6, ServiceKey4, ServiceKey6,
 };
 use tracing::{debug, info};
 
@@ -73,6 +73,8 @@ pub enum Error {
     Stats(#[source] std::io::Error),
     #[error("redirect map is full ({capacity} Service addresses); {addr} is not redirected")]
     RedirectMapFull { addr: SocketAddrV4, capacity: u32 },
+    #[error("IPv6 redirect map is full ({capacity} Service addresses); {addr} is not redirected")]
+    Redirect6MapFull { addr: SocketAddrV6, capacity: u32 },
 }
 
 /// A handle to one cgroup attachment; pass it back to [`Datapath::detach`].
@@ -97,7 +99,10 @@ pub struct Counters {
     pub connect4_redirected: u64,
     pub connect4_disabled: u64,
     pub connect6_seen: u64,
+    /// connect6 calls to IPv4-mapped Service addresses that were redirected.
     pub connect6_redirected: u64,
+    /// connect6 calls to native IPv6 Service addresses that were redirected.
+    pub connect6_native_redirected: u64,
     pub peername_restored: u64,
     pub origdst_update_failed: u64,
     pub stale_heartbeat: u64,
@@ -175,6 +180,7 @@ pub fn enable_stats() -> Result<std::os::fd::OwnedFd, Error> {
 pub struct Datapath {
     ebpf: Ebpf,
     redirect4: HashMap<MapData, ServiceKey4, Redirect4>,
+    redirect6: HashMap<MapData, ServiceKey6, Redirect6>,
     heartbeat: Array<MapData, u64>,
     counters: PerCpuArray<MapData, u64>,
     conns: HashMap<MapData, u64, Conn4>,
@@ -206,6 +212,7 @@ impl Datapath {
                 source,
             })?;
         let redirect4 = take_map(&mut ebpf, REDIRECT4_MAP)?;
+        let redirect6 = take_map(&mut ebpf, REDIRECT6_MAP)?;
         let heartbeat = take_map(&mut ebpf, HEARTBEAT_MAP)?;
         let counters = take_map(&mut ebpf, COUNTERS_MAP)?;
         let conns = take_map(&mut ebpf, CONN4_MAP)?;
@@ -213,6 +220,7 @@ impl Datapath {
         Ok(Self {
             ebpf,
             redirect4,
+            redirect6,
             heartbeat,
             counters,
             conns,
@@ -357,6 +365,71 @@ impl Datapath {
             .collect()
     }
 
+    /// Makes the next connect() to the native IPv6 Service address `service` from an attached
+    /// cgroup go to `target` instead (an IPv6 listener of the balancer). IPv4 Services, also
+    /// when reached through IPv4-mapped addresses, use [`Datapath::set_redirect`].
+    ///
+    /// # Errors
+    /// When the map is full (the entry is not added and the Service stays plain L4) or the
+    /// update fails.
+    pub fn set_redirect6(
+        &mut self,
+        service: SocketAddrV6,
+        target: SocketAddrV6,
+    ) -> Result<(), Error> {
+        let key = service_key6(service);
+        let value = Redirect6 {
+            addr: words_be(*target.ip()),
+            port: target.port().to_be(),
+            _pad: 0,
+            enabled: 1,
+        };
+        self.redirect6.insert(key, value, 0).map_err(|source| {
+            if is_full(&source) {
+                Error::Redirect6MapFull {
+                    addr: service,
+                    capacity: REDIRECT6_CAPACITY,
+                }
+            } else {
+                Error::Map {
+                    name: REDIRECT6_MAP,
+                    source,
+                }
+            }
+        })?;
+        debug!(%service, %target, "IPv6 redirect set");
+        Ok(())
+    }
+
+    /// Stops redirecting the native IPv6 Service address `service`. Removing an address that
+    /// is not redirected is not an error.
+    ///
+    /// # Errors
+    /// When the kernel refuses the deletion for another reason than a missing key.
+    pub fn remove_redirect6(&mut self, service: SocketAddrV6) -> Result<(), Error> {
+        match self.redirect6.remove(&service_key6(service)) {
+            Ok(()) | Err(aya::maps::MapError::KeyNotFound) => {
+                debug!(%service, "IPv6 redirect removed");
+                Ok(())
+            }
+            Err(source) => Err(Error::Map {
+                name: REDIRECT6_MAP,
+                source,
+            }),
+        }
+    }
+
+    /// The IPv6 redirect entries currently in the kernel map, as (service, target) pairs.
+    #[must_use]
+    pub fn redirects6(&self) -> Vec<(SocketAddrV6, SocketAddrV6)> {
+        self.redirect6
+            .iter()
+            .filter_map(Result::ok)
+            .filter(|(_, v)| v.enabled != 0)
+            .map(|(k, v)| (socket_addr6(k.addr, k.port), socket_addr6(v.addr, v.port)))
+            .collect()
+    }
+
     /// Records that the agent is alive now. Once a heartbeat has been written, the hooks only
     /// redirect while it stays fresh (younger than `HEARTBEAT_STALE_NS`), so the caller must
     /// keep beating (the agent does every 200 ms) from the part of the program whose hang
@@ -396,6 +469,7 @@ impl Datapath {
             connect4_disabled: read(Counter::Connect4Disabled)?,
             connect6_seen: read(Counter::Connect6Seen)?,
             connect6_redirected: read(Counter::Connect6Redirected)?,
+            connect6_native_redirected: read(Counter::Connect6NativeRedirected)?,
             peername_restored: read(Counter::PeerNameRestored)?,
             origdst_update_failed: read(Counter::OrigDstUpdateFailed)?,
             stale_heartbeat: read(Counter::StaleHeartbeat)?,
@@ -506,6 +580,26 @@ fn socket_addr(addr_be: u32, port_be: u16) -> SocketAddrV4 {
     SocketAddrV4::new(Ipv4Addr::from(u32::from_be(addr_be)), u16::from_be(port_be))
 }
 
+fn service_key6(addr: SocketAddrV6) -> ServiceKey6 {
+    ServiceKey6::new(words_be(*addr.ip()), addr.port().to_be())
+}
+
+/// The address as `bpf_sock_addr.user_ip6` holds it: wire-order bytes, read as four words.
+fn words_be(ip: Ipv6Addr) -> [u32; 4] {
+    let o = ip.octets();
+    core::array::from_fn(|i| {
+        u32::from_ne_bytes([o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3]])
+    })
+}
+
+fn socket_addr6(addr: [u32; 4], port_be: u16) -> SocketAddrV6 {
+    let mut o = [0u8; 16];
+    for (chunk, word) in o.chunks_exact_mut(4).zip(addr) {
+        chunk.copy_from_slice(&word.to_ne_bytes());
+    }
+    SocketAddrV6::new(Ipv6Addr::from(o), u16::from_be(port_be), 0, 0)
+}
+
 fn is_full(err: &aya::maps::MapError) -> bool {
     matches!(
         err,
@@ -539,5 +633,19 @@ mod tests {
             socket_addr(key.addr, key.port),
             "10.96.0.10:8080".parse().unwrap()
         );
+    }
+
+    #[test]
+    fn service_key6_is_wire_order() {
+        let addr: SocketAddrV6 = "[fd00:198:19::c613:a]:8080".parse().unwrap();
+        let key = service_key6(addr);
+        let bytes: Vec<u8> = key.addr.iter().flat_map(|w| w.to_ne_bytes()).collect();
+        assert_eq!(
+            bytes,
+            addr.ip().octets(),
+            "address bytes must be in wire order"
+        );
+        assert_eq!(key.port.to_ne_bytes(), 8080u16.to_be_bytes());
+        assert_eq!(socket_addr6(key.addr, key.port), addr);
     }
 }

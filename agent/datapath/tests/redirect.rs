@@ -1,7 +1,7 @@
 //! Privileged: loads the real connect4 program into the real kernel and drives real sockets
 //! through a testbed topology. Run with `cargo xtask test` (as root).
 
-use std::net::SocketAddrV4;
+use std::net::{SocketAddrV4, SocketAddrV6};
 
 use skewless_datapath::Datapath;
 use skewless_testbed::fixtures::IdentBed;
@@ -132,5 +132,150 @@ fn dropping_the_datapath_detaches_everything() {
     assert!(
         after.all_servers(),
         "with the datapath gone, connects must go direct: {after:?}"
+    );
+}
+
+#[test]
+#[ignore = "privileged: needs root and the real kernel; run with `cargo xtask test`"]
+fn connect_to_listed_native_ipv6_vip_port_is_redirected_and_nothing_else_is() {
+    let bed = IdentBed::new().expect("testbed builds (needs root)");
+    let vip6 = IdentBed::vip6();
+    let mut dp = Datapath::load().expect("eBPF programs load");
+    dp.set_redirect6(vip6, IdentBed::balancer6()).unwrap();
+    assert_eq!(dp.redirects6(), vec![(vip6, IdentBed::balancer6())]);
+    assert!(
+        dp.redirects().is_empty(),
+        "IPv6 entries stay out of the IPv4 map"
+    );
+
+    // Control: the IPv6 DNAT spreads connections over the pods, and the balancer stand-in
+    // answers on its IPv6 address.
+    let plain = bed.probe("client", vip6, 60).unwrap();
+    assert!(
+        plain.all_servers() && plain.0.len() > 1,
+        "unattached: the IPv6 VIP must reach several pods, got {plain:?}"
+    );
+    assert!(
+        bed.probe("client", IdentBed::balancer6(), 5)
+            .unwrap()
+            .only("balancer"),
+        "the IPv6 balancer stand-in must answer"
+    );
+
+    let attachment = dp
+        .attach(&bed.tb.pod("client").unwrap().cgroup)
+        .expect("attach to the client cgroup");
+    // With the program attached but no entry, the IPv6 VIP still reaches the pods.
+    dp.remove_redirect6(vip6).unwrap();
+    assert!(dp.redirects6().is_empty());
+    let no_entry = bed.probe("client", vip6, 60).unwrap();
+    assert!(
+        no_entry.all_servers() && no_entry.0.len() > 1,
+        "attached without an entry: the IPv6 VIP must reach the pods, got {no_entry:?}"
+    );
+    let before = dp.counters().unwrap();
+    assert_eq!(before.connect6_native_redirected, 0, "{before:?}");
+
+    dp.set_redirect6(vip6, IdentBed::balancer6()).unwrap();
+    let n = 500;
+    let redirected = bed.probe("client", vip6, n).unwrap();
+    assert!(
+        redirected.only("balancer"),
+        "every connect to the listed IPv6 VIP:port must reach the balancer, got {redirected:?}"
+    );
+    assert!(
+        redirected.peer_always(&IdentBed::peer_string(vip6)),
+        "getpeername6 must report the IPv6 VIP, not the balancer: {:?}",
+        redirected.1
+    );
+
+    // Untouched: the IPv6 VIP on another port, another IPv6 VIP, a pod's IPv6 address, UDP,
+    // the IPv4 VIP (no IPv4 entry), and a pod without the hook.
+    let other_port = SocketAddrV6::new(*vip6.ip(), IdentBed::OTHER_PORT, 0, 0);
+    let other_port = bed.probe("client", other_port, n).unwrap();
+    assert!(
+        other_port.all_servers(),
+        "other port of the IPv6 VIP must not be redirected: {other_port:?}"
+    );
+    let other_vip = SocketAddrV6::new(
+        skewless_testbed::vip6(IdentBed::OTHER_VIP),
+        IdentBed::PORT,
+        0,
+        0,
+    );
+    let other_vip = bed.probe("client", other_vip, 100).unwrap();
+    assert!(
+        other_vip.all_servers(),
+        "non-listed IPv6 VIP must not be redirected: {other_vip:?}"
+    );
+    let server = IdentBed::SERVERS[1];
+    let pod_ip6 = SocketAddrV6::new(bed.tb.pod(server).unwrap().ip6, IdentBed::PORT, 0, 0);
+    let direct = bed.probe("client", pod_ip6, n).unwrap();
+    assert!(
+        direct.only(server),
+        "a pod's IPv6 address must be reached directly: {direct:?}"
+    );
+    assert!(
+        direct.peer_always(&IdentBed::peer_string(pod_ip6)),
+        "getpeername6 of an unredirected socket must be untouched: {:?}",
+        direct.1
+    );
+    assert_eq!(
+        bed.udp_peer("client", vip6).unwrap(),
+        IdentBed::peer_string(vip6),
+        "a UDP socket to the IPv6 VIP:port must not be redirected"
+    );
+    let v4 = bed.probe("client", IdentBed::vip(), 100).unwrap();
+    assert!(
+        v4.all_servers(),
+        "an IPv6 entry must not redirect the IPv4 VIP: {v4:?}"
+    );
+    let bystander = bed.probe("bystander", vip6, n).unwrap();
+    assert!(
+        bystander.all_servers(),
+        "a cgroup without the hook must not be redirected: {bystander:?}"
+    );
+
+    let counters = dp.counters().unwrap();
+    assert_eq!(
+        counters.connect6_native_redirected, n as u64,
+        "kernel counter must match: {counters:?}"
+    );
+    assert_eq!(counters.connect6_redirected, 0, "{counters:?}");
+    assert_eq!(counters.connect4_redirected, 0, "{counters:?}");
+    assert_eq!(
+        counters.peername_restored, n as u64,
+        "every redirected socket's getpeername must be restored once: {counters:?}"
+    );
+
+    // The same heartbeat rule as IPv4: a stale heartbeat fails open, a fresh one resumes.
+    dp.beat().unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(1000));
+    let stale = bed.probe("client", vip6, 20).unwrap();
+    assert!(
+        stale.all_servers(),
+        "with a stale heartbeat the IPv6 VIP must reach the pods: {stale:?}"
+    );
+    assert!(dp.counters().unwrap().stale_heartbeat >= 20);
+    dp.beat().unwrap();
+    assert!(
+        bed.probe("client", vip6, 10).unwrap().only("balancer"),
+        "a fresh heartbeat resumes the IPv6 redirect"
+    );
+
+    // Disabling by removal and detaching both restore plain L4.
+    dp.remove_redirect6(vip6).unwrap();
+    let removed = bed.probe("client", vip6, 30).unwrap();
+    assert!(
+        removed.all_servers(),
+        "after removing the entry the IPv6 VIP must reach the pods: {removed:?}"
+    );
+    dp.set_redirect6(vip6, IdentBed::balancer6()).unwrap();
+    assert!(bed.probe("client", vip6, 10).unwrap().only("balancer"));
+    dp.detach(attachment).unwrap();
+    let detached = bed.probe("client", vip6, 30).unwrap();
+    assert!(
+        detached.all_servers(),
+        "after detach the IPv6 VIP must reach the pods: {detached:?}"
     );
 }

@@ -15,6 +15,16 @@ pub const ORIGDST_MAP: &str = "ORIGDST";
 /// Capacity of [`ORIGDST_MAP`]. It is an LRU map: when full, the oldest entries go first, so it
 /// never refuses a new connection.
 pub const ORIGDST_CAPACITY: u32 = 65_536;
+/// Name of the map of redirected native IPv6 Service addresses (`ServiceKey6` -> `Redirect6`).
+pub const REDIRECT6_MAP: &str = "REDIRECT6";
+/// Capacity of [`REDIRECT6_MAP`]: one entry per opted-in IPv6 ClusterIP:port.
+pub const REDIRECT6_CAPACITY: u32 = 4096;
+/// Name of the map from socket cookie to the native IPv6 Service address a redirected socket
+/// asked for (`u64` -> [`ServiceKey6`]); getpeername6 reads it. IPv4 and IPv4-mapped
+/// redirects keep using [`ORIGDST_MAP`].
+pub const ORIGDST6_MAP: &str = "ORIGDST6";
+/// Capacity of [`ORIGDST6_MAP`]; LRU like [`ORIGDST_MAP`].
+pub const ORIGDST6_CAPACITY: u32 = 65_536;
 /// Name of the one-slot array holding the agent's last heartbeat (CLOCK_MONOTONIC ns, as
 /// `bpf_ktime_get_ns` reads it). 0 means no heartbeat is kept (libraries and tests that drive
 /// the datapath directly); the agent always keeps one.
@@ -71,6 +81,44 @@ pub struct Redirect4 {
 }
 const _: () = assert!(core::mem::size_of::<Redirect4>() == 12);
 
+/// A native IPv6 Service address as the connect6 hook sees it: the address as the four
+/// network-order words of `bpf_sock_addr.user_ip6`, the port as in `user_port`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ServiceKey6 {
+    /// IPv6 address, four words each in network byte order (wire order in memory).
+    pub addr: [u32; 4],
+    /// TCP port, network byte order.
+    pub port: u16,
+    pub _pad: u16,
+}
+const _: () = assert!(core::mem::size_of::<ServiceKey6>() == 20);
+
+impl ServiceKey6 {
+    #[must_use]
+    pub const fn new(addr_be: [u32; 4], port_be: u16) -> Self {
+        Self {
+            addr: addr_be,
+            port: port_be,
+            _pad: 0,
+        }
+    }
+}
+
+/// Where connect()s to a [`ServiceKey6`] are sent instead: the node balancer's IPv6 listener.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Redirect6 {
+    /// IPv6 address of the listener, as in [`ServiceKey6::addr`].
+    pub addr: [u32; 4],
+    /// Listener port, network byte order.
+    pub port: u16,
+    pub _pad: u16,
+    /// Non-zero while the redirect is live; zero passes the connect through (fail open).
+    pub enabled: u32,
+}
+const _: () = assert!(core::mem::size_of::<Redirect6>() == 24);
+
 /// One client TCP connection as its own socket sees it, recorded by the `sock_ops` program.
 ///
 /// Addresses are in network byte order (as `bpf_sock_ops` carries them); ports are in host
@@ -117,9 +165,10 @@ pub enum Counter {
     Connect4Seen = 0,
     /// connect4 calls rewritten to a balancer listener.
     Connect4Redirected = 1,
-    /// connect4 calls whose destination matched a disabled entry (fail open).
+    /// connects (connect4 or connect6, any family) whose destination matched a disabled entry
+    /// (fail open).
     Connect4Disabled = 2,
-    /// connect6 calls to an IPv4-mapped address rewritten to a balancer listener.
+    /// connect6 calls to an IPv4-mapped address (`::ffff:a.b.c.d`) rewritten to a balancer listener.
     Connect6Redirected = 3,
     /// getpeername calls answered with the original Service address.
     PeerNameRestored = 4,
@@ -141,17 +190,23 @@ pub enum Counter {
     ConnCbFlagsFailed = 10,
     /// Active connections of a family the observer does not record (native IPv6).
     ConnSkippedFamily = 11,
+    /// connect6 calls to a native IPv6 Service address rewritten to a balancer listener.
+    Connect6NativeRedirected = 12,
 }
 /// Number of entries in [`COUNTERS_MAP`].
-pub const COUNTERS_LEN: u32 = 12;
+pub const COUNTERS_LEN: u32 = 13;
 
 #[cfg(feature = "user")]
 mod user {
-    // SAFETY: both types are repr(C), Copy, contain only integers and have no padding (sizes
+    // SAFETY: all these types are repr(C), Copy, contain only integers and have no padding (sizes
     // asserted above), so every bit pattern is valid.
     unsafe impl aya::Pod for super::ServiceKey4 {}
     // SAFETY: as above.
     unsafe impl aya::Pod for super::Redirect4 {}
     // SAFETY: as above.
     unsafe impl aya::Pod for super::Conn4 {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::ServiceKey6 {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::Redirect6 {}
 }

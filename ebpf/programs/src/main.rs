@@ -3,7 +3,8 @@
 //! - `connect4` / `connect6`: if a TCP `connect()` goes to an opted-in Service VIP:port listed
 //!   in `REDIRECT4`, rewrite the destination to the node balancer's listener and remember the
 //!   original destination under the socket's cookie. `connect6` handles IPv4-mapped addresses
-//!   (`::ffff:a.b.c.d`), which dual-stack sockets use for IPv4 Services.
+//!   (`::ffff:a.b.c.d`), which dual-stack sockets use for IPv4 Services, through `REDIRECT4`,
+//!   and native IPv6 Service addresses through `REDIRECT6` (original kept in `ORIGDST6`).
 //! - `getpeername4` / `getpeername6`: a redirected socket still reports the VIP:port it
 //!   connected to, so applications that log or check their peer see no difference.
 //!
@@ -24,7 +25,7 @@ mod programs {
     use aya_ebpf::{
         bindings::{
             BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB, BPF_SOCK_OPS_RTT_CB, BPF_SOCK_OPS_RTT_CB_FLAG,
-            BPF_SOCK_OPS_STATE_CB, BPF_SOCK_OPS_STATE_CB_FLAG, BPF_TCP_CLOSE,
+            BPF_SOCK_OPS_STATE_CB, BPF_SOCK_OPS_STATE_CB_FLAG, BPF_TCP_CLOSE, bpf_sock_addr,
         },
         helpers::{bpf_get_socket_cookie, bpf_ktime_get_ns},
         macros::{cgroup_sock_addr, map, sock_ops},
@@ -33,7 +34,8 @@ mod programs {
     };
     use skewless_common::{
         CONN4_CAPACITY, COUNTERS_LEN, Conn4, Counter, HEARTBEAT_STALE_NS, ORIGDST_CAPACITY,
-        REDIRECT4_CAPACITY, Redirect4, ServiceKey4,
+        ORIGDST6_CAPACITY, REDIRECT4_CAPACITY, REDIRECT6_CAPACITY, Redirect4, Redirect6,
+        ServiceKey4, ServiceKey6,
     };
 
     /// Verdict for cgroup sock_addr programs: 1 lets the syscall proceed (with whatever address
@@ -50,6 +52,14 @@ mod programs {
     #[map(name = "ORIGDST")]
     static ORIGDST: LruHashMap<u64, ServiceKey4> =
         LruHashMap::with_max_entries(ORIGDST_CAPACITY, 0);
+
+    #[map(name = "REDIRECT6")]
+    static REDIRECT6: HashMap<ServiceKey6, Redirect6> =
+        HashMap::with_max_entries(REDIRECT6_CAPACITY, 0);
+
+    #[map(name = "ORIGDST6")]
+    static ORIGDST6: LruHashMap<u64, ServiceKey6> =
+        LruHashMap::with_max_entries(ORIGDST6_CAPACITY, 0);
 
     #[map(name = "HEARTBEAT")]
     static HEARTBEAT: Array<u64> = Array::with_max_entries(1, 0);
@@ -69,6 +79,24 @@ mod programs {
         }
     }
 
+    /// Whether a redirect entry may be used now: it is enabled and the agent's heartbeat is
+    /// fresh (or none is kept). Counts why not otherwise.
+    #[inline(always)]
+    fn live(enabled: u32) -> bool {
+        if enabled == 0 {
+            count(Counter::Connect4Disabled);
+            return false;
+        }
+        let beat = HEARTBEAT.get(0).copied().unwrap_or(0);
+        // SAFETY: bpf_ktime_get_ns has no preconditions.
+        let now = unsafe { bpf_ktime_get_ns() };
+        if beat != 0 && now.saturating_sub(beat) > HEARTBEAT_STALE_NS {
+            count(Counter::StaleHeartbeat);
+            return false;
+        }
+        true
+    }
+
     /// Looks up a TCP destination; returns the live redirect target for it, if any.
     #[inline(always)]
     fn lookup(sock_type: u32, key: &ServiceKey4) -> Option<Redirect4> {
@@ -77,18 +105,18 @@ mod programs {
         }
         // SAFETY: the value is copied out before the map can change under us.
         let target = unsafe { REDIRECT4.get(key) }.copied()?;
-        if target.enabled == 0 {
-            count(Counter::Connect4Disabled);
+        live(target.enabled).then_some(target)
+    }
+
+    /// [`lookup`] for native IPv6 destinations.
+    #[inline(always)]
+    fn lookup6(sock_type: u32, key: &ServiceKey6) -> Option<Redirect6> {
+        if sock_type != SOCK_STREAM {
             return None;
         }
-        let beat = HEARTBEAT.get(0).copied().unwrap_or(0);
-        // SAFETY: bpf_ktime_get_ns has no preconditions.
-        let now = unsafe { bpf_ktime_get_ns() };
-        if beat != 0 && now.saturating_sub(beat) > HEARTBEAT_STALE_NS {
-            count(Counter::StaleHeartbeat);
-            return None;
-        }
-        Some(target)
+        // SAFETY: the value is copied out before the map can change under us.
+        let target = unsafe { REDIRECT6.get(key) }.copied()?;
+        live(target.enabled).then_some(target)
     }
 
     /// Records where a redirected socket wanted to go, for getpeername.
@@ -101,12 +129,59 @@ mod programs {
         }
     }
 
+    /// [`remember`] for native IPv6 destinations.
+    #[inline(always)]
+    fn remember6(ctx: &SockAddrContext, key: &ServiceKey6) {
+        // SAFETY: as in `remember`.
+        let cookie = unsafe { bpf_get_socket_cookie(ctx.sock_addr.cast()) };
+        if ORIGDST6.insert(cookie, key, 0).is_err() {
+            count(Counter::OrigDstUpdateFailed);
+        }
+    }
+
+    #[inline(always)]
+    fn original6(ctx: &SockAddrContext) -> Option<ServiceKey6> {
+        // SAFETY: as in `remember`.
+        let cookie = unsafe { bpf_get_socket_cookie(ctx.sock_addr.cast()) };
+        // SAFETY: the value is copied out immediately.
+        unsafe { ORIGDST6.get(cookie) }.copied()
+    }
+
     #[inline(always)]
     fn original(ctx: &SockAddrContext) -> Option<ServiceKey4> {
         // SAFETY: as in `remember`.
         let cookie = unsafe { bpf_get_socket_cookie(ctx.sock_addr.cast()) };
         // SAFETY: the value is copied out immediately.
         unsafe { ORIGDST.get(cookie) }.copied()
+    }
+
+    /// Reads `user_ip6` one word at a time with volatile loads from the field addresses:
+    /// otherwise the compiler forms `ctx + 8` in a register and loads through it, which the
+    /// verifier rejects ("dereference of modified ctx ptr").
+    #[inline(always)]
+    fn read_ip6(sa: *const bpf_sock_addr) -> [u32; 4] {
+        // SAFETY: `sa` is the kernel-provided context, valid for the whole run; each address
+        // is a field of it, so the verifier sees constant-offset context loads.
+        unsafe {
+            [
+                core::ptr::read_volatile(&raw const (*sa).user_ip6[0]),
+                core::ptr::read_volatile(&raw const (*sa).user_ip6[1]),
+                core::ptr::read_volatile(&raw const (*sa).user_ip6[2]),
+                core::ptr::read_volatile(&raw const (*sa).user_ip6[3]),
+            ]
+        }
+    }
+
+    /// Writes `user_ip6` one word at a time, for the same reason as [`read_ip6`].
+    #[inline(always)]
+    fn write_ip6(sa: *mut bpf_sock_addr, addr: [u32; 4]) {
+        // SAFETY: as in `read_ip6`; sock_addr programs may write user_ip6 in 4-byte stores.
+        unsafe {
+            core::ptr::write_volatile(&raw mut (*sa).user_ip6[0], addr[0]);
+            core::ptr::write_volatile(&raw mut (*sa).user_ip6[1], addr[1]);
+            core::ptr::write_volatile(&raw mut (*sa).user_ip6[2], addr[2]);
+            core::ptr::write_volatile(&raw mut (*sa).user_ip6[3], addr[3]);
+        }
     }
 
     #[cgroup_sock_addr(connect4)]
@@ -130,10 +205,19 @@ mod programs {
         count(Counter::Connect6Seen);
         // SAFETY: as in connect4.
         let sa = unsafe { &mut *ctx.sock_addr };
-        if sa.user_ip6[0] != 0 || sa.user_ip6[1] != 0 || sa.user_ip6[2] != V4_MAPPED_WORD {
+        let ip6 = read_ip6(ctx.sock_addr);
+        if ip6[0] != 0 || ip6[1] != 0 || ip6[2] != V4_MAPPED_WORD {
+            // Native IPv6.
+            let key = ServiceKey6::new(ip6, sa.user_port as u16);
+            if let Some(target) = lookup6(sa.type_, &key) {
+                remember6(&ctx, &key);
+                write_ip6(ctx.sock_addr, target.addr);
+                sa.user_port = u32::from(target.port);
+                count(Counter::Connect6NativeRedirected);
+            }
             return ALLOW;
         }
-        let key = ServiceKey4::new(sa.user_ip6[3], sa.user_port as u16);
+        let key = ServiceKey4::new(ip6[3], sa.user_port as u16);
         if let Some(target) = lookup(sa.type_, &key) {
             remember(&ctx, &key);
             sa.user_ip6[3] = target.addr;
@@ -158,9 +242,16 @@ mod programs {
     #[cgroup_sock_addr(getpeername6)]
     pub fn getpeername6(ctx: SockAddrContext) -> i32 {
         if let Some(orig) = original(&ctx) {
+            // An IPv4-mapped redirect: only the IPv4 word changed.
             // SAFETY: as in connect4.
             let sa = unsafe { &mut *ctx.sock_addr };
             sa.user_ip6[3] = orig.addr;
+            sa.user_port = u32::from(orig.port);
+            count(Counter::PeerNameRestored);
+        } else if let Some(orig) = original6(&ctx) {
+            write_ip6(ctx.sock_addr, orig.addr);
+            // SAFETY: as in connect4.
+            let sa = unsafe { &mut *ctx.sock_addr };
             sa.user_port = u32::from(orig.port);
             count(Counter::PeerNameRestored);
         }

@@ -2,17 +2,21 @@
 
 use std::{
     collections::BTreeMap,
-    net::{Ipv4Addr, SocketAddrV4},
+    net::{Ipv4Addr, SocketAddr, SocketAddrV4, SocketAddrV6},
     time::Duration,
 };
 
-use crate::{BALANCER_IP, Place, Result, Testbed, scripts};
+use crate::{BALANCER_IP, BALANCER_IP6, Place, Result, Testbed, scripts};
 
 /// One node; pods `client` and `bystander`; three ident servers (`server-N`, answering their
 /// name on [`IdentBed::PORT`] and [`IdentBed::OTHER_PORT`]) behind Service `echo`
 /// ([`IdentBed::VIP`] on both ports) and Service `other` ([`IdentBed::OTHER_VIP`]); and an
 /// ident server answering `balancer` on [`BALANCER_IP`]:[`IdentBed::BALANCER_PORT`] in the
 /// node, standing in for the node balancer. Tells, per connection, where it really went.
+///
+/// Dual-stack: the ident servers listen on `::` (both families), every Service also has an
+/// IPv6 VIP ([`IdentBed::vip6`]), and a second `balancer` answers on
+/// [`BALANCER_IP6`]:[`IdentBed::BALANCER_PORT`] ([`IdentBed::balancer6`]).
 pub struct IdentBed {
     pub tb: Testbed,
 }
@@ -55,7 +59,7 @@ impl IdentBed {
                     "-c",
                     scripts::IDENT_SERVER,
                     s,
-                    "0.0.0.0",
+                    "::",
                     &port,
                     &other,
                 ],
@@ -74,14 +78,28 @@ impl IdentBed {
                 &bport,
             ],
         )?;
+        let ip6 = BALANCER_IP6.to_string();
+        tb.spawn(
+            Place::Node(0),
+            &[
+                "python3",
+                "-c",
+                scripts::IDENT_SERVER,
+                "balancer",
+                &ip6,
+                &bport,
+            ],
+        )?;
         let timeout = Duration::from_secs(10);
         for s in servers {
-            let pod_ip = tb.pod(s)?.ip;
+            let (pod_ip, pod_ip6) = (tb.pod(s)?.ip, tb.pod(s)?.ip6);
             for p in [Self::PORT, Self::OTHER_PORT] {
                 tb.wait_for_tcp(Place::Node(0), SocketAddrV4::new(pod_ip, p), timeout)?;
+                tb.wait_for_tcp(Place::Node(0), SocketAddrV6::new(pod_ip6, p, 0, 0), timeout)?;
             }
         }
         tb.wait_for_tcp(Place::Node(0), balancer, timeout)?;
+        tb.wait_for_tcp(Place::Node(0), Self::balancer6(), timeout)?;
         Ok(Self { tb })
     }
 
@@ -95,12 +113,32 @@ impl IdentBed {
         SocketAddrV4::new(BALANCER_IP, Self::BALANCER_PORT)
     }
 
-    /// Opens `n` connections from `pod` to `addr` one after another and tallies who answered
-    /// (`ERR` for failed connects).
+    /// Service `echo`'s IPv6 VIP and port.
+    #[must_use]
+    pub fn vip6() -> SocketAddrV6 {
+        SocketAddrV6::new(crate::vip6(Self::VIP), Self::PORT, 0, 0)
+    }
+
+    /// The IPv6 balancer stand-in.
+    #[must_use]
+    pub fn balancer6() -> SocketAddrV6 {
+        SocketAddrV6::new(BALANCER_IP6, Self::BALANCER_PORT, 0, 0)
+    }
+
+    /// `ip:port` as the probe scripts print a peer (no brackets around IPv6 addresses).
+    #[must_use]
+    pub fn peer_string(addr: impl Into<SocketAddr>) -> String {
+        let addr = addr.into();
+        format!("{}:{}", addr.ip(), addr.port())
+    }
+
+    /// Opens `n` connections from `pod` to `addr` (either family) one after another and
+    /// tallies who answered (`ERR` for failed connects).
     ///
     /// # Errors
     /// When the probe cannot run or does not report every connection.
-    pub fn probe(&self, pod: &str, addr: SocketAddrV4, n: usize) -> Result<Tally> {
+    pub fn probe(&self, pod: &str, addr: impl Into<SocketAddr>, n: usize) -> Result<Tally> {
+        let addr = addr.into();
         self.probe_host(pod, &addr.ip().to_string(), addr.port(), n)
     }
 
@@ -117,7 +155,8 @@ impl IdentBed {
     ///
     /// # Errors
     /// When the script cannot run.
-    pub fn udp_peer(&self, pod: &str, addr: SocketAddrV4) -> Result<String> {
+    pub fn udp_peer(&self, pod: &str, addr: impl Into<SocketAddr>) -> Result<String> {
+        let addr = addr.into();
         let (host, port) = (addr.ip().to_string(), addr.port().to_string());
         let out = self.tb.run(
             Place::Pod(pod),

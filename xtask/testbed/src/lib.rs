@@ -15,7 +15,13 @@
 //!   be attached per pod without ever touching the root cgroup.
 //! - Nothing links into the root namespace: no packet can leave the machine.
 //!
-//! All addresses come from 198.18.0.0/15, the range reserved for network benchmarks
+//! Every pod, node and Service is dual-stack: next to its IPv4 address it has an IPv6 one
+//! from the unique-local range `fd00:198:18::/48` (pods, one /64 each), `fd00:198:19::/48`
+//! (Service VIPs: the IPv4 VIP in the last 32 bits, see [`vip6`]; node fabric addresses) and
+//! [`BALANCER_IP6`] on every node's `lo`. The IPv6 DNAT is an `ip6` nftables table of the same
+//! shape as the IPv4 one. DAD is off in every namespace, so addresses are usable at once.
+//!
+//! All IPv4 addresses come from 198.18.0.0/15, the range reserved for network benchmarks
 //! (RFC 2544), and exist only inside these namespaces. Each run gets a unique name prefix, so
 //! two runs never clash. Everything (processes, namespaces, cgroups) is removed on drop, on
 //! panic (drop runs while unwinding) and on Ctrl-C; [`clean_stale`] removes what a killed run
@@ -31,7 +37,7 @@ use std::{
     fmt::Write as _,
     fs,
     io::{self, Write as _},
-    net::{Ipv4Addr, SocketAddrV4},
+    net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6},
     path::{Path, PathBuf},
     process::{Child, Command, Output, Stdio},
     sync::{
@@ -52,8 +58,58 @@ pub const CGROUP2_ROOT: &str = "/sys/fs/cgroup/unified";
 /// The node-local address of the balancer on every node: a /32 on the node's `lo`, reachable
 /// from the node's pods through their default route, like node-local DNS caches do.
 pub const BALANCER_IP: Ipv4Addr = Ipv4Addr::new(169, 254, 77, 1);
+/// The IPv6 node-local address of the balancer on every node: a /128 on the node's `lo`,
+/// reachable from the node's pods through their default IPv6 route.
+pub const BALANCER_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x169, 0x254, 0, 0, 0, 0, 1);
+
+/// The IPv6 VIP of a Service whose IPv4 VIP is `vip`: `fd00:198:19::a.b.c.d` (the IPv4
+/// address in the last 32 bits), so each Service gets one without extra configuration.
+#[must_use]
+pub fn vip6(vip: Ipv4Addr) -> Ipv6Addr {
+    let [a, b, c, d] = vip.octets();
+    Ipv6Addr::new(
+        0xfd00,
+        0x198,
+        0x19,
+        0,
+        0,
+        0,
+        u16::from_be_bytes([a, b]),
+        u16::from_be_bytes([c, d]),
+    )
+}
+
+/// A pod's IPv6 address (`gateway == false`) or its node-side gateway, in the pod's /64.
+fn pod_ip6(subnet: u8, gateway: bool) -> Ipv6Addr {
+    Ipv6Addr::new(
+        0xfd00,
+        0x198,
+        0x18,
+        u16::from(subnet),
+        0,
+        0,
+        0,
+        if gateway { 1 } else { 2 },
+    )
+}
+
+/// A node's IPv6 address on the fabric bridge.
+fn fabric_ip6(index: usize) -> Ipv6Addr {
+    Ipv6Addr::new(
+        0xfd00,
+        0x198,
+        0x19,
+        0xffff,
+        0,
+        0,
+        0,
+        u16::try_from(index + 1).unwrap_or(u16::MAX),
+    )
+}
 
 const NFT_TABLE: &str = "skewless_testbed";
+/// `ip6` family table of the IPv6 DNAT (a separate family, same name).
+const NFT_TABLE6: &str = "skewless_testbed";
 
 /// Errors from building or driving the testbed.
 #[derive(Debug, thiserror::Error)]
@@ -97,6 +153,8 @@ pub struct Pod {
     pub node: usize,
     pub netns: String,
     pub ip: Ipv4Addr,
+    /// The pod's IPv6 address (`fd00:198:18:<n>::2/64` on `eth0`).
+    pub ip6: Ipv6Addr,
     /// The pod's child cgroup (cgroup v2). Processes started with [`Testbed::spawn`] join it
     /// before they run any code, so socket hooks attached here see all their sockets.
     pub cgroup: PathBuf,
@@ -111,6 +169,8 @@ pub struct Node {
     pub netns: String,
     /// The node's address on the fabric bridge.
     pub fabric_ip: Ipv4Addr,
+    /// The node's IPv6 address on the fabric bridge.
+    pub fabric_ip6: Ipv6Addr,
 }
 
 /// A Service: a VIP:port that exists only as a DNAT rule, spread over backend pods.
@@ -128,6 +188,18 @@ impl Service {
     #[must_use]
     pub fn addr(&self) -> SocketAddrV4 {
         SocketAddrV4::new(self.vip, self.port)
+    }
+
+    /// The Service's IPv6 VIP ([`vip6`] of its IPv4 VIP).
+    #[must_use]
+    pub fn vip6(&self) -> Ipv6Addr {
+        vip6(self.vip)
+    }
+
+    /// The Service's IPv6 VIP and port.
+    #[must_use]
+    pub fn addr6(&self) -> SocketAddrV6 {
+        SocketAddrV6::new(self.vip6(), self.port, 0, 0)
     }
 }
 
@@ -437,9 +509,10 @@ impl Testbed {
     pub fn wait_for_tcp(
         &self,
         place: Place<'_>,
-        addr: SocketAddrV4,
+        addr: impl Into<SocketAddr>,
         timeout: Duration,
     ) -> Result<()> {
+        let addr = addr.into();
         let deadline = Instant::now() + timeout;
         let script = format!(
             "import socket\ns=socket.create_connection(('{}',{}),timeout=0.5)\ns.close()",
@@ -477,10 +550,12 @@ impl Testbed {
             let netns = format!("{PREFIX}{}-node{index}", self.id);
             add_netns(&netns)?;
             let fabric_ip = Ipv4Addr::new(198, 19, 255, u8::try_from(index + 1).unwrap_or(255));
+            let fabric_ip6 = fabric_ip6(index);
             let node = Node {
                 index,
                 netns: netns.clone(),
                 fabric_ip,
+                fabric_ip6,
             };
             self.nodes.push(node);
             let host = format!("sk{}n{index}", self.id);
@@ -498,6 +573,7 @@ impl Testbed {
                 "dev",
                 "fabric",
             ])?;
+            add_addr6(&netns, &format!("{fabric_ip6}/64"), "fabric")?;
             ip(&["-n", &netns, "link", "set", "fabric", "up"])?;
             ip(&[
                 "-n",
@@ -508,7 +584,9 @@ impl Testbed {
                 "dev",
                 "lo",
             ])?;
+            add_addr6(&netns, &format!("{BALANCER_IP6}/128"), "lo")?;
             sysctl(&netns, "net.ipv4.ip_forward", "1")?;
+            sysctl(&netns, "net.ipv6.conf.all.forwarding", "1")?;
         }
         for (i, (name, node)) in pods.iter().enumerate() {
             let subnet =
@@ -519,6 +597,7 @@ impl Testbed {
             let host_veth = format!("sk{}p{i}", self.id);
             let gw = Ipv4Addr::new(198, 18, subnet, 1);
             let pod_ip = Ipv4Addr::new(198, 18, subnet, 2);
+            let (gw6, pod_ip6) = (pod_ip6(subnet, true), pod_ip6(subnet, false));
             let cgroup = self.cgroup_root.join(name);
             mkdir(&cgroup)?;
             self.pods.insert(
@@ -528,6 +607,7 @@ impl Testbed {
                     node: *node,
                     netns: netns.clone(),
                     ip: pod_ip,
+                    ip6: pod_ip6,
                     cgroup,
                     host_veth: host_veth.clone(),
                 },
@@ -545,6 +625,7 @@ impl Testbed {
                 "dev",
                 &host_veth,
             ])?;
+            add_addr6(&node_ns, &format!("{gw6}/64"), &host_veth)?;
             ip(&["-n", &node_ns, "link", "set", &host_veth, "up"])?;
             ip(&[
                 "-n",
@@ -555,6 +636,7 @@ impl Testbed {
                 "dev",
                 "eth0",
             ])?;
+            add_addr6(&netns, &format!("{pod_ip6}/64"), "eth0")?;
             ip(&["-n", &netns, "link", "set", "eth0", "up"])?;
             ip(&[
                 "-n",
@@ -564,6 +646,16 @@ impl Testbed {
                 "default",
                 "via",
                 &gw.to_string(),
+            ])?;
+            ip(&[
+                "-n",
+                &netns,
+                "-6",
+                "route",
+                "add",
+                "default",
+                "via",
+                &gw6.to_string(),
             ])?;
             // Pods on other nodes: route their subnet via that node's fabric address.
             for other in &self.nodes {
@@ -578,6 +670,17 @@ impl Testbed {
                         "via",
                         &fabric_ip.to_string(),
                     ])?;
+                    let fabric_ip6 = self.nodes[*node].fabric_ip6;
+                    ip(&[
+                        "-n",
+                        &other.netns,
+                        "-6",
+                        "route",
+                        "add",
+                        &format!("fd00:198:18:{subnet:x}::/64"),
+                        "via",
+                        &fabric_ip6.to_string(),
+                    ])?;
                 }
             }
         }
@@ -587,7 +690,7 @@ impl Testbed {
     /// Writes the kube-proxy-style DNAT for every Service into every node, replacing the
     /// previous rules in one nft transaction.
     fn write_nat_rules(&self) -> Result<()> {
-        let mut rules = String::new();
+        let (mut rules, mut rules6) = (String::new(), String::new());
         for svc in self.services.values() {
             if svc.backends.is_empty() {
                 // kube-proxy rejects connections to a Service without endpoints.
@@ -596,31 +699,41 @@ impl Testbed {
                     "ip daddr {} tcp dport {} reject with tcp reset",
                     svc.vip, svc.port
                 );
+                let _ = writeln!(
+                    rules6,
+                    "ip6 daddr {} tcp dport {} reject with tcp reset",
+                    svc.vip6(),
+                    svc.port
+                );
                 continue;
             }
-            let mut map = String::new();
+            let (mut map, mut map6) = (String::new(), String::new());
             for (i, b) in svc.backends.iter().enumerate() {
                 let pod = self.pod(b)?;
-                let _ = write!(
-                    map,
-                    "{}{i} : {} . {}",
-                    if i > 0 { ", " } else { "" },
-                    pod.ip,
-                    svc.target_port
-                );
+                let sep = if i > 0 { ", " } else { "" };
+                let _ = write!(map, "{sep}{i} : {} . {}", pod.ip, svc.target_port);
+                let _ = write!(map6, "{sep}{i} : {} . {}", pod.ip6, svc.target_port);
             }
+            let n = svc.backends.len();
             let _ = writeln!(
                 rules,
-                "ip daddr {} tcp dport {} dnat ip to numgen random mod {} map {{ {map} }}",
-                svc.vip,
+                "ip daddr {} tcp dport {} dnat ip to numgen random mod {n} map {{ {map} }}",
+                svc.vip, svc.port,
+            );
+            let _ = writeln!(
+                rules6,
+                "ip6 daddr {} tcp dport {} dnat ip6 to numgen random mod {n} map {{ {map6} }}",
+                svc.vip6(),
                 svc.port,
-                svc.backends.len()
             );
         }
         let script = format!(
             "table ip {NFT_TABLE}\ndelete table ip {NFT_TABLE}\ntable ip {NFT_TABLE} {{\n\
              chain prerouting {{ type nat hook prerouting priority dstnat; policy accept;\n{rules}}}\n\
-             chain output {{ type nat hook output priority -100; policy accept;\n{rules}}}\n}}\n"
+             chain output {{ type nat hook output priority -100; policy accept;\n{rules}}}\n}}\n\
+             table ip6 {NFT_TABLE6}\ndelete table ip6 {NFT_TABLE6}\ntable ip6 {NFT_TABLE6} {{\n\
+             chain prerouting {{ type nat hook prerouting priority dstnat; policy accept;\n{rules6}}}\n\
+             chain output {{ type nat hook output priority -100; policy accept;\n{rules6}}}\n}}\n"
         );
         for node in &self.nodes {
             nft(&node.netns, &script)?;
@@ -815,8 +928,23 @@ fn mkdir(path: &Path) -> Result<()> {
 
 fn add_netns(name: &str) -> Result<()> {
     ip(&["netns", "add", name])?;
+    // IPv6 must be on (a host may default new namespaces to disable_ipv6=1) and DAD off
+    // (interfaces created from now on inherit `default`), so addresses work immediately.
+    for key in [
+        "net.ipv6.conf.all.disable_ipv6",
+        "net.ipv6.conf.default.disable_ipv6",
+        "net.ipv6.conf.all.accept_dad",
+        "net.ipv6.conf.default.accept_dad",
+    ] {
+        sysctl(name, key, "0")?;
+    }
     ip(&["-n", name, "link", "set", "lo", "up"])?;
     Ok(())
+}
+
+/// Adds an IPv6 address without duplicate address detection (usable at once).
+fn add_addr6(netns: &str, cidr: &str, dev: &str) -> Result<()> {
+    ip(&["-n", netns, "addr", "add", cidr, "dev", dev, "nodad"])
 }
 
 fn sysctl(netns: &str, key: &str, value: &str) -> Result<()> {

@@ -2,12 +2,17 @@
 //! starts in milliseconds; each script is a real socket peer, not a mock.
 
 /// `python3 -c IDENT_SERVER NAME HOST PORT [PORT...]`: on every TCP connection, sends
-/// `NAME\n` and closes. Tells a client which server it actually reached.
+/// `NAME\n` and closes. Tells a client which server it actually reached. An IPv6 HOST (one
+/// with a `:`) gets an IPv6 socket with `IPV6_V6ONLY` off, so `::` answers both families.
 pub const IDENT_SERVER: &str = r#"
 import socket, sys, threading
 name, host, ports = sys.argv[1], sys.argv[2], [int(p) for p in sys.argv[3:]]
 def serve(port):
-    s = socket.socket()
+    if ":" in host:
+        s = socket.socket(socket.AF_INET6)
+        s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+    else:
+        s = socket.socket()
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     s.bind((host, port))
     s.listen(1024)
@@ -47,12 +52,12 @@ for _ in range(n):
 print("\n".join(out))
 "#;
 
-/// `python3 -c UDP_PEER HOST PORT`: connects a UDP socket and prints what getpeername reports
-/// as `ip:port`. No datagram is sent.
+/// `python3 -c UDP_PEER HOST PORT`: connects a UDP socket (IPv6 if HOST has a `:`) and prints
+/// what getpeername reports as `ip:port`. No datagram is sent.
 pub const UDP_PEER: &str = r#"
 import socket, sys
 host, port = sys.argv[1], int(sys.argv[2])
-s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM)
 s.connect((host, port))
 peer = s.getpeername()
 print("%s:%d" % (peer[0], peer[1]))
