@@ -151,13 +151,17 @@ fn kernel(state: &State) -> Result<(Counters, Vec<RedirectStatus>)> {
         .datapath
         .lock()
         .map_err(|_| anyhow::anyhow!("datapath lock poisoned"))?;
-    let redirects = dp
+    let v4 = dp
         .redirects()
         .into_iter()
-        .map(|(s, t)| RedirectStatus {
-            service: s.to_string(),
-            target: t.to_string(),
-        })
+        .map(|(s, t)| (s.to_string(), t.to_string()));
+    let v6 = dp
+        .redirects6()
+        .into_iter()
+        .map(|(s, t)| (s.to_string(), t.to_string()));
+    let redirects = v4
+        .chain(v6)
+        .map(|(service, target)| RedirectStatus { service, target })
         .collect();
     Ok((dp.counters()?, redirects))
 }
@@ -169,7 +173,9 @@ async fn status_of(state: &State) -> Result<Status> {
         node: state.node.clone(),
         redirects,
         connect_seen: counters.connect4_seen + counters.connect6_seen,
-        connect_redirected: counters.connect4_redirected + counters.connect6_redirected,
+        connect_redirected: counters.connect4_redirected
+            + counters.connect6_redirected
+            + counters.connect6_native_redirected,
         refused_peers: state.peers.refused(),
         services,
         observed: observed_of(state),
@@ -247,8 +253,8 @@ impl Collector for AgentCollector {
             ),
             (
                 "connect_redirected",
-                "connect() calls rewritten to a node balancer listener (IPv4 and IPv4-mapped IPv6).",
-                c.connect4_redirected + c.connect6_redirected,
+                "connect() calls rewritten to a node balancer listener (IPv4 and IPv6).",
+                c.connect4_redirected + c.connect6_redirected + c.connect6_native_redirected,
             ),
             (
                 "balancer_refused",

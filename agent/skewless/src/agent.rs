@@ -50,6 +50,10 @@ pub struct Args {
     /// Node-local IPv4 address the balancers listen on (must exist on the node, e.g. on lo).
     #[arg(long, default_value_t = DEFAULT_BALANCER_IP, env = "SKEWLESS_BALANCER_IP")]
     balancer_ip: Ipv4Addr,
+    /// Node-local IPv6 address for the balancers of IPv6 ClusterIPs (must exist on the node,
+    /// e.g. on lo). Without it, IPv6 ClusterIPs are not redirected.
+    #[arg(long, env = "SKEWLESS_BALANCER_IP6")]
+    balancer_ip6: Option<std::net::Ipv6Addr>,
     /// Network whose peers may use the balancers: this node's pod CIDR(s). Repeatable. With
     /// `--kubernetes` the Node's `spec.podCIDRs` are added. Other peers are refused and
     /// counted; with no network known at all, every peer is admitted (and the agent warns).
@@ -98,6 +102,7 @@ pub async fn run(args: Args) -> Result<()> {
         services_file,
         kubernetes,
         balancer_ip,
+        balancer_ip6,
         pod_cidrs,
         redirects,
         admin_addr,
@@ -142,6 +147,7 @@ pub async fn run(args: Args) -> Result<()> {
     let reconciler = Arc::new(tokio::sync::Mutex::new(Reconciler::new(
         Arc::clone(&datapath),
         balancer_ip,
+        balancer_ip6,
         Arc::clone(&peers),
     )));
 

@@ -12,7 +12,7 @@
 
 use std::{
     collections::{BTreeMap, HashSet},
-    net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     sync::{Arc, Mutex},
 };
 
@@ -53,7 +53,7 @@ pub struct EndpointStatus {
 
 struct Running {
     service: ServiceKey,
-    listener: SocketAddrV4,
+    listener: SocketAddr,
     state: Arc<ServiceState>,
     port: u16,
     endpoints: watch::Sender<Vec<Endpoint>>,
@@ -66,8 +66,9 @@ struct Running {
 pub struct Reconciler {
     datapath: Arc<Mutex<Datapath>>,
     balancer_ip: Ipv4Addr,
+    balancer_ip6: Option<Ipv6Addr>,
     peers: Arc<PeerFilter>,
-    running: BTreeMap<SocketAddrV4, Running>,
+    running: BTreeMap<SocketAddr, Running>,
     warned: HashSet<(ServiceKey, &'static str)>,
 }
 
@@ -75,11 +76,13 @@ impl Reconciler {
     pub fn new(
         datapath: Arc<Mutex<Datapath>>,
         balancer_ip: Ipv4Addr,
+        balancer_ip6: Option<Ipv6Addr>,
         peers: Arc<PeerFilter>,
     ) -> Self {
         Self {
             datapath,
             balancer_ip,
+            balancer_ip6,
             peers,
             running: BTreeMap::new(),
             warned: HashSet::new(),
@@ -88,7 +91,7 @@ impl Reconciler {
 
     /// Brings balancers and redirects in line with `snapshot`.
     pub async fn apply(&mut self, snapshot: &Snapshot) {
-        let mut wanted: BTreeMap<SocketAddrV4, (Arc<ServiceState>, u16)> = BTreeMap::new();
+        let mut wanted: BTreeMap<SocketAddr, (Arc<ServiceState>, u16)> = BTreeMap::new();
         for svc in snapshot.iter() {
             match svc.mode {
                 Mode::Request => {}
@@ -103,24 +106,24 @@ impl Reconciler {
                 }
             }
             for ip in &svc.cluster_ips {
-                let IpAddr::V4(ip) = ip else {
+                if ip.is_ipv6() && self.balancer_ip6.is_none() {
                     self.warn_once(
                         &svc.key,
                         "ipv6",
-                        "IPv6 ClusterIPs are not redirected yet; IPv6 clients stay plain L4",
+                        "no --balancer-ip6: IPv6 ClusterIPs are not redirected; IPv6 clients stay plain L4",
                     );
                     continue;
-                };
+                }
                 for port in &svc.ports {
                     wanted.insert(
-                        SocketAddrV4::new(*ip, port.port),
+                        SocketAddr::new(*ip, port.port),
                         (Arc::clone(svc), port.port),
                     );
                 }
             }
         }
 
-        let gone: Vec<SocketAddrV4> = self
+        let gone: Vec<SocketAddr> = self
             .running
             .iter()
             // A balancer whose accept loop died (it removed its own redirect) is restarted.
@@ -158,14 +161,17 @@ impl Reconciler {
 
     async fn start(
         &self,
-        vip: SocketAddrV4,
+        vip: SocketAddr,
         state: Arc<ServiceState>,
         port: u16,
     ) -> anyhow::Result<Running> {
-        let listener = TcpListener::bind((self.balancer_ip, 0)).await?;
-        let SocketAddr::V4(listen_addr) = listener.local_addr()? else {
-            anyhow::bail!("listener bound to a non-IPv4 address");
+        let listen_ip = match (vip, self.balancer_ip6) {
+            (SocketAddr::V4(_), _) => IpAddr::V4(self.balancer_ip),
+            (SocketAddr::V6(_), Some(ip6)) => IpAddr::V6(ip6),
+            (SocketAddr::V6(_), None) => anyhow::bail!("no IPv6 balancer address"),
         };
+        let listener = TcpListener::bind((listen_ip, 0)).await?;
+        let listen_addr = listener.local_addr()?;
         let (tx, rx) = watch::channel(endpoints(&state, port));
         let balancer = Arc::new(Balancer::new(config(&state), rx));
         let (stop_tx, stop_rx) = oneshot::channel::<()>();
@@ -185,7 +191,7 @@ impl Reconciler {
                     // Never leave a redirect pointing at a listener nobody serves.
                     warn!(%error, "balancer stopped; removing its redirect");
                     if let Ok(mut dp) = datapath.lock() {
-                        let _ = dp.remove_redirect(vip);
+                        let _ = remove_redirect(&mut dp, vip);
                     }
                 }
             }
@@ -195,11 +201,11 @@ impl Reconciler {
         let redirected = self
             .datapath
             .lock()
-            .map_err(|_| anyhow::anyhow!("datapath lock poisoned"))?
-            .set_redirect(vip, listen_addr);
+            .map_err(|_| anyhow::anyhow!("datapath lock poisoned"))
+            .and_then(|mut dp| set_redirect(&mut dp, vip, listen_addr));
         if let Err(error) = redirected {
             task.abort();
-            return Err(error.into());
+            return Err(error);
         }
         Ok(Running {
             service: state.key.clone(),
@@ -215,10 +221,10 @@ impl Reconciler {
 
     /// Removes the redirect first (new connects go plain L4), then lets the balancer drain its
     /// client connections in the background.
-    fn stop(&self, vip: SocketAddrV4, mut r: Running) -> JoinHandle<()> {
+    fn stop(&self, vip: SocketAddr, mut r: Running) -> JoinHandle<()> {
         match self.datapath.lock() {
             Ok(mut dp) => {
-                if let Err(error) = dp.remove_redirect(vip) {
+                if let Err(error) = remove_redirect(&mut dp, vip) {
                     warn!(%vip, %error, "removing redirect");
                 }
             }
@@ -273,6 +279,23 @@ impl Reconciler {
         if self.warned.insert((key.clone(), what)) {
             warn!(service = %key, "{message}");
         }
+    }
+}
+
+/// Writes the redirect entry of the VIP's family.
+fn set_redirect(dp: &mut Datapath, vip: SocketAddr, listener: SocketAddr) -> anyhow::Result<()> {
+    match (vip, listener) {
+        (SocketAddr::V4(v), SocketAddr::V4(l)) => dp.set_redirect(v, l)?,
+        (SocketAddr::V6(v), SocketAddr::V6(l)) => dp.set_redirect6(v, l)?,
+        _ => anyhow::bail!("{vip} and its listener {listener} are of different families"),
+    }
+    Ok(())
+}
+
+fn remove_redirect(dp: &mut Datapath, vip: SocketAddr) -> Result<(), skewless_datapath::Error> {
+    match vip {
+        SocketAddr::V4(v) => dp.remove_redirect(v),
+        SocketAddr::V6(v) => dp.remove_redirect6(v),
     }
 }
 

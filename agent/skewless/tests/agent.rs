@@ -138,11 +138,22 @@ fn write_services(
     mode: &str,
     pods: &[&str],
 ) {
+    write_services_ips(path, tb, &[vip.ip().to_string()], vip.port(), mode, pods);
+}
+
+/// Like [`write_services`], with any ClusterIPs (a dual-stack Service lists both).
+fn write_services_ips(
+    path: &std::path::Path,
+    tb: &skewless_testbed::Testbed,
+    cluster_ips: &[String],
+    port: u16,
+    mode: &str,
+    pods: &[&str],
+) {
+    let ips: Vec<String> = cluster_ips.iter().map(|ip| format!("\"{ip}\"")).collect();
     let mut yaml = format!(
-        "services:\n  - name: echo\n    clusterIPs: [\"{}\"]\n    mode: {mode}\n    ports:\n      - port: {}\n        targetPort: {}\n    endpoints:\n",
-        vip.ip(),
-        vip.port(),
-        vip.port()
+        "services:\n  - name: echo\n    clusterIPs: [{}]\n    mode: {mode}\n    ports:\n      - port: {port}\n        targetPort: {port}\n    endpoints:\n",
+        ips.join(", ")
     );
     for p in pods {
         yaml.push_str(&format!(
@@ -578,5 +589,64 @@ fn sigkill_under_grpc_load_every_call_a_second_later_succeeds() {
         failed.len(),
         late.len(),
         failed.first()
+    );
+}
+
+#[test]
+#[ignore = "privileged: needs root and the real kernel; run with `cargo xtask test`"]
+fn agent_balances_grpc_through_an_ipv6_cluster_ip() {
+    use skewless_testbed::{BALANCER_IP6, grpc};
+    let vip = SocketAddrV4::new(std::net::Ipv4Addr::new(198, 19, 0, 33), 50051);
+    let vip6 = std::net::SocketAddrV6::new(skewless_testbed::vip6(*vip.ip()), vip.port(), 0, 0);
+    let (mut tb, gen_dir) = echo_bed(vip, &ECHO_PODS);
+    let target6 = vip6.to_string();
+
+    // Control: through the IPv6 VIP (ip6 DNAT) the pick_first client is pinned.
+    let pinned = grpc::run_client(&tb, &gen_dir, Place::Pod("client"), &target6, 100, 4).unwrap();
+    assert_eq!(
+        (pinned.ok, pinned.pods.len()),
+        (100, 1),
+        "without skewless: pinned: {pinned:?}"
+    );
+
+    let services = TempPath::new(format!("skewless-test-services-{}.yaml", tb.id()));
+    let ips = [vip.ip().to_string(), vip6.ip().to_string()];
+    write_services_ips(&services, &tb, &ips, vip.port(), "request", &ECHO_PODS);
+    let cgroup = tb.pod("client").unwrap().cgroup.display().to_string();
+    let (file, ip6) = (services.display().to_string(), BALANCER_IP6.to_string());
+    let argv = [
+        env!("CARGO_BIN_EXE_skewless"),
+        "agent",
+        "--services-file",
+        &file,
+        "--cgroup",
+        &cgroup,
+        "--balancer-ip6",
+        &ip6,
+        "--admin-addr",
+        ADMIN,
+    ];
+    tb.spawn(Place::Node(0), &argv).unwrap();
+    wait_until("both families are redirected", || {
+        services_in_status(&tb) == 2
+    });
+    let status = status_json(&tb);
+    assert!(
+        status["redirects"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|r| r["service"] == target6),
+        "the IPv6 VIP must be in the redirect map: {status}"
+    );
+
+    let balanced = grpc::run_client(&tb, &gen_dir, Place::Pod("client"), &target6, 200, 4).unwrap();
+    assert_eq!(
+        balanced.ok, 200,
+        "every call through the IPv6 VIP must succeed: {balanced:?}"
+    );
+    assert!(
+        balanced.pods.len() >= 2,
+        "the IPv6 client must be balanced, not pinned: {balanced:?}"
     );
 }
