@@ -203,32 +203,10 @@ fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
 #[test]
 #[ignore = "privileged: needs root and the real kernel; run with `cargo xtask test`"]
 fn agent_balances_pick_first_grpc_client_through_the_vip_and_follows_opt_out() {
-    use skewless_testbed::{Testbed, grpc};
-    const PODS: [&str; 4] = ["echo-0", "echo-1", "echo-2", "echo-3"];
+    use skewless_testbed::grpc;
+    const PODS: [&str; 4] = ECHO_PODS;
     let vip = SocketAddrV4::new(std::net::Ipv4Addr::new(198, 19, 0, 20), 50051);
-    let mut tb = Testbed::builder()
-        .nodes(1)
-        .pod("client", 0)
-        .pod(PODS[0], 0)
-        .pod(PODS[1], 0)
-        .pod(PODS[2], 0)
-        .pod(PODS[3], 0)
-        .service("echo", *vip.ip(), vip.port(), vip.port(), &PODS)
-        .build()
-        .expect("testbed builds (needs root)");
-    let gen_dir = grpc::generate_stubs().expect("python stubs (run `cargo xtask setup`)");
-    for p in PODS {
-        grpc::spawn_echo_server(&mut tb, &gen_dir, p, vip.port(), 0).unwrap();
-    }
-    for p in PODS {
-        let ip = tb.pod(p).unwrap().ip;
-        tb.wait_for_tcp(
-            Place::Node(0),
-            SocketAddrV4::new(ip, vip.port()),
-            Duration::from_secs(20),
-        )
-        .unwrap();
-    }
+    let (mut tb, gen_dir) = echo_bed(vip, &PODS);
     let target = vip.to_string();
 
     // Control: without the agent, grpcio's pick_first channel pins to one pod.
