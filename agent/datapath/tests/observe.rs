@@ -81,6 +81,8 @@ fn spec(tb: &Testbed) -> ServiceSpec {
 struct Talked {
     server: String,
     local: SocketAddrV4,
+    /// The address connected to (a VIP under DNAT, a pod under socket-LB).
+    to: SocketAddrV4,
     sent: u64,
     received: u64,
 }
@@ -106,6 +108,7 @@ fn talk(tb: &Testbed, to: SocketAddrV4, n: usize, bytes: usize) -> Vec<Talked> {
             Talked {
                 server: w[0].to_owned(),
                 local: w[1].parse().unwrap(),
+                to,
                 sent: w[2].parse().unwrap(),
                 received: w[3].parse().unwrap(),
             }
@@ -150,7 +153,8 @@ fn check_attribution(tb: &Testbed, talked: &[Talked], seen: &[Attributed], via: 
     for t in talked {
         let rec = seen
             .iter()
-            .find(|a| a.conn.local == t.local)
+            // The full 4-tuple: a local port is reused for another destination once closed.
+            .find(|a| a.conn.local == t.local && a.conn.remote == t.to)
             .unwrap_or_else(|| panic!("no record for {t:?}"));
         let want = backend_of(tb, &t.server);
         assert_eq!(
