@@ -65,7 +65,7 @@ pub async fn run(
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        let specs = specs(&model.borrow());
+        let (specs, owners) = specs(&model.borrow());
         if specs.is_empty() {
             if let Ok(mut o) = out.lock() {
                 o.clear();
@@ -94,20 +94,14 @@ pub async fn run(
         };
         let attributed = conntrack::attribute(&conns, &table);
         let current = snapshot(started.elapsed(), &attributed);
-        let request_mode: Vec<bool> = specs.iter().map(|(_, _, m)| *m == Mode::Request).collect();
-        let addrs: Vec<SocketAddrV4> = specs.iter().map(|(s, _, _)| s.addr).collect();
-        let plain: Vec<ServiceSpec> = specs.iter().map(|(s, _, _)| s.clone()).collect();
-        let reports = aggregate(&plain, previous.as_ref(), &current);
+        // `aggregate` reports the Services in the order of `specs`.
+        let reports = aggregate(&specs, previous.as_ref(), &current);
         let published: Vec<ObservedService> = reports
             .iter()
-            .filter_map(|r| {
-                let i = addrs.iter().position(|a| *a == r.service)?;
-                // A balanced Service is only worth showing while unbalanced connections remain.
-                if request_mode[i] && r.backends.is_empty() {
-                    return None;
-                }
-                Some(publish(&specs[i].1, specs[i].2, r))
-            })
+            .zip(&owners)
+            // A balanced Service is only worth showing while unbalanced connections remain.
+            .filter(|(r, (_, mode))| *mode != Mode::Request || !r.backends.is_empty())
+            .map(|(r, (key, mode))| publish(key, *mode, r))
             .collect();
         debug!(
             connections = conns.len(),
@@ -127,9 +121,10 @@ pub async fn run(
     }
 }
 
-/// Every opted-in IPv4 Service port with its ready endpoints.
-fn specs(model: &Model) -> Vec<(ServiceSpec, ServiceKey, Mode)> {
-    let mut out = Vec::new();
+/// Every opted-in IPv4 Service port with its ready endpoints, and (same order) the Service
+/// and mode it belongs to.
+fn specs(model: &Model) -> (Vec<ServiceSpec>, Vec<(ServiceKey, Mode)>) {
+    let (mut specs, mut owners) = (Vec::new(), Vec::new());
     for svc in model.iter() {
         for ip in &svc.cluster_ips {
             let IpAddr::V4(ip) = ip else { continue };
@@ -145,11 +140,12 @@ fn specs(model: &Model) -> Vec<(ServiceSpec, ServiceKey, Mode)> {
                     addr: SocketAddrV4::new(*ip, port.port),
                     endpoints,
                 };
-                out.push((spec, svc.key.clone(), svc.mode));
+                specs.push(spec);
+                owners.push((svc.key.clone(), svc.mode));
             }
         }
     }
-    out
+    (specs, owners)
 }
 
 fn snapshot(at: Duration, attributed: &[Attributed]) -> Snapshot {
