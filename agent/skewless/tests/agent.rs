@@ -388,16 +388,22 @@ fn spawn_file_agent(tb: &mut skewless_testbed::Testbed, services: &std::path::Pa
 }
 
 /// A long-running pick_first grpcio client in the client pod: one connection, calls until
-/// killed.
+/// killed (or until `extra` args such as `--duration` say otherwise).
 fn spawn_long_client(
     tb: &mut skewless_testbed::Testbed,
     gen_dir: &std::path::Path,
     vip: SocketAddrV4,
+    concurrency: u32,
+    extra: &[&str],
 ) -> u32 {
     use skewless_testbed::grpc;
     let (py, client) = (grpc::python(), grpc::script("echo_client.py"));
-    let (gen_arg, target) = (gen_dir.display().to_string(), vip.to_string());
-    let argv = [
+    let (gen_arg, target, conc) = (
+        gen_dir.display().to_string(),
+        vip.to_string(),
+        concurrency.to_string(),
+    );
+    let mut argv = vec![
         py.to_str().unwrap(),
         client.to_str().unwrap(),
         "--gen",
@@ -407,8 +413,9 @@ fn spawn_long_client(
         "--calls",
         "1000000",
         "--concurrency",
-        "2",
+        &conc,
     ];
+    argv.extend_from_slice(extra);
     tb.spawn(Place::Pod("client"), &argv).unwrap()
 }
 
@@ -460,7 +467,7 @@ fn observe_mode_flags_a_pinned_pick_first_client_within_ten_seconds() {
     let services = TempPath::new(format!("skewless-test-services-{}.yaml", tb.id()));
     write_services(&services, &tb, vip, "observe", &ECHO_PODS);
     spawn_file_agent(&mut tb, &services);
-    spawn_long_client(&mut tb, &gen_dir, vip);
+    spawn_long_client(&mut tb, &gen_dir, vip, 2, &[]);
     let o = wait_pinned(&tb);
     assert_eq!(o["mode"], "observe", "{o}");
     assert_pinned_to_a_pod(&o, &tb, &ECHO_PODS, vip);
@@ -474,7 +481,7 @@ fn connection_opened_before_opt_in_is_left_alone_and_reported_pinned() {
     let services = TempPath::new(format!("skewless-test-services-{}.yaml", tb.id()));
     std::fs::write(&services, "services: []\n").unwrap();
     spawn_file_agent(&mut tb, &services);
-    let client = spawn_long_client(&mut tb, &gen_dir, vip);
+    let client = spawn_long_client(&mut tb, &gen_dir, vip, 2, &[]);
     std::thread::sleep(Duration::from_secs(1));
 
     // Opt in to request mode while the client's connection is open: that connection is not
@@ -492,7 +499,6 @@ fn connection_opened_before_opt_in_is_left_alone_and_reported_pinned() {
 #[test]
 #[ignore = "privileged: needs root and the real kernel; run with `cargo xtask test`"]
 fn sigkill_under_grpc_load_every_call_a_second_later_succeeds() {
-    use skewless_testbed::grpc;
     let vip = SocketAddrV4::new(std::net::Ipv4Addr::new(198, 19, 0, 32), 50051);
     let (mut tb, gen_dir) = echo_bed(vip, &ECHO_PODS);
     let services = TempPath::new(format!("skewless-test-services-{}.yaml", tb.id()));
@@ -505,23 +511,8 @@ fn sigkill_under_grpc_load_every_call_a_second_later_succeeds() {
     // pick_first client under load for 5 s. Its reconnect backoff is set to 100 ms so the
     // measurement is about skewless, not about grpcio's default 1 s first backoff.
     let log = TempPath::new(format!("skewless-test-calls-{}.log", tb.id()));
-    let (py, client) = (grpc::python(), grpc::script("echo_client.py"));
-    let (gen_arg, target, log_arg) = (
-        gen_dir.display().to_string(),
-        vip.to_string(),
-        log.display().to_string(),
-    );
-    let argv = [
-        py.to_str().unwrap(),
-        client.to_str().unwrap(),
-        "--gen",
-        &gen_arg,
-        "--target",
-        &target,
-        "--calls",
-        "1000000",
-        "--concurrency",
-        "4",
+    let log_arg = log.display().to_string();
+    let extra = [
         "--duration",
         "5",
         "--timeout",
@@ -531,7 +522,7 @@ fn sigkill_under_grpc_load_every_call_a_second_later_succeeds() {
         "--log",
         &log_arg,
     ];
-    let client_pid = tb.spawn(Place::Pod("client"), &argv).unwrap();
+    let client_pid = spawn_long_client(&mut tb, &gen_dir, vip, 4, &extra);
     std::thread::sleep(Duration::from_millis(1500));
     let killed_at = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
