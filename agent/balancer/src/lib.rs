@@ -41,6 +41,7 @@ pub mod picker;
 mod pool;
 mod proxy;
 pub mod stats;
+pub mod workers;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -57,6 +58,7 @@ pub use endpoint::Endpoint;
 pub use error::BalancerError;
 pub use proxy::ProxyBody;
 pub use stats::{BalancerCounters, EndpointState, EndpointStats};
+pub use workers::{Workers, reuseport_listeners};
 
 use std::net::SocketAddr;
 
@@ -177,8 +179,12 @@ impl Balancer {
             let grace = self.pool.config().drain_grace;
             conns.spawn(
                 async move {
-                    let service =
-                        hyper::service::service_fn(move |req| proxy::handle(pool.clone(), req));
+                    // Boxed: hyper keeps the handler's future inside its per-stream task, and
+                    // tokio moves a task's future by value when it spawns and finishes it; a
+                    // pointer is cheaper to move than the ~2.8 KB state machine.
+                    let service = hyper::service::service_fn(move |req| {
+                        Box::pin(proxy::handle(pool.clone(), req))
+                    });
                     let conn = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
                         .timer(TokioTimer::new())
                         // Fixed windows; see `pool::STREAM_WINDOW`.

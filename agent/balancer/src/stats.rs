@@ -41,6 +41,55 @@ pub struct EndpointStats {
     pub latency: Option<Duration>,
 }
 
+impl EndpointStats {
+    /// One Service's endpoint statistics over all its workers' balancers (one list per
+    /// worker): counts add up per endpoint address, `share` is recomputed over the sum, and
+    /// the state and latency are those of the worker that sent the endpoint the most requests
+    /// (the one whose view is best informed). Ordered as the first list that names each
+    /// endpoint.
+    #[must_use]
+    pub fn merge_workers(per_worker: impl IntoIterator<Item = Vec<EndpointStats>>) -> Vec<Self> {
+        // (merged, requests of the worker whose state/latency it carries)
+        let mut merged: Vec<(Self, u64)> = Vec::new();
+        for stats in per_worker {
+            for e in stats {
+                match merged.iter_mut().find(|(m, _)| m.addr == e.addr) {
+                    Some((m, best)) => {
+                        m.requests += e.requests;
+                        m.failures += e.failures;
+                        m.probes += e.probes;
+                        m.in_flight += e.in_flight;
+                        if e.requests > *best {
+                            *best = e.requests;
+                            m.state = e.state;
+                            m.latency = e.latency;
+                        }
+                    }
+                    None => {
+                        let requests = e.requests;
+                        merged.push((e, requests));
+                    }
+                }
+            }
+        }
+        let total: u64 = merged.iter().map(|(m, _)| m.requests).sum();
+        merged
+            .into_iter()
+            .map(|(mut m, _)| {
+                #[allow(clippy::cast_precision_loss)]
+                {
+                    m.share = if total == 0 {
+                        0.0
+                    } else {
+                        m.requests as f64 / total as f64
+                    };
+                }
+                m
+            })
+            .collect()
+    }
+}
+
 /// Balancer-wide counters since it started.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct BalancerCounters {
@@ -86,5 +135,52 @@ impl Counters {
             upstream_failures: get(&self.upstream_failures),
             local_deadline_exceeded: get(&self.local_deadline_exceeded),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stats(addr: &str, state: EndpointState, requests: u64, latency_ms: u64) -> EndpointStats {
+        EndpointStats {
+            addr: addr.parse().unwrap(),
+            name: addr.to_owned(),
+            state,
+            requests,
+            failures: 1,
+            probes: 0,
+            in_flight: 2,
+            share: 0.0,
+            latency: Some(Duration::from_millis(latency_ms)),
+        }
+    }
+
+    #[test]
+    fn workers_merge_by_address_and_shares_are_recomputed() {
+        let a = "10.0.0.1:80";
+        let b = "10.0.0.2:80";
+        let merged = EndpointStats::merge_workers([
+            vec![
+                stats(a, EndpointState::Active, 30, 5),
+                stats(b, EndpointState::Degraded, 10, 50),
+            ],
+            vec![
+                stats(b, EndpointState::Active, 60, 6),
+                stats(a, EndpointState::Active, 0, 7),
+            ],
+        ]);
+        assert_eq!(merged.len(), 2);
+        assert_eq!(merged[0].addr, a.parse().unwrap());
+        assert_eq!(merged[0].requests, 30);
+        assert_eq!(merged[0].failures, 2);
+        assert_eq!(merged[0].in_flight, 4);
+        assert_eq!(merged[0].latency, Some(Duration::from_millis(5)));
+        assert_eq!(merged[1].requests, 70);
+        // The second worker sent b the most: its view wins.
+        assert_eq!(merged[1].state, EndpointState::Active);
+        assert_eq!(merged[1].latency, Some(Duration::from_millis(6)));
+        assert!((merged[0].share - 0.3).abs() < 1e-9);
+        assert!((merged[1].share - 0.7).abs() < 1e-9);
     }
 }

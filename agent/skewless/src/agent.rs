@@ -13,6 +13,7 @@ use std::{
 };
 
 use anyhow::{Context as _, Result};
+use skewless_balancer::Workers;
 use skewless_datapath::Datapath;
 use tokio::signal::unix::{SignalKind, signal};
 use tracing::{Instrument as _, info, info_span};
@@ -63,6 +64,13 @@ pub struct Args {
     /// model. Repeatable. For tests and debugging.
     #[arg(long = "redirect", value_name = "VIP:PORT=ADDR:PORT")]
     redirects: Vec<Redirect>,
+    /// Data-plane worker threads. Each runs a single-threaded runtime with its own balancer
+    /// per Service (own picker, own upstream connections) on a shared `SO_REUSEPORT`
+    /// listener, so the kernel spreads client connections over them. One worker carries tens
+    /// of thousands of calls per second (docs/benchmarks.md); add workers when a node's
+    /// balanced traffic needs more than one core.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64), env = "SKEWLESS_BALANCER_THREADS")]
+    balancer_threads: u16,
     /// Address of the admin API (/live, /ready, /status, /metrics).
     #[arg(long, default_value = "127.0.0.1:9990", env = "SKEWLESS_ADMIN_ADDR")]
     admin_addr: SocketAddr,
@@ -107,6 +115,7 @@ pub async fn run(args: Args) -> Result<()> {
         redirects,
         admin_addr,
         node_name,
+        balancer_threads,
     } = args;
     if let Some(root) = pod_cgroup_root {
         cgroups.push(pods_parent(&root)?);
@@ -135,7 +144,13 @@ pub async fn run(args: Args) -> Result<()> {
     }
     datapath.beat().context("first heartbeat")?;
     let datapath = Arc::new(Mutex::new(datapath));
-    tokio::spawn(heartbeat(Arc::clone(&datapath)).instrument(info_span!("heartbeat")));
+    let workers = Arc::new(
+        Workers::start(usize::from(balancer_threads), "skewless-dp")
+            .context("starting the data-plane worker threads")?,
+    );
+    tokio::spawn(
+        heartbeat(Arc::clone(&datapath), Arc::clone(&workers)).instrument(info_span!("heartbeat")),
+    );
     let mut registry = prometheus_client::registry::Registry::with_prefix("skewless");
     let model_metrics = skewless_model::Metrics::register(&mut registry);
     if pod_cidrs.is_empty() && !kubernetes {
@@ -146,6 +161,7 @@ pub async fn run(args: Args) -> Result<()> {
     let peers = Arc::new(PeerFilter::new(pod_cidrs.clone()));
     let reconciler = Arc::new(tokio::sync::Mutex::new(Reconciler::new(
         Arc::clone(&datapath),
+        Arc::clone(&workers),
         balancer_ip,
         balancer_ip6,
         Arc::clone(&peers),
@@ -252,14 +268,28 @@ fn pods_parent(root: &std::path::Path) -> Result<PathBuf> {
         })
 }
 
-/// Tells the hooks the agent is alive, every 200 ms, from the same runtime that runs the
-/// balancers: if the runtime hangs (or the process is stopped), the heartbeat goes stale and
-/// new connections go straight to the Service within a second.
-async fn heartbeat(datapath: Arc<Mutex<Datapath>>) {
+/// Tells the hooks the agent is alive, every 200 ms, while every data-plane worker runs its
+/// tasks: if a worker hangs, the control runtime hangs, or the process is stopped, the
+/// heartbeat goes stale and new connections go straight to the Service within a second.
+async fn heartbeat(datapath: Arc<Mutex<Datapath>>, workers: Arc<Workers>) {
     let mut tick = tokio::time::interval(Duration::from_millis(200));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut stalled = false;
     loop {
         tick.tick().await;
+        // Workers tick every 100 ms; 400 ms without one leaves the hooks' 750 ms staleness
+        // limit enough room to fail open within a second.
+        if workers.stalled(Duration::from_millis(400)) {
+            if !std::mem::replace(&mut stalled, true) {
+                tracing::error!(
+                    "a data-plane worker is stalled: heartbeat paused, redirects fail open"
+                );
+            }
+            continue;
+        }
+        if std::mem::replace(&mut stalled, false) {
+            tracing::info!("data-plane workers running again: heartbeat resumed");
+        }
         let result = datapath
             .lock()
             .map_err(|_| None)

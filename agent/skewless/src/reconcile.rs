@@ -1,8 +1,9 @@
 //! Turns the model's snapshots into running balancers and eBPF redirects.
 //!
-//! For every IPv4 ClusterIP:port of a Service in `request` mode: a balancer listens on the
-//! node-local balancer address (an ephemeral port per Service port), follows the port's ready
-//! endpoints, and the datapath redirects the VIP:port to it. The order matters for "never
+//! For every ClusterIP:port of a Service in `request` mode: a balancer per data-plane worker
+//! listens on the node-local balancer address (one ephemeral port per Service port, shared by
+//! the workers through `SO_REUSEPORT`), follows the port's ready endpoints, and the datapath
+//! redirects the VIP:port to it. The order matters for "never
 //! redirect to a listener that is not serving": the listener is bound and its accept loop
 //! running before the redirect entry is written, and the entry is removed before the balancer
 //! drains.
@@ -17,14 +18,10 @@ use std::{
 };
 
 use serde::{Deserialize, Serialize};
-use skewless_balancer::{Balancer, Config, Endpoint};
+use skewless_balancer::{Balancer, Config, Endpoint, EndpointStats, Workers, reuseport_listeners};
 use skewless_datapath::Datapath;
 use skewless_model::{Mode, ServiceKey, ServiceState, Snapshot};
-use tokio::{
-    net::TcpListener,
-    sync::{oneshot, watch},
-    task::JoinHandle,
-};
+use tokio::{net::TcpListener, sync::watch, task::JoinHandle};
 use tracing::{Instrument as _, info, info_span, warn};
 
 use crate::peers::PeerFilter;
@@ -57,14 +54,18 @@ struct Running {
     state: Arc<ServiceState>,
     port: u16,
     endpoints: watch::Sender<Vec<Endpoint>>,
-    balancer: Arc<Balancer>,
-    stop: Option<oneshot::Sender<()>>,
-    task: JoinHandle<()>,
+    /// One per data-plane worker.
+    balancers: Vec<Arc<Balancer>>,
+    /// `true` tells every worker's balancer to drain.
+    stop: watch::Sender<bool>,
+    /// The workers' serve tasks.
+    tasks: Vec<JoinHandle<()>>,
 }
 
 /// Owns the balancers and the redirect entries derived from the model.
 pub struct Reconciler {
     datapath: Arc<Mutex<Datapath>>,
+    workers: Arc<Workers>,
     balancer_ip: Ipv4Addr,
     balancer_ip6: Option<Ipv6Addr>,
     peers: Arc<PeerFilter>,
@@ -75,12 +76,14 @@ pub struct Reconciler {
 impl Reconciler {
     pub fn new(
         datapath: Arc<Mutex<Datapath>>,
+        workers: Arc<Workers>,
         balancer_ip: Ipv4Addr,
         balancer_ip6: Option<Ipv6Addr>,
         peers: Arc<PeerFilter>,
     ) -> Self {
         Self {
             datapath,
+            workers,
             balancer_ip,
             balancer_ip6,
             peers,
@@ -128,7 +131,8 @@ impl Reconciler {
             .iter()
             // A balancer whose accept loop died (it removed its own redirect) is restarted.
             .filter(|(vip, r)| {
-                r.task.is_finished() || wanted.get(vip).is_none_or(|(s, _)| s.key != r.service)
+                r.tasks.iter().any(JoinHandle::is_finished)
+                    || wanted.get(vip).is_none_or(|(s, _)| s.key != r.service)
             })
             .map(|(vip, _)| *vip)
             .collect();
@@ -170,33 +174,50 @@ impl Reconciler {
             (SocketAddr::V6(_), Some(ip6)) => IpAddr::V6(ip6),
             (SocketAddr::V6(_), None) => anyhow::bail!("no IPv6 balancer address"),
         };
-        let listener = TcpListener::bind((listen_ip, 0)).await?;
-        let listen_addr = listener.local_addr()?;
+        let (listen_addr, listeners) =
+            reuseport_listeners(SocketAddr::new(listen_ip, 0), self.workers.len())?;
         let (tx, rx) = watch::channel(endpoints(&state, port));
-        let balancer = Arc::new(Balancer::new(config(&state), rx));
-        let (stop_tx, stop_rx) = oneshot::channel::<()>();
-        let serving = Arc::clone(&balancer);
-        let peers = Arc::clone(&self.peers);
-        let datapath = Arc::clone(&self.datapath);
-        let span = info_span!("balancer", service = %state.key, %vip);
-        let task = tokio::spawn(
-            async move {
-                let shutdown = async {
-                    let _ = stop_rx.await;
-                };
-                if let Err(error) = serving
-                    .serve_admitting(listener, shutdown, |p| peers.admit(p))
-                    .await
-                {
-                    // Never leave a redirect pointing at a listener nobody serves.
-                    warn!(%error, "balancer stopped; removing its redirect");
-                    if let Ok(mut dp) = datapath.lock() {
-                        let _ = remove_redirect(&mut dp, vip);
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let mut balancers = Vec::with_capacity(listeners.len());
+        let mut tasks = Vec::with_capacity(listeners.len());
+        for (worker, (handle, listener)) in self.workers.handles().zip(listeners).enumerate() {
+            // Constructed inside the worker's runtime so its connection tasks run there too.
+            let balancer = {
+                let _worker = handle.enter();
+                Arc::new(Balancer::new(config(&state), rx.clone()))
+            };
+            let serving = Arc::clone(&balancer);
+            let peers = Arc::clone(&self.peers);
+            let datapath = Arc::clone(&self.datapath);
+            let mut stop = stop_rx.clone();
+            let span = info_span!("balancer", service = %state.key, %vip, worker);
+            tasks.push(
+                handle.spawn(
+                    async move {
+                        let shutdown = async move {
+                            let _ = stop.wait_for(|stop| *stop).await;
+                        };
+                        let served = match TcpListener::from_std(listener) {
+                            Ok(listener) => {
+                                serving
+                                    .serve_admitting(listener, shutdown, |p| peers.admit(p))
+                                    .await
+                            }
+                            Err(error) => Err(skewless_balancer::BalancerError::Accept(error)),
+                        };
+                        if let Err(error) = served {
+                            // Never leave a redirect pointing at a listener nobody serves.
+                            warn!(%error, "balancer stopped; removing its redirect");
+                            if let Ok(mut dp) = datapath.lock() {
+                                let _ = remove_redirect(&mut dp, vip);
+                            }
+                        }
                     }
-                }
-            }
-            .instrument(span),
-        );
+                    .instrument(span),
+                ),
+            );
+            balancers.push(balancer);
+        }
         // Only now, with the accept loop running, may connects be sent here.
         let redirected = self
             .datapath
@@ -204,7 +225,9 @@ impl Reconciler {
             .map_err(|_| anyhow::anyhow!("datapath lock poisoned"))
             .and_then(|mut dp| set_redirect(&mut dp, vip, listen_addr));
         if let Err(error) = redirected {
-            task.abort();
+            for task in &tasks {
+                task.abort();
+            }
             return Err(error);
         }
         Ok(Running {
@@ -213,15 +236,15 @@ impl Reconciler {
             state,
             port,
             endpoints: tx,
-            balancer,
-            stop: Some(stop_tx),
-            task,
+            balancers,
+            stop: stop_tx,
+            tasks,
         })
     }
 
     /// Removes the redirect first (new connects go plain L4), then lets the balancer drain its
     /// client connections in the background.
-    fn stop(&self, vip: SocketAddr, mut r: Running) -> JoinHandle<()> {
+    fn stop(&self, vip: SocketAddr, r: Running) -> Vec<JoinHandle<()>> {
         match self.datapath.lock() {
             Ok(mut dp) => {
                 if let Err(error) = remove_redirect(&mut dp, vip) {
@@ -231,17 +254,17 @@ impl Reconciler {
             Err(_) => warn!(%vip, "datapath lock poisoned; redirect left in place"),
         }
         info!(%vip, service = %r.service, "no longer redirected; draining the balancer");
-        if let Some(stop) = r.stop.take() {
-            let _ = stop.send(());
-        }
-        r.task
+        let _ = r.stop.send(true);
+        r.tasks
     }
 
     /// Removes every redirect, then drains every balancer (bounded by its drain grace).
     pub async fn shutdown(&mut self) {
         let all = std::mem::take(&mut self.running);
-        let tasks: Vec<JoinHandle<()>> =
-            all.into_iter().map(|(vip, r)| self.stop(vip, r)).collect();
+        let tasks: Vec<JoinHandle<()>> = all
+            .into_iter()
+            .flat_map(|(vip, r)| self.stop(vip, r))
+            .collect();
         for task in tasks {
             let _ = task.await;
         }
@@ -257,9 +280,7 @@ impl Reconciler {
                 vip: vip.to_string(),
                 listener: r.listener.to_string(),
                 ready_endpoints: r.state.port(r.port).map_or(0, |p| p.ready().count()),
-                endpoints: r
-                    .balancer
-                    .stats()
+                endpoints: EndpointStats::merge_workers(r.balancers.iter().map(|b| b.stats()))
                     .into_iter()
                     .map(|e| EndpointStatus {
                         name: e.name,

@@ -238,6 +238,10 @@ fn agent_balances_pick_first_grpc_client_through_the_vip_and_follows_opt_out() {
                 &pod_cidr,
                 "--admin-addr",
                 ADMIN,
+                // Two data-plane workers on one SO_REUSEPORT address: whichever accepts the
+                // client's connection must balance it.
+                "--balancer-threads",
+                "2",
             ],
         )
         .unwrap();

@@ -1,12 +1,14 @@
 //! `skewless-proxy`: one skewless [`Balancer`] as its own process, so the benchmark can measure
 //! its CPU and memory the way it measures HAProxy's and nginx's. The endpoint set is fixed on
-//! the command line; the agent proper follows Kubernetes instead.
+//! the command line; the agent proper follows Kubernetes instead. Like the agent, it runs one
+//! balancer per data-plane worker (a single-threaded runtime on its own thread) on
+//! `SO_REUSEPORT` listeners of one address.
 
 use std::net::SocketAddr;
 
 use anyhow::{Context as _, bail};
 use clap::Parser;
-use skewless_balancer::{Balancer, Config, Endpoint};
+use skewless_balancer::{Balancer, Config, Endpoint, Workers, reuseport_listeners};
 
 /// Serve one skewless balancer over a fixed set of endpoints (HTTP/2 cleartext both sides).
 #[derive(Debug, Parser)]
@@ -17,9 +19,9 @@ struct Args {
     /// An endpoint as NAME=ADDR (repeat for each).
     #[arg(long = "endpoint", value_parser = parse_endpoint, required = true)]
     endpoints: Vec<Endpoint>,
-    /// Runtime worker threads (default: one per CPU).
-    #[arg(long)]
-    threads: Option<usize>,
+    /// Data-plane worker threads, each with its own balancer and listener.
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
 }
 
 fn parse_endpoint(s: &str) -> anyhow::Result<Endpoint> {
@@ -39,22 +41,40 @@ fn main() -> anyhow::Result<()> {
         endpoints,
         threads,
     } = Args::parse();
-    let mut rt = tokio::runtime::Builder::new_multi_thread();
-    if let Some(n) = threads {
-        rt.worker_threads(n);
-    }
-    let rt = rt.enable_all().build().context("runtime")?;
-    rt.block_on(async {
-        // The sender stays alive for the life of the process: the endpoint set never changes.
-        let (_tx, rx) = tokio::sync::watch::channel(endpoints);
-        let balancer = Balancer::new(Config::default(), rx);
-        let listener = tokio::net::TcpListener::bind(listen)
-            .await
-            .with_context(|| format!("binding {listen}"))?;
-        tracing::info!(%listen, "skewless-proxy serving");
-        let shutdown = async {
-            let _ = tokio::signal::ctrl_c().await;
+    let workers = Workers::start(threads, "skewless-proxy").context("worker threads")?;
+    let (bound, listeners) =
+        reuseport_listeners(listen, threads).with_context(|| format!("binding {listen}"))?;
+    // The sender stays alive for the life of the process: the endpoint set never changes.
+    let (_tx, rx) = tokio::sync::watch::channel(endpoints);
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let mut served = Vec::new();
+    for (handle, listener) in workers.handles().zip(listeners) {
+        let balancer = {
+            let _worker = handle.enter();
+            Balancer::new(Config::default(), rx.clone())
         };
-        balancer.serve(listener, shutdown).await.context("serve")
+        let mut stop = stop_rx.clone();
+        served.push(handle.spawn(async move {
+            let listener = tokio::net::TcpListener::from_std(listener)?;
+            let shutdown = async move {
+                let _ = stop.wait_for(|s| *s).await;
+            };
+            balancer.serve(listener, shutdown).await?;
+            anyhow::Ok(())
+        }));
+    }
+    tracing::info!(listen = %bound, threads, "skewless-proxy serving");
+    // The main thread only waits for Ctrl-C (or SIGTERM, which ends the process).
+    let control = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("runtime")?;
+    control.block_on(async {
+        let _ = tokio::signal::ctrl_c().await;
+        let _ = stop_tx.send(true);
+        for task in served {
+            task.await.context("balancer task")?.context("serve")?;
+        }
+        anyhow::Ok(())
     })
 }

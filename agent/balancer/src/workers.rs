@@ -1,0 +1,224 @@
+//! The data plane's threads: one single-threaded Tokio runtime per worker thread, the
+//! thread-per-core layout of HAProxy, nginx and Envoy workers (and of linkerd2-proxy with one
+//! core).
+//!
+//! Why not one multi-threaded runtime: with work stealing, the task that forwards a request
+//! wakes the upstream connection's task, the runtime runs that task right away (its LIFO slot),
+//! and the connection writes that one request in its own `writev`. On a single-threaded
+//! runtime a woken task waits its turn behind the other ready streams, so one upstream write
+//! carries every request that arrived in the same read of the client's connection. On the
+//! benchmark's load that is 5x fewer upstream writes and about 25% less CPU per call
+//! (`docs/benchmarks.md`).
+//!
+//! A Service gets one [`Balancer`](crate::Balancer) per worker, each on its own
+//! `SO_REUSEPORT` listener of the same address ([`reuseport_listeners`]): the kernel spreads
+//! client connections over the workers, and each worker balances its connections' requests
+//! with its own picker and upstream connections, as Envoy's workers do.
+
+use std::io;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use tokio::runtime::Handle;
+use tokio::sync::oneshot;
+
+/// How often every worker proves it still runs its tasks (see [`Workers::stalled`]).
+const TICK: Duration = Duration::from_millis(100);
+
+/// Worker threads, each driving a single-threaded Tokio runtime until dropped.
+pub struct Workers {
+    workers: Vec<Worker>,
+    /// Reference point of the workers' liveness ticks.
+    epoch: Instant,
+}
+
+struct Worker {
+    handle: Handle,
+    /// Milliseconds since `epoch` when the worker last ran its tick task.
+    last_tick: Arc<AtomicU64>,
+    stop: Option<oneshot::Sender<()>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for Workers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Workers")
+            .field("workers", &self.workers.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Workers {
+    /// Starts `n` worker threads (at least one), named `{name}-{i}`.
+    ///
+    /// # Errors
+    /// When a runtime or a thread cannot be created.
+    pub fn start(n: usize, name: &str) -> io::Result<Self> {
+        let epoch = Instant::now();
+        let mut workers = Vec::with_capacity(n.max(1));
+        for i in 0..n.max(1) {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            let handle = runtime.handle().clone();
+            let last_tick = Arc::new(AtomicU64::new(0));
+            let ticks = Arc::clone(&last_tick);
+            let (stop, stopped) = oneshot::channel::<()>();
+            let thread = std::thread::Builder::new()
+                .name(format!("{name}-{i}"))
+                .spawn(move || {
+                    runtime.spawn(async move {
+                        let mut tick = tokio::time::interval(TICK);
+                        loop {
+                            tick.tick().await;
+                            ticks.store(millis_since(epoch), Ordering::Relaxed);
+                        }
+                    });
+                    // Runs every task spawned on `handle` until the stop signal (or until
+                    // `Workers` is dropped, which drops the sender); then the runtime is
+                    // dropped with this thread, cancelling what is left.
+                    let _ = runtime.block_on(stopped);
+                })?;
+            workers.push(Worker {
+                handle,
+                last_tick,
+                stop: Some(stop),
+                thread: Some(thread),
+            });
+        }
+        Ok(Self { workers, epoch })
+    }
+
+    /// The runtimes' handles, one per worker: spawn a worker's tasks with
+    /// [`Handle::spawn`], and construct a [`Balancer`](crate::Balancer) inside
+    /// [`Handle::enter`] so its own tasks land on that worker too.
+    pub fn handles(&self) -> impl ExactSizeIterator<Item = &Handle> {
+        self.workers.iter().map(|w| &w.handle)
+    }
+
+    /// Number of workers.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.workers.len()
+    }
+
+    /// Always false: there is at least one worker.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.workers.is_empty()
+    }
+
+    /// Whether some worker has not run its tick task for longer than `max`: its thread is
+    /// blocked or its runtime hung, so connections sent to it would not be served. The agent
+    /// stops its heartbeat then, and the hooks fail open.
+    #[must_use]
+    pub fn stalled(&self, max: Duration) -> bool {
+        let now = millis_since(self.epoch);
+        let max = u64::try_from(max.as_millis()).unwrap_or(u64::MAX);
+        // A worker that has not ticked yet counts from the epoch, so a thread that never got
+        // going is reported too.
+        self.workers
+            .iter()
+            .any(|w| now.saturating_sub(w.last_tick.load(Ordering::Relaxed)) > max)
+    }
+}
+
+impl Drop for Workers {
+    fn drop(&mut self) {
+        for w in &mut self.workers {
+            if let Some(stop) = w.stop.take() {
+                let _ = stop.send(());
+            }
+        }
+        for w in &mut self.workers {
+            if let Some(thread) = w.thread.take() {
+                let _ = thread.join();
+            }
+        }
+    }
+}
+
+fn millis_since(epoch: Instant) -> u64 {
+    u64::try_from(epoch.elapsed().as_millis()).unwrap_or(u64::MAX)
+}
+
+/// Binds `n` listeners (at least one) on `addr` with `SO_REUSEPORT`, so the kernel spreads
+/// incoming connections over them; port 0 picks one free port for all of them. Returns the
+/// address they share and the listeners, non-blocking, ready for
+/// `tokio::net::TcpListener::from_std` inside the runtime that will accept on each.
+///
+/// # Errors
+/// When a socket cannot be created, configured, bound or put in the listening state.
+pub fn reuseport_listeners(
+    addr: SocketAddr,
+    n: usize,
+) -> io::Result<(SocketAddr, Vec<std::net::TcpListener>)> {
+    use socket2::{Domain, Socket, Type};
+    let mut bound = addr;
+    let mut listeners = Vec::with_capacity(n.max(1));
+    for _ in 0..n.max(1) {
+        let socket = Socket::new(Domain::for_address(bound), Type::STREAM, None)?;
+        socket.set_reuse_port(true)?;
+        socket.set_nonblocking(true)?;
+        socket.bind(&bound.into())?;
+        socket.listen(1024)?;
+        let listener: std::net::TcpListener = socket.into();
+        // The first bind of port 0 chose the port; the others join it.
+        bound = listener.local_addr()?;
+        listeners.push(listener);
+    }
+    Ok((bound, listeners))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reuseport_listeners_share_one_port() {
+        let (addr, listeners) = reuseport_listeners("127.0.0.1:0".parse().unwrap(), 3).unwrap();
+        assert_ne!(addr.port(), 0);
+        assert_eq!(listeners.len(), 3);
+        for l in &listeners {
+            assert_eq!(l.local_addr().unwrap(), addr);
+        }
+    }
+
+    #[test]
+    fn a_blocked_worker_is_reported_stalled() {
+        let workers = Workers::start(2, "test-worker").unwrap();
+        assert_eq!(workers.len(), 2);
+        // Wait (generously) until both have ticked.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while workers.stalled(Duration::from_millis(500)) {
+            assert!(Instant::now() < deadline, "workers never ticked");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        // Block one worker's thread: its tick stops.
+        let (release, blocked) = std::sync::mpsc::channel::<()>();
+        let handle = workers.handles().nth(1).unwrap().clone();
+        handle.spawn(async move {
+            let _ = blocked.recv();
+        });
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !workers.stalled(Duration::from_millis(300)) {
+            assert!(
+                Instant::now() < deadline,
+                "a blocked worker was never reported"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        release.send(()).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while workers.stalled(Duration::from_millis(500)) {
+            assert!(
+                Instant::now() < deadline,
+                "the released worker did not recover"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
