@@ -14,7 +14,7 @@ pub mod conntrack;
 
 use std::{
     fs::File,
-    net::{Ipv4Addr, Ipv6Addr, SocketAddrV4, SocketAddrV6},
+    net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6},
     path::{Path, PathBuf},
 };
 
@@ -27,8 +27,9 @@ use aya::{
     },
 };
 use skewless_common::{
-    CONN4_MAP, COUNTERS_MAP, Conn4, Counter, HEARTBEAT_MAP, REDIRECT4_CAPACITY, REDIRECT4_MAP,
-    REDIRECT6_CAPACITY, REDIRECT6_MAP, Redirect4, Redirect6, ServiceKey4, ServiceKey6,
+    CONNS_MAP, COUNTERS_MAP, Conn, Counter, FAMILY_INET6, HEARTBEAT_MAP, REDIRECT4_CAPACITY,
+    REDIRECT4_MAP, REDIRECT6_CAPACITY, REDIRECT6_MAP, Redirect4, Redirect6, ServiceKey4,
+    ServiceKey6,
 };
 use tracing::{debug, info};
 
@@ -112,8 +113,10 @@ pub struct Counters {
     pub conn_update_failed: u64,
     /// Connections whose byte and close updates could not be enabled.
     pub conn_cb_flags_failed: u64,
-    /// Connections not recorded because they are native IPv6.
+    /// Connections not recorded because of their address family (neither IPv4 nor IPv6).
     pub conn_skipped_family: u64,
+    /// Native IPv6 connections recorded (also in `conn_established`).
+    pub conn_established6: u64,
 }
 
 /// One client TCP connection from an attached cgroup, as its socket sees it.
@@ -121,13 +124,14 @@ pub struct Counters {
 pub struct Connection {
     /// The socket cookie: unique per socket for the kernel's uptime.
     pub cookie: u64,
-    /// The pod's address and port.
-    pub local: SocketAddrV4,
+    /// The pod's address and port (IPv4 also for a dual-stack socket talking to an
+    /// IPv4-mapped address).
+    pub local: SocketAddr,
     /// The address the socket is connected to: the Service VIP under DNAT, the backend pod
     /// under socket-level load balancing, the balancer's listener when redirected.
-    pub remote: SocketAddrV4,
+    pub remote: SocketAddr,
     /// The Service address a redirected socket asked for; `None` when not redirected.
-    pub redirected_from: Option<SocketAddrV4>,
+    pub redirected_from: Option<SocketAddr>,
     /// Last TCP state seen (`BPF_TCP_*`: 1 established, 7 close).
     pub state: u32,
     /// CLOCK_MONOTONIC time the connection was established.
@@ -142,14 +146,24 @@ pub struct Connection {
 }
 
 impl Connection {
-    fn from_record(cookie: u64, c: &Conn4) -> Self {
-        let ip = |a: u32| Ipv4Addr::from(u32::from_be(a));
+    fn from_record(cookie: u64, c: &Conn) -> Self {
+        let v6 = c.family == FAMILY_INET6;
+        let addr = |words: [u32; 4], port: u16| -> SocketAddr {
+            if v6 {
+                SocketAddr::V6(SocketAddrV6::new(ip6_of_words(words), port, 0, 0))
+            } else {
+                SocketAddr::V4(SocketAddrV4::new(
+                    Ipv4Addr::from(u32::from_be(words[0])),
+                    port,
+                ))
+            }
+        };
         Self {
             cookie,
-            local: SocketAddrV4::new(ip(c.local_addr), c.local_port),
-            remote: SocketAddrV4::new(ip(c.remote_addr), c.remote_port),
-            redirected_from: (c.orig_addr != 0)
-                .then(|| SocketAddrV4::new(ip(c.orig_addr), c.orig_port)),
+            local: addr(c.local_addr, c.local_port),
+            remote: addr(c.remote_addr, c.remote_port),
+            redirected_from: (c.orig_addr != [0; 4] || c.orig_port != 0)
+                .then(|| addr(c.orig_addr, c.orig_port)),
             state: c.state,
             opened: std::time::Duration::from_nanos(c.opened_ns),
             closed: (c.closed_ns != 0).then(|| std::time::Duration::from_nanos(c.closed_ns)),
@@ -183,7 +197,7 @@ pub struct Datapath {
     redirect6: HashMap<MapData, ServiceKey6, Redirect6>,
     heartbeat: Array<MapData, u64>,
     counters: PerCpuArray<MapData, u64>,
-    conns: HashMap<MapData, u64, Conn4>,
+    conns: HashMap<MapData, u64, Conn>,
 }
 
 impl std::fmt::Debug for Datapath {
@@ -215,7 +229,7 @@ impl Datapath {
         let redirect6 = take_map(&mut ebpf, REDIRECT6_MAP)?;
         let heartbeat = take_map(&mut ebpf, HEARTBEAT_MAP)?;
         let counters = take_map(&mut ebpf, COUNTERS_MAP)?;
-        let conns = take_map(&mut ebpf, CONN4_MAP)?;
+        let conns = take_map(&mut ebpf, CONNS_MAP)?;
         info!("eBPF programs loaded");
         Ok(Self {
             ebpf,
@@ -477,6 +491,7 @@ impl Datapath {
             conn_update_failed: read(Counter::ConnUpdateFailed)?,
             conn_cb_flags_failed: read(Counter::ConnCbFlagsFailed)?,
             conn_skipped_family: read(Counter::ConnSkippedFamily)?,
+            conn_established6: read(Counter::ConnEstablished6)?,
         })
     }
 
@@ -504,7 +519,7 @@ impl Datapath {
         match self.conns.remove(&cookie) {
             Ok(()) | Err(aya::maps::MapError::KeyNotFound) => Ok(()),
             Err(source) => Err(Error::Map {
-                name: CONN4_MAP,
+                name: CONNS_MAP,
                 source,
             }),
         }
@@ -593,11 +608,16 @@ fn words_be(ip: Ipv6Addr) -> [u32; 4] {
 }
 
 fn socket_addr6(addr: [u32; 4], port_be: u16) -> SocketAddrV6 {
+    SocketAddrV6::new(ip6_of_words(addr), u16::from_be(port_be), 0, 0)
+}
+
+/// The inverse of [`words_be`].
+fn ip6_of_words(addr: [u32; 4]) -> Ipv6Addr {
     let mut o = [0u8; 16];
     for (chunk, word) in o.chunks_exact_mut(4).zip(addr) {
         chunk.copy_from_slice(&word.to_ne_bytes());
     }
-    SocketAddrV6::new(Ipv6Addr::from(o), u16::from_be(port_be), 0, 0)
+    Ipv6Addr::from(o)
 }
 
 fn is_full(err: &aya::maps::MapError) -> bool {

@@ -150,16 +150,34 @@ fn write_services_ips(
     mode: &str,
     pods: &[&str],
 ) {
+    write_services_full(path, tb, cluster_ips, port, mode, pods, false);
+}
+
+/// The services file with any ClusterIPs; with `ipv6_endpoints` every pod is also listed
+/// with its IPv6 address (what a dual-stack Service's IPv6 EndpointSlice holds).
+fn write_services_full(
+    path: &std::path::Path,
+    tb: &skewless_testbed::Testbed,
+    cluster_ips: &[String],
+    port: u16,
+    mode: &str,
+    pods: &[&str],
+    ipv6_endpoints: bool,
+) {
     let ips: Vec<String> = cluster_ips.iter().map(|ip| format!("\"{ip}\"")).collect();
     let mut yaml = format!(
         "services:\n  - name: echo\n    clusterIPs: [{}]\n    mode: {mode}\n    ports:\n      - port: {port}\n        targetPort: {port}\n    endpoints:\n",
         ips.join(", ")
     );
     for p in pods {
-        yaml.push_str(&format!(
-            "      - {{address: {}, target: {p}}}\n",
-            tb.pod(p).unwrap().ip
-        ));
+        let pod = tb.pod(p).unwrap();
+        yaml.push_str(&format!("      - {{address: {}, target: {p}}}\n", pod.ip));
+        if ipv6_endpoints {
+            yaml.push_str(&format!(
+                "      - {{address: \"{}\", target: {p}}}\n",
+                pod.ip6
+            ));
+        }
     }
     // Write-then-rename: the agent polls the file and must never read half of it.
     let tmp = path.with_extension("tmp");
@@ -392,7 +410,7 @@ fn spawn_file_agent(tb: &mut skewless_testbed::Testbed, services: &std::path::Pa
 fn spawn_long_client(
     tb: &mut skewless_testbed::Testbed,
     gen_dir: &std::path::Path,
-    vip: SocketAddrV4,
+    vip: impl std::fmt::Display,
     concurrency: u32,
     extra: &[&str],
 ) -> u32 {
@@ -422,12 +440,23 @@ fn spawn_long_client(
 /// Waits up to 10 s for `/status` to show the Service's pod traffic all on one backend, and
 /// returns that report.
 fn wait_pinned(tb: &skewless_testbed::Testbed) -> serde_json::Value {
+    wait_pinned_at(tb, None)
+}
+
+/// [`wait_pinned`] for the observed Service port at `vip` (`None`: the first one listed).
+fn wait_pinned_at(tb: &skewless_testbed::Testbed, vip: Option<&str>) -> serde_json::Value {
     let started = std::time::Instant::now();
     loop {
         let status = status_json(tb);
-        let o = &status["observed"][0];
+        let o = match vip {
+            None => status["observed"][0].clone(),
+            Some(vip) => status["observed"]
+                .as_array()
+                .and_then(|a| a.iter().find(|o| o["vip"] == vip).cloned())
+                .unwrap_or_default(),
+        };
         if o["backends_receiving"] == 1 && o["largest_share"].as_f64() == Some(1.0) {
-            return o.clone();
+            return o;
         }
         assert!(
             started.elapsed() < Duration::from_secs(10),
@@ -618,4 +647,42 @@ fn agent_balances_grpc_through_an_ipv6_cluster_ip() {
         balanced.pods.len() >= 2,
         "the IPv6 client must be balanced, not pinned: {balanced:?}"
     );
+}
+
+#[test]
+#[ignore = "privileged: needs root and the real kernel; run with `cargo xtask test`"]
+fn observe_mode_reports_the_backend_of_a_pinned_ipv6_client() {
+    let vip = SocketAddrV4::new(std::net::Ipv4Addr::new(198, 19, 0, 34), 50051);
+    let vip6 = std::net::SocketAddrV6::new(skewless_testbed::vip6(*vip.ip()), vip.port(), 0, 0);
+    let (mut tb, gen_dir) = echo_bed(vip, &ECHO_PODS);
+    let services = TempPath::new(format!("skewless-test-services-{}.yaml", tb.id()));
+    let ips = [vip.ip().to_string(), vip6.ip().to_string()];
+    write_services_full(
+        &services,
+        &tb,
+        &ips,
+        vip.port(),
+        "observe",
+        &ECHO_PODS,
+        true,
+    );
+    spawn_file_agent(&mut tb, &services);
+    // A pick_first client through the IPv6 ClusterIP (ip6 DNAT in the node).
+    spawn_long_client(&mut tb, &gen_dir, vip6, 2, &[]);
+    let o = wait_pinned_at(&tb, Some(&vip6.to_string()));
+    assert_eq!(o["mode"], "observe", "{o}");
+    assert_eq!(
+        o["ready_backends"], 4,
+        "the IPv6 ClusterIP's backends are the pods' IPv6 addresses: {o}"
+    );
+    assert_eq!(o["skew"].as_f64(), Some(4.0), "{o}");
+    assert_eq!(o["unresolved"], 0, "{o}");
+    let backend = o["backends"][0]["backend"].as_str().unwrap().to_owned();
+    assert!(
+        ECHO_PODS.iter().any(|p| backend
+            == std::net::SocketAddrV6::new(tb.pod(p).unwrap().ip6, vip.port(), 0, 0).to_string()),
+        "the backend must be a pod's IPv6 address resolved through conntrack, not the VIP: \
+         {backend}"
+    );
+    eprintln!("IPv6 observe: pinned to {backend}: {o}");
 }
