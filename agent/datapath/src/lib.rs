@@ -22,8 +22,9 @@ use aya::{
     Ebpf,
     maps::{Array, HashMap, MapData, PerCpuArray},
     programs::{
-        CgroupAttachMode, CgroupSockAddr, ProgramError, SockOps,
-        cgroup_sock_addr::CgroupSockAddrLinkId, sock_ops::SockOpsLinkId,
+        CgroupAttachMode, CgroupSkb, CgroupSkbAttachType, CgroupSockAddr, ProgramError, SockOps,
+        cgroup_skb::CgroupSkbLinkId, cgroup_sock_addr::CgroupSockAddrLinkId,
+        sock_ops::SockOpsLinkId,
     },
 };
 use skewless_common::{
@@ -40,6 +41,8 @@ static PROGRAMS: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/
 const SOCK_ADDR_PROGRAMS: [&str; 4] = ["connect4", "connect6", "getpeername4", "getpeername6"];
 /// The sock_ops program that records client connections, attached next to them.
 const SOCK_OPS_PROGRAM: &str = "sock_ops";
+/// The cgroup_skb ingress program that keeps recorded connections' byte counts current.
+const INGRESS_PROGRAM: &str = "conn_ingress";
 
 /// Errors from loading programs, attaching them, or updating their maps.
 #[derive(Debug, thiserror::Error)]
@@ -84,6 +87,7 @@ pub struct Attachment {
     cgroup: PathBuf,
     links: Vec<(&'static str, CgroupSockAddrLinkId)>,
     sock_ops: SockOpsLinkId,
+    ingress: CgroupSkbLinkId,
 }
 
 impl Attachment {
@@ -117,6 +121,8 @@ pub struct Counters {
     pub conn_skipped_family: u64,
     /// Native IPv6 connections recorded (also in `conn_established`).
     pub conn_established6: u64,
+    /// Received packets whose connection record got fresh byte counts (cgroup_skb ingress).
+    pub conn_ingress_refreshed: u64,
 }
 
 /// One client TCP connection from an attached cgroup, as its socket sees it.
@@ -138,8 +144,8 @@ pub struct Connection {
     pub opened: std::time::Duration,
     /// CLOCK_MONOTONIC time it closed; `None` while open.
     pub closed: Option<std::time::Duration>,
-    /// Bytes the client sent that the peer acknowledged (refreshed on every RTT sample and
-    /// state change; final once closed).
+    /// Bytes the client sent that the peer acknowledged (refreshed on every RTT sample,
+    /// state change and received packet; final once closed).
     pub bytes_sent: u64,
     /// Bytes the client received (refreshed like `bytes_sent`).
     pub bytes_received: u64,
@@ -225,6 +231,12 @@ impl Datapath {
                 name: SOCK_OPS_PROGRAM,
                 source,
             })?;
+        ingress_program(&mut ebpf)?
+            .load()
+            .map_err(|source| Error::Program {
+                name: INGRESS_PROGRAM,
+                source,
+            })?;
         let redirect4 = take_map(&mut ebpf, REDIRECT4_MAP)?;
         let redirect6 = take_map(&mut ebpf, REDIRECT6_MAP)?;
         let heartbeat = take_map(&mut ebpf, HEARTBEAT_MAP)?;
@@ -285,11 +297,35 @@ impl Datapath {
                 return Err(e);
             }
         };
+        let ingress = ingress_program(&mut self.ebpf).and_then(|p| {
+            p.attach(
+                &file,
+                CgroupSkbAttachType::Ingress,
+                CgroupAttachMode::Single,
+            )
+            .map_err(|source| Error::Program {
+                name: INGRESS_PROGRAM,
+                source,
+            })
+        });
+        let ingress = match ingress {
+            Ok(link) => link,
+            Err(e) => {
+                if let Err(undo) = self.detach_observers(sock_ops, None) {
+                    tracing::warn!(error = %undo, "undoing a partial attachment");
+                }
+                if let Err(undo) = self.detach_links(links) {
+                    tracing::warn!(error = %undo, "undoing a partial attachment");
+                }
+                return Err(e);
+            }
+        };
         debug!(cgroup = %cgroup.display(), "attached");
         Ok(Attachment {
             cgroup: cgroup.to_owned(),
             links,
             sock_ops,
+            ingress,
         })
     }
 
@@ -302,13 +338,9 @@ impl Datapath {
             cgroup,
             links,
             sock_ops,
+            ingress,
         } = attachment;
-        let observed = sock_ops_program(&mut self.ebpf).and_then(|p| {
-            p.detach(sock_ops).map_err(|source| Error::Program {
-                name: SOCK_OPS_PROGRAM,
-                source,
-            })
-        });
+        let observed = self.detach_observers(sock_ops, Some(ingress));
         // Detach the redirect hooks even if the observer could not be detached.
         self.detach_links(links)?;
         observed?;
@@ -492,6 +524,7 @@ impl Datapath {
             conn_cb_flags_failed: read(Counter::ConnCbFlagsFailed)?,
             conn_skipped_family: read(Counter::ConnSkippedFamily)?,
             conn_established6: read(Counter::ConnEstablished6)?,
+            conn_ingress_refreshed: read(Counter::ConnIngressRefreshed)?,
         })
     }
 
@@ -540,6 +573,31 @@ impl Datapath {
         })
     }
 
+    /// Detaches the observation programs (sock_ops, and cgroup_skb ingress if attached),
+    /// reporting the first failure after trying both.
+    fn detach_observers(
+        &mut self,
+        sock_ops: SockOpsLinkId,
+        ingress: Option<CgroupSkbLinkId>,
+    ) -> Result<(), Error> {
+        let ops = sock_ops_program(&mut self.ebpf).and_then(|p| {
+            p.detach(sock_ops).map_err(|source| Error::Program {
+                name: SOCK_OPS_PROGRAM,
+                source,
+            })
+        });
+        let skb = match ingress {
+            Some(link) => ingress_program(&mut self.ebpf).and_then(|p| {
+                p.detach(link).map_err(|source| Error::Program {
+                    name: INGRESS_PROGRAM,
+                    source,
+                })
+            }),
+            None => Ok(()),
+        };
+        ops.and(skb)
+    }
+
     /// Detaches every link, reporting the first failure after trying all of them.
     fn detach_links(
         &mut self,
@@ -575,6 +633,16 @@ fn sock_ops_program(ebpf: &mut Ebpf) -> Result<&mut SockOps, Error> {
         .try_into()
         .map_err(|source| Error::Program {
             name: SOCK_OPS_PROGRAM,
+            source,
+        })
+}
+
+fn ingress_program(ebpf: &mut Ebpf) -> Result<&mut CgroupSkb, Error> {
+    ebpf.program_mut(INGRESS_PROGRAM)
+        .ok_or(Error::MissingProgram(INGRESS_PROGRAM))?
+        .try_into()
+        .map_err(|source| Error::Program {
+            name: INGRESS_PROGRAM,
             source,
         })
 }

@@ -37,7 +37,7 @@ pub const HEARTBEAT_STALE_NS: u64 = 750_000_000;
 pub const COUNTERS_MAP: &str = "COUNTERS";
 /// Name of the map of observed client TCP connections (socket cookie `u64` -> [`Conn`]),
 /// written by the `sock_ops` program for every active IPv4 or IPv6 connection from an attached
-/// cgroup.
+/// cgroup, and kept current by the `conn_ingress` (cgroup_skb) program.
 pub const CONNS_MAP: &str = "CONNS";
 /// Capacity of [`CONNS_MAP`]. It is an LRU map: when full, the least recently updated
 /// connection (usually a closed one) is evicted, so recording never blocks a connection.
@@ -132,8 +132,9 @@ const _: () = assert!(core::mem::size_of::<Redirect6>() == 24);
 /// order, as `bpf_sock_ops.local_ip6` carries them). Addresses are in network byte order;
 /// ports are in host order (the program converts them). Times are `bpf_ktime_get_ns`
 /// (CLOCK_MONOTONIC, ns). Byte counts are the kernel's RFC 4898 counters
-/// (`tcp_sock.bytes_acked` and `bytes_received`), copied on every RTT sample and every state
-/// change, and final once `closed_ns` is set.
+/// (`tcp_sock.bytes_acked` and `bytes_received`), copied on every RTT sample, every state
+/// change and every packet the socket receives (cgroup_skb ingress), and final once
+/// `closed_ns` is set.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Conn {
@@ -205,9 +206,11 @@ pub enum Counter {
     Connect6NativeRedirected = 12,
     /// Native IPv6 active connections recorded (also counted in `ConnEstablished`).
     ConnEstablished6 = 13,
+    /// Received packets whose socket's record was refreshed by the cgroup_skb program.
+    ConnIngressRefreshed = 14,
 }
 /// Number of entries in [`COUNTERS_MAP`].
-pub const COUNTERS_LEN: u32 = 14;
+pub const COUNTERS_LEN: u32 = 15;
 
 #[cfg(feature = "user")]
 mod user {

@@ -13,6 +13,9 @@
 //!   `ORIGDST6`), its open time and, on every RTT sample and state change, the kernel's byte
 //!   counters and the close time in the LRU map `CONNS` under the socket cookie. The agent
 //!   resolves the real backend from these records (conntrack under DNAT).
+//! - `conn_ingress` (cgroup_skb ingress): on every packet a recorded connection receives,
+//!   copies the kernel's byte counters into its record, so a connection that only downloads
+//!   stays current too (sock_ops has no callback for received data).
 //!
 //! A redirect also needs a fresh heartbeat from the agent (`HEARTBEAT`): if the agent hangs,
 //! connects go straight to the Service again within a second.
@@ -28,10 +31,10 @@ mod programs {
             BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB, BPF_SOCK_OPS_RTT_CB, BPF_SOCK_OPS_RTT_CB_FLAG,
             BPF_SOCK_OPS_STATE_CB, BPF_SOCK_OPS_STATE_CB_FLAG, BPF_TCP_CLOSE, bpf_sock_addr,
         },
-        helpers::{bpf_get_socket_cookie, bpf_ktime_get_ns},
-        macros::{cgroup_sock_addr, map, sock_ops},
+        helpers::{bpf_get_socket_cookie, bpf_ktime_get_ns, bpf_tcp_sock},
+        macros::{cgroup_skb, cgroup_sock_addr, map, sock_ops},
         maps::{Array, HashMap, LruHashMap, PerCpuArray},
-        programs::{SockAddrContext, SockOpsContext},
+        programs::{SkBuffContext, SockAddrContext, SockOpsContext},
     };
     use skewless_common::{
         CONNS_CAPACITY, COUNTERS_LEN, Conn, Counter, FAMILY_INET, FAMILY_INET6, HEARTBEAT_STALE_NS,
@@ -416,6 +419,53 @@ mod programs {
                 (*conn).closed_ns = bpf_ktime_get_ns();
             }
         }
+    }
+
+    /// Verdict for cgroup_skb programs: 1 lets the packet through. 0 would drop it; skewless
+    /// never does that.
+    const PASS: i32 = 1;
+
+    /// cgroup_skb ingress: keeps the byte counters of recorded connections current while
+    /// they only receive. sock_ops refreshes them on RTT samples (ACKs of the client's own
+    /// data) and state changes, so a download-only connection (server streaming) would
+    /// otherwise show its bytes at close only. This runs before TCP processes the packet, so
+    /// the counters it copies lag by at most that one packet; the close refresh is final.
+    #[cgroup_skb(ingress)]
+    pub fn conn_ingress(ctx: SkBuffContext) -> i32 {
+        ingress(&ctx);
+        PASS
+    }
+
+    #[inline(always)]
+    fn ingress(ctx: &SkBuffContext) {
+        let skb = ctx.skb.skb;
+        // SAFETY: `skb` is the kernel-provided context, valid for the whole run; `sk` is one
+        // of its fields, read with one 8-byte load as the verifier requires.
+        let sk = unsafe { core::ptr::read_volatile(&raw const (*skb).__bindgen_anon_2.sk) };
+        if sk.is_null() {
+            return;
+        }
+        // SAFETY: cgroup_skb programs may call bpf_get_socket_cookie on their context (the
+        // cookie of skb->sk).
+        let cookie = unsafe { bpf_get_socket_cookie(skb.cast()) };
+        // Only connections sock_ops recorded: server sockets and other traffic miss here.
+        let Some(conn) = CONNS.get_ptr_mut(cookie) else {
+            return;
+        };
+        // SAFETY: `sk` is a non-null socket pointer from the context; bpf_tcp_sock returns
+        // NULL unless it is a full TCP socket.
+        let tp = unsafe { bpf_tcp_sock(sk) };
+        if tp.is_null() {
+            return;
+        }
+        // SAFETY: `tp` was checked non-null; `conn` points to a live map value. A concurrent
+        // sock_ops refresh of the same record writes the same or newer kernel counters, so a
+        // race only delays a counter by one packet.
+        unsafe {
+            (*conn).bytes_acked = (*tp).bytes_acked;
+            (*conn).bytes_received = (*tp).bytes_received;
+        }
+        count(Counter::ConnIngressRefreshed);
     }
 
     #[panic_handler]

@@ -196,3 +196,67 @@ while time.monotonic() < end:
 s.close()
 print("%d %d" % (sent, received), flush=True)
 "#;
+
+/// `python3 -c STREAM_SERVER NAME HOST PORT`: on every TCP connection (one thread each), sends
+/// `NAME\n`, reads one line `SECONDS\n`, then sends 16 KiB every 20 ms for that long (at
+/// most 30 s) and closes: a server-streaming peer whose client only downloads.
+pub const STREAM_SERVER: &str = r#"
+import socket, sys, threading, time
+name, host, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+def serve(c):
+    try:
+        c.sendall((name + "\n").encode())
+        line = b""
+        while not line.endswith(b"\n"):
+            chunk = c.recv(64)
+            if not chunk:
+                return
+            line += chunk
+        end = time.monotonic() + min(float(line), 30.0)
+        block = b"y" * 16384
+        while time.monotonic() < end:
+            c.sendall(block)
+            time.sleep(0.02)
+    except (OSError, ValueError):
+        pass
+    finally:
+        c.close()
+if ":" in host:
+    s = socket.socket(socket.AF_INET6)
+    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+else:
+    s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((host, port))
+s.listen(64)
+while True:
+    c, _ = s.accept()
+    threading.Thread(target=serve, args=(c,), daemon=True).start()
+"#;
+
+/// `python3 -c DOWNLOAD HOST PORT SECONDS`: one connection to a [`STREAM_SERVER`]: prints
+/// `<name> <local ip>:<port>` once connected, sends the one request line, then only receives
+/// until EOF and prints the bytes received (name line included).
+pub const DOWNLOAD: &str = r#"
+import socket, sys
+host, port, secs = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+s = socket.create_connection((host, port), timeout=10)
+local = s.getsockname()
+name = b""
+while not name.endswith(b"\n"):
+    chunk = s.recv(1)
+    if not chunk:
+        sys.exit("no name")
+    name += chunk
+fmt = "[%s]:%d" if ":" in local[0] else "%s:%d"
+print("%s %s" % (name.decode().strip(), fmt % (local[0], local[1])), flush=True)
+s.sendall(("%s\n" % secs).encode())
+received = len(name)
+while True:
+    chunk = s.recv(65536)
+    if not chunk:
+        break
+    received += len(chunk)
+s.close()
+print(received, flush=True)
+"#;
