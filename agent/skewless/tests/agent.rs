@@ -686,3 +686,114 @@ fn observe_mode_reports_the_backend_of_a_pinned_ipv6_client() {
     );
     eprintln!("IPv6 observe: pinned to {backend}: {o}");
 }
+
+#[test]
+#[ignore = "privileged: needs root and the real kernel; run with `cargo xtask test`"]
+fn ipv6_balancer_listener_serves_pods_and_refuses_other_peers() {
+    use skewless_testbed::{BALANCER_IP6, grpc};
+    let vip = SocketAddrV4::new(std::net::Ipv4Addr::new(198, 19, 0, 35), 50051);
+    let vip6 = std::net::SocketAddrV6::new(skewless_testbed::vip6(*vip.ip()), vip.port(), 0, 0);
+    let (mut tb, gen_dir) = echo_bed(vip, &ECHO_PODS);
+    let services = TempPath::new(format!("skewless-test-services-{}.yaml", tb.id()));
+    let ips = [vip.ip().to_string(), vip6.ip().to_string()];
+    write_services_ips(&services, &tb, &ips, vip.port(), "request", &ECHO_PODS);
+    let client = tb.pod("client").unwrap();
+    let cgroup = client.cgroup.display().to_string();
+    // Only the client pod's networks, IPv4 and IPv6, may use the balancers.
+    let o = client.ip.octets();
+    let pod_cidr = format!("{}.{}.{}.0/24", o[0], o[1], o[2]);
+    let pod_cidr6 = format!("{}/64", client.ip6);
+    let (file, ip6) = (services.display().to_string(), BALANCER_IP6.to_string());
+    let argv = [
+        env!("CARGO_BIN_EXE_skewless"),
+        "agent",
+        "--services-file",
+        &file,
+        "--cgroup",
+        &cgroup,
+        "--balancer-ip6",
+        &ip6,
+        "--pod-cidr",
+        &pod_cidr,
+        "--pod-cidr",
+        &pod_cidr6,
+        "--admin-addr",
+        ADMIN,
+    ];
+    tb.spawn(Place::Node(0), &argv).unwrap();
+    wait_until("both families are redirected", || {
+        services_in_status(&tb) == 2
+    });
+    let status = status_json(&tb);
+    let listener6 = status["services"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["vip"] == vip6.to_string())
+        .and_then(|s| s["listener"].as_str())
+        .unwrap_or_else(|| panic!("no balancer for the IPv6 VIP: {status}"))
+        .to_owned();
+    assert!(
+        listener6.starts_with(&format!("[{BALANCER_IP6}]:")),
+        "the IPv6 VIP is served on the --balancer-ip6 listener: {listener6}"
+    );
+    let refused_before = status["refused_peers"].as_u64().unwrap();
+
+    // The pod's own IPv6 address is inside its /64: redirected to the IPv6 listener and served.
+    let served = grpc::run_client(
+        &tb,
+        &gen_dir,
+        Place::Pod("client"),
+        &vip6.to_string(),
+        50,
+        2,
+    )
+    .unwrap();
+    assert_eq!(
+        served.ok, 50,
+        "a pod's IPv6 address must be served: {served:?}"
+    );
+    assert_eq!(
+        status_json(&tb)["refused_peers"].as_u64().unwrap(),
+        refused_before,
+        "no refusal for the pod's own IPv6 connections"
+    );
+
+    // The node reaching the IPv6 listener directly has a source address outside the pod
+    // CIDRs (as another node with a route to it would): refused before any HTTP/2.
+    let outsider = grpc::run_client(&tb, &gen_dir, Place::Node(0), &listener6, 5, 1).unwrap();
+    assert_eq!(
+        outsider.ok, 0,
+        "a peer outside the pod CIDRs must not be served over IPv6: {outsider:?}"
+    );
+    let refused = status_json(&tb)["refused_peers"].as_u64().unwrap();
+    assert!(
+        refused > refused_before,
+        "the refused IPv6 connection must be counted: {refused_before} -> {refused}"
+    );
+    let metrics = tb
+        .run(Place::Node(0), &["python3", "-c", METRICS_FETCH, ADMIN])
+        .unwrap();
+    let metrics = String::from_utf8_lossy(&metrics.stdout);
+    let counted = metrics
+        .lines()
+        .find(|l| l.starts_with("skewless_balancer_refused_total"))
+        .and_then(|l| l.split_whitespace().last())
+        .and_then(|v| v.parse::<f64>().ok())
+        .unwrap_or_else(|| panic!("skewless_balancer_refused_total in /metrics: {metrics}"));
+    assert!(
+        counted >= refused as f64,
+        "/metrics must count the refusals too: {counted} < {refused}"
+    );
+    eprintln!(
+        "IPv6 peer check: pod {}/50 calls served, node outsider {}/5 served, refused \
+         {refused_before} -> {refused}, /metrics {counted}",
+        served.ok, outsider.ok
+    );
+}
+
+/// `python3 -c METRICS_FETCH HOST:PORT`: prints the agent's `/metrics` page.
+const METRICS_FETCH: &str = r#"
+import sys, urllib.request
+print(urllib.request.urlopen("http://%s/metrics" % sys.argv[1], timeout=5).read().decode())
+"#;
