@@ -6,7 +6,8 @@
 //! kernel detaches every program and new connections go straight to the Service again — the
 //! fail-open behaviour skewless promises.
 //!
-//! The same attachment observes every client TCP connection of the pod (`sock_ops`):
+//! The same attachment observes every client TCP connection of the pod, IPv4 and IPv6
+//! (`sock_ops`, with a `cgroup_skb` ingress program keeping byte counts live):
 //! [`Datapath::connections`] dumps them, and [`conntrack`] resolves the backend each one is
 //! pinned to when a DNAT hides it from the socket.
 
