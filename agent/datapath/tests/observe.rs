@@ -394,13 +394,8 @@ fn one_long_lived_connection_is_flagged_as_pinned() {
     let _ = child.wait();
 }
 
-/// A client that sends one small request and then only receives (server streaming) must show
-/// growing received bytes while the connection is open. sock_ops alone refreshes the counters
-/// on RTT samples (ACKs of the client's own data) and state changes, so without the
-/// cgroup_skb ingress program the count would stand still until the close.
-#[test]
-#[ignore = "privileged: needs root and the real kernel; run with `cargo xtask test`"]
-fn download_only_connection_shows_growing_bytes_while_open() {
+/// [`echo_bed`] plus a [`scripts::STREAM_SERVER`] on `server-0` (both families).
+fn stream_bed() -> Testbed {
     let mut tb = echo_bed();
     let port = STREAM_PORT.to_string();
     tb.spawn(
@@ -415,44 +410,84 @@ fn download_only_connection_shows_growing_bytes_while_open() {
         ],
     )
     .unwrap();
-    let server = SocketAddrV4::new(tb.pod(SERVERS[0]).unwrap().ip, STREAM_PORT);
-    tb.wait_for_tcp(Place::Node(0), server, Duration::from_secs(10))
+    tb.wait_for_tcp(Place::Node(0), stream_server(&tb), Duration::from_secs(10))
         .expect("stream server comes up");
-    let mut dp = Datapath::load().expect("eBPF programs load");
-    let _attachment = dp.attach(&tb.pod("client").unwrap().cgroup).unwrap();
-    let refreshed_before = dp.counters().unwrap().conn_ingress_refreshed;
+    tb
+}
 
-    let (host, port) = (server.ip().to_string(), STREAM_PORT.to_string());
+fn stream_server(tb: &Testbed) -> SocketAddrV4 {
+    SocketAddrV4::new(tb.pod(SERVERS[0]).unwrap().ip, STREAM_PORT)
+}
+
+/// Kills a child process on every exit path.
+struct Reap(std::process::Child);
+
+impl Drop for Reap {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A running [`scripts::DOWNLOAD`] client in the `client` pod.
+struct Download {
+    child: Reap,
+    /// Its remaining output (the total received, once done).
+    lines: std::io::Lines<BufReader<std::process::ChildStdout>>,
+    /// Its socket's local address.
+    local: SocketAddr,
+}
+
+/// Starts a download of `secs` seconds from [`stream_server`]; returns once connected.
+fn start_download(tb: &Testbed, secs: &str) -> Download {
+    let server = stream_server(tb);
+    let (host, port) = (server.ip().to_string(), server.port().to_string());
     let mut child = tb
         .command(
             Place::Pod("client"),
-            &["python3", "-c", scripts::DOWNLOAD, &host, &port, "5"],
+            &["python3", "-c", scripts::DOWNLOAD, &host, &port, secs],
         )
         .unwrap()
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .spawn()
         .expect("download client starts");
-    // Kill the client on every exit path (it ends by itself after 5 s anyway).
-    struct Reap(std::process::Child);
-    impl Drop for Reap {
-        fn drop(&mut self) {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
     let stdout = child.stdout.take().unwrap();
-    let mut child = Reap(child);
+    let child = Reap(child);
     let mut lines = BufReader::new(stdout).lines();
     let first = lines.next().expect("download client reports").unwrap();
     let (_, local) = first.split_once(' ').expect("`<name> <local>`");
-    let local: SocketAddr = local.parse().unwrap();
-    let record = |dp: &Datapath| {
-        dp.connections()
-            .into_iter()
-            .find(|c| c.local == local)
-            .unwrap_or_else(|| panic!("no record for {local}"))
-    };
+    Download {
+        child,
+        lines,
+        local: local.parse().unwrap(),
+    }
+}
+
+fn record_of(dp: &Datapath, local: SocketAddr) -> skewless_datapath::Connection {
+    dp.connections()
+        .into_iter()
+        .find(|c| c.local == local)
+        .unwrap_or_else(|| panic!("no record for {local}"))
+}
+
+/// A client that sends one small request and then only receives (server streaming) must show
+/// growing received bytes while the connection is open. sock_ops alone refreshes the counters
+/// on RTT samples (ACKs of the client's own data) and state changes, so without the
+/// cgroup_skb ingress program the count would stand still until the close.
+#[test]
+#[ignore = "privileged: needs root and the real kernel; run with `cargo xtask test`"]
+fn download_only_connection_shows_growing_bytes_while_open() {
+    let tb = stream_bed();
+    let mut dp = Datapath::load().expect("eBPF programs load");
+    let _attachment = dp.attach(&tb.pod("client").unwrap().cgroup).unwrap();
+    let refreshed_before = dp.counters().unwrap().conn_ingress_refreshed;
+    let Download {
+        mut child,
+        mut lines,
+        local,
+    } = start_download(&tb, "5");
+    let record = |dp: &Datapath| record_of(dp, local);
 
     std::thread::sleep(Duration::from_millis(500));
     let first = record(&dp);
@@ -499,5 +534,55 @@ fn download_only_connection_shows_growing_bytes_while_open() {
         second.bytes_received,
         last.bytes_received,
         err * 100.0
+    );
+}
+
+/// `Datapath::detach` removes the observers too: after it, a download that was recorded while
+/// attached keeps flowing but its record is no longer refreshed (cgroup_skb ingress gone),
+/// and new connections are not recorded (sock_ops gone).
+#[test]
+#[ignore = "privileged: needs root and the real kernel; run with `cargo xtask test`"]
+fn detach_stops_recording_and_refreshing() {
+    let tb = stream_bed();
+    let mut dp = Datapath::load().expect("eBPF programs load");
+    let attachment = dp.attach(&tb.pod("client").unwrap().cgroup).unwrap();
+    let mut download = start_download(&tb, "4");
+    std::thread::sleep(Duration::from_millis(300));
+    let attached = dp.counters().unwrap();
+    assert!(
+        attached.conn_ingress_refreshed > 0,
+        "attached: the ingress program must run: {attached:?}"
+    );
+    let known: std::collections::BTreeSet<u64> =
+        dp.connections().iter().map(|c| c.cookie).collect();
+
+    dp.detach(attachment).expect("detach");
+    let (c1, r1) = (dp.counters().unwrap(), record_of(&dp, download.local));
+    std::thread::sleep(Duration::from_secs(1));
+    let (c2, r2) = (dp.counters().unwrap(), record_of(&dp, download.local));
+    assert!(
+        download.child.0.try_wait().unwrap().is_none(),
+        "the download must still be running for the check to mean anything"
+    );
+    assert_eq!(
+        (c2.conn_ingress_refreshed, r2.bytes_received),
+        (c1.conn_ingress_refreshed, r1.bytes_received),
+        "detached: the ingress program may not refresh the still-flowing download"
+    );
+
+    talk(&tb, vip(Family::V6), 10, 4096);
+    let c3 = dp.counters().unwrap();
+    assert_eq!(
+        c3.conn_established, c1.conn_established,
+        "detached: sock_ops may not run"
+    );
+    let new: Vec<_> = dp
+        .connections()
+        .into_iter()
+        .filter(|c| !known.contains(&c.cookie))
+        .collect();
+    assert!(
+        new.is_empty(),
+        "detached: no new connection may be recorded: {new:?}"
     );
 }
