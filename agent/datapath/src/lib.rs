@@ -737,4 +737,58 @@ mod tests {
         assert_eq!(key.port.to_ne_bytes(), 8080u16.to_be_bytes());
         assert_eq!(socket_addr6(key.addr, key.port), addr);
     }
+
+    fn record(family: u32, local: [u32; 4], remote: [u32; 4], orig: [u32; 4]) -> Conn {
+        Conn {
+            local_addr: local,
+            remote_addr: remote,
+            orig_addr: orig,
+            family,
+            state: 1,
+            local_port: 40000,
+            remote_port: 8080,
+            orig_port: if orig == [0; 4] { 0 } else { 50051 },
+            _pad: 0,
+            opened_ns: 1,
+            closed_ns: 0,
+            bytes_acked: 10,
+            bytes_received: 20,
+        }
+    }
+
+    #[test]
+    fn records_of_both_families_become_socket_addresses() {
+        let v4 = |a: &str| u32::from(a.parse::<Ipv4Addr>().unwrap()).to_be();
+        let c = Connection::from_record(
+            7,
+            &record(
+                skewless_common::FAMILY_INET,
+                [v4("198.18.1.2"), 0, 0, 0],
+                [v4("198.19.0.10"), 0, 0, 0],
+                [0; 4],
+            ),
+        );
+        assert_eq!(c.local, "198.18.1.2:40000".parse().unwrap());
+        assert_eq!(c.remote, "198.19.0.10:8080".parse().unwrap());
+        assert_eq!(c.redirected_from, None, "all-zero origin: not redirected");
+
+        let v6 = |a: &str| words_be(a.parse().unwrap());
+        let c = Connection::from_record(
+            8,
+            &record(
+                FAMILY_INET6,
+                v6("fd00:198:18:1::2"),
+                v6("fd00:169:254::1"),
+                v6("fd00:198:19::c613:a"),
+            ),
+        );
+        assert_eq!(c.local, "[fd00:198:18:1::2]:40000".parse().unwrap());
+        assert_eq!(c.remote, "[fd00:169:254::1]:8080".parse().unwrap());
+        assert_eq!(
+            c.redirected_from,
+            Some("[fd00:198:19::c613:a]:50051".parse().unwrap()),
+            "a redirected IPv6 socket keeps its Service address"
+        );
+        assert_eq!((c.bytes_sent, c.bytes_received), (10, 20));
+    }
 }

@@ -401,4 +401,37 @@ mod tests {
         assert_eq!(r.backends_receiving, 0);
         assert_eq!(r.skew, 0.0);
     }
+
+    #[test]
+    fn dual_stack_service_is_reported_per_family() {
+        // One Service, two ClusterIPs; each spec lists the endpoints of its family.
+        let v6_pods: Vec<SocketAddr> = (1..=4u16)
+            .map(|i| SocketAddr::new([0xfd00, 0, 0, i, 0, 0, 0, 2].into(), 8080))
+            .collect();
+        let v6 = ServiceSpec {
+            addr: addr("[fd00:96::a]:8080"),
+            endpoints: v6_pods.clone(),
+        };
+        let p = pods(4);
+        let samples = vec![
+            // IPv6 client pinned through the IPv6 VIP (DNAT resolved to a pod's IPv6 address).
+            Sample {
+                remote: v6.addr,
+                ..sample(1, v6_pods[3], 100, 900)
+            },
+            // IPv4 client spread over two pods through the IPv4 VIP.
+            sample(2, p[0], 100, 400),
+            sample(3, p[1], 100, 400),
+        ];
+        let r = aggregate(&[spec(4), v6], None, &snap(1, samples));
+        assert_eq!(r[0].backends_receiving, 2, "IPv4 ClusterIP: {:?}", r[0]);
+        assert_eq!(r[1].backends_receiving, 1, "IPv6 ClusterIP: {:?}", r[1]);
+        assert_eq!(r[1].backends[0].backend, v6_pods[3]);
+        assert!(
+            (r[1].skew - 4.0).abs() < 1e-9,
+            "the IPv6 family is pinned on its own: {:?}",
+            r[1]
+        );
+        assert_eq!(r[1].unresolved, 0);
+    }
 }
