@@ -6,14 +6,16 @@
 //! The exact 4-tuple is the join key. Under socket-level load balancing (the socket connects
 //! straight to a pod) or without NAT, the backend is the socket's own peer.
 //!
-//! The table is read with Debian's `conntrack` tool (`conntrack -L -p tcp -o extended`),
-//! inside the network namespace where the DNAT happens (the node's: where the agent runs).
+//! The table is read with Debian's `conntrack` tool (`conntrack -L -f ipv4|ipv6 -p tcp -o
+//! extended`, one run per family: the tool lists IPv4 only unless told), inside the network
+//! namespace where the DNAT happens (the node's: where the agent runs). IPv6 Services under an
+//! `ip6` DNAT resolve exactly like IPv4 ones.
 //! Conntrack keeps entries about two minutes after a close (TIME_WAIT), so a dump taken soon
 //! after a connection ends still resolves it.
 
 use std::{
     collections::HashMap,
-    net::{Ipv4Addr, SocketAddrV4},
+    net::{IpAddr, SocketAddr},
     path::PathBuf,
     process::Command,
 };
@@ -59,11 +61,19 @@ impl Conntrack {
         }
     }
 
-    /// Dumps the TCP entries of the table.
+    /// Dumps the TCP entries of the table, IPv4 and IPv6.
     ///
     /// # Errors
     /// When the tool cannot run or fails (no privileges, no conntrack support).
     pub fn dump(&self) -> Result<NatTable, Error> {
+        let mut table = self.dump_family("ipv4")?;
+        table
+            .by_original
+            .extend(self.dump_family("ipv6")?.by_original);
+        Ok(table)
+    }
+
+    fn dump_family(&self, family: &str) -> Result<NatTable, Error> {
         let mut cmd = match &self.netns {
             Some(ns) => {
                 let mut c = Command::new("nsenter");
@@ -74,7 +84,7 @@ impl Conntrack {
             }
             None => Command::new("conntrack"),
         };
-        cmd.args(["-L", "-p", "tcp", "-o", "extended"]);
+        cmd.args(["-L", "-f", family, "-p", "tcp", "-o", "extended"]);
         let out = cmd.output().map_err(|source| Error::Spawn {
             cmd: format!("{cmd:?}"),
             source,
@@ -90,15 +100,15 @@ impl Conntrack {
     }
 }
 
-/// The IPv4 conntrack entries of one dump: original (source, destination) -> reply source.
+/// The TCP conntrack entries of one dump: original (source, destination) -> reply source.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct NatTable {
-    by_original: HashMap<(SocketAddrV4, SocketAddrV4), SocketAddrV4>,
+    by_original: HashMap<(SocketAddr, SocketAddr), SocketAddr>,
 }
 
 impl NatTable {
-    /// Parses `conntrack -L -o extended` output. Lines that are not IPv4 TCP entries with
-    /// both tuples are skipped.
+    /// Parses `conntrack -L -o extended` output. Lines that are not IPv4 or IPv6 TCP entries
+    /// with both tuples are skipped.
     #[must_use]
     pub fn parse(text: &str) -> Self {
         let by_original = text.lines().filter_map(parse_line).collect();
@@ -108,7 +118,7 @@ impl NatTable {
     /// The reply tuple's source for the connection whose original tuple is `src -> dst`:
     /// the backend when `dst` was DNATed.
     #[must_use]
-    pub fn reply_source(&self, src: SocketAddrV4, dst: SocketAddrV4) -> Option<SocketAddrV4> {
+    pub fn reply_source(&self, src: SocketAddr, dst: SocketAddr) -> Option<SocketAddr> {
         self.by_original.get(&(src, dst)).copied()
     }
 
@@ -137,7 +147,7 @@ pub enum Via {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Attributed {
     pub conn: Connection,
-    pub backend: SocketAddrV4,
+    pub backend: SocketAddr,
     pub via: Via,
 }
 
@@ -165,10 +175,15 @@ pub fn attribute(conns: &[Connection], table: &NatTable) -> Vec<Attributed> {
 }
 
 /// `ipv4 2 tcp 6 117 TIME_WAIT src=A dst=B sport=P dport=Q [UNREPLIED] src=C dst=D sport=R
-/// dport=S [ASSURED] mark=0 use=1` -> ((A:P, B:Q), C:R).
-fn parse_line(line: &str) -> Option<((SocketAddrV4, SocketAddrV4), SocketAddrV4)> {
+/// dport=S [ASSURED] mark=0 use=1` -> ((A:P, B:Q), C:R); the same for `ipv6 10 tcp ...`.
+fn parse_line(line: &str) -> Option<((SocketAddr, SocketAddr), SocketAddr)> {
     let mut words = line.split_whitespace();
-    if words.next()? != "ipv4" {
+    let v6 = match words.next()? {
+        "ipv4" => false,
+        "ipv6" => true,
+        _ => return None,
+    };
+    if words.nth(1)? != "tcp" {
         return None;
     }
     // The first src/dst/sport/dport group is the original tuple, the second the reply.
@@ -193,11 +208,10 @@ fn parse_line(line: &str) -> Option<((SocketAddrV4, SocketAddrV4), SocketAddrV4)
         }
         fields[group * 4 + slot] = Some(value);
     }
-    let addr = |ip: Option<&str>, port: Option<&str>| -> Option<SocketAddrV4> {
-        Some(SocketAddrV4::new(
-            ip?.parse::<Ipv4Addr>().ok()?,
-            port?.parse().ok()?,
-        ))
+    let addr = |ip: Option<&str>, port: Option<&str>| -> Option<SocketAddr> {
+        let ip: IpAddr = ip?.parse().ok()?;
+        (ip.is_ipv6() == v6).then_some(())?;
+        Some(SocketAddr::new(ip, port?.parse().ok()?))
     };
     let src = addr(fields[0], fields[2])?;
     let dst = addr(fields[1], fields[3])?;
@@ -215,7 +229,8 @@ mod tests {
 ipv4     2 tcp      6 117 TIME_WAIT src=198.18.1.2 dst=198.19.0.10 sport=40000 dport=8080 src=198.18.3.2 dst=198.18.1.2 sport=8080 dport=40000 [ASSURED] mark=0 use=1
 ipv4     2 tcp      6 431999 ESTABLISHED src=198.18.1.2 dst=198.18.4.2 sport=40001 dport=8080 src=198.18.4.2 dst=198.18.1.2 sport=8080 dport=40001 [ASSURED] mark=0 use=1
 ipv4     2 tcp      6 119 SYN_SENT src=198.18.1.2 dst=198.19.0.10 sport=40002 dport=8080 [UNREPLIED] src=198.18.5.2 dst=198.18.1.2 sport=8080 dport=40002 mark=0 use=1
-ipv6     10 tcp      6 119 SYN_SENT src=::1 dst=::1 sport=1 dport=2 src=::1 dst=::1 sport=2 dport=1 mark=0 use=1
+ipv6     10 tcp      6 117 TIME_WAIT src=fd00:198:18:1::2 dst=fd00:198:19::c613:a sport=40000 dport=8080 src=fd00:198:18:3::2 dst=fd00:198:18:1::2 sport=8080 dport=40000 [ASSURED] mark=0 use=1
+ipv6     10 udp      17 29 src=::1 dst=::1 sport=1 dport=2 src=::1 dst=::1 sport=2 dport=1 mark=0 use=1
 garbage line
 ";
 
@@ -236,7 +251,7 @@ garbage line
     #[test]
     fn parses_original_and_reply_tuples_and_skips_the_rest() {
         let t = NatTable::parse(DUMP);
-        assert_eq!(t.len(), 3, "three IPv4 TCP entries: {t:?}");
+        assert_eq!(t.len(), 4, "three IPv4 and one IPv6 TCP entries: {t:?}");
         assert_eq!(
             t.reply_source(
                 "198.18.1.2:40000".parse().unwrap(),
@@ -252,6 +267,14 @@ garbage line
             Some("198.18.5.2:8080".parse().unwrap()),
             "[UNREPLIED] between the tuples must not confuse the parser"
         );
+        assert_eq!(
+            t.reply_source(
+                "[fd00:198:18:1::2]:40000".parse().unwrap(),
+                "[fd00:198:19::c613:a]:8080".parse().unwrap()
+            ),
+            Some("[fd00:198:18:3::2]:8080".parse().unwrap()),
+            "IPv6 DNAT entries resolve like IPv4 ones"
+        );
     }
 
     #[test]
@@ -262,6 +285,8 @@ garbage line
                 conn("198.18.1.2:40000", "198.19.0.10:8080"),
                 conn("198.18.1.2:40001", "198.18.4.2:8080"),
                 conn("198.18.1.2:49999", "198.18.6.2:8080"),
+                conn("[fd00:198:18:1::2]:40000", "[fd00:198:19::c613:a]:8080"),
+                conn("[fd00:198:18:1::2]:40001", "[fd00:198:18:6::2]:8080"),
             ],
             &t,
         );
@@ -272,6 +297,8 @@ garbage line
                 ("198.18.3.2:8080".to_owned(), Via::Conntrack),
                 ("198.18.4.2:8080".to_owned(), Via::Peer),
                 ("198.18.6.2:8080".to_owned(), Via::Peer),
+                ("[fd00:198:18:3::2]:8080".to_owned(), Via::Conntrack),
+                ("[fd00:198:18:6::2]:8080".to_owned(), Via::Peer),
             ]
         );
     }

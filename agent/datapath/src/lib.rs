@@ -6,7 +6,8 @@
 //! kernel detaches every program and new connections go straight to the Service again — the
 //! fail-open behaviour skewless promises.
 //!
-//! The same attachment observes every client TCP connection of the pod (`sock_ops`):
+//! The same attachment observes every client TCP connection of the pod, IPv4 and IPv6
+//! (`sock_ops`, with a `cgroup_skb` ingress program keeping byte counts live):
 //! [`Datapath::connections`] dumps them, and [`conntrack`] resolves the backend each one is
 //! pinned to when a DNAT hides it from the socket.
 
@@ -14,7 +15,7 @@ pub mod conntrack;
 
 use std::{
     fs::File,
-    net::{Ipv4Addr, Ipv6Addr, SocketAddrV4, SocketAddrV6},
+    net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6},
     path::{Path, PathBuf},
 };
 
@@ -22,13 +23,15 @@ use aya::{
     Ebpf,
     maps::{Array, HashMap, MapData, PerCpuArray},
     programs::{
-        CgroupAttachMode, CgroupSockAddr, ProgramError, SockOps,
-        cgroup_sock_addr::CgroupSockAddrLinkId, sock_ops::SockOpsLinkId,
+        CgroupAttachMode, CgroupSkb, CgroupSkbAttachType, CgroupSockAddr, ProgramError, SockOps,
+        cgroup_skb::CgroupSkbLinkId, cgroup_sock_addr::CgroupSockAddrLinkId,
+        sock_ops::SockOpsLinkId,
     },
 };
 use skewless_common::{
-    CONN4_MAP, COUNTERS_MAP, Conn4, Counter, HEARTBEAT_MAP, REDIRECT4_CAPACITY, REDIRECT4_MAP,
-    REDIRECT6_CAPACITY, REDIRECT6_MAP, Redirect4, Redirect6, ServiceKey4, ServiceKey6,
+    CONNS_MAP, COUNTERS_MAP, Conn, Counter, FAMILY_INET6, HEARTBEAT_MAP, REDIRECT4_CAPACITY,
+    REDIRECT4_MAP, REDIRECT6_CAPACITY, REDIRECT6_MAP, Redirect4, Redirect6, ServiceKey4,
+    ServiceKey6,
 };
 use tracing::{debug, info};
 
@@ -39,6 +42,8 @@ static PROGRAMS: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/
 const SOCK_ADDR_PROGRAMS: [&str; 4] = ["connect4", "connect6", "getpeername4", "getpeername6"];
 /// The sock_ops program that records client connections, attached next to them.
 const SOCK_OPS_PROGRAM: &str = "sock_ops";
+/// The cgroup_skb ingress program that keeps recorded connections' byte counts current.
+const INGRESS_PROGRAM: &str = "conn_ingress";
 
 /// Errors from loading programs, attaching them, or updating their maps.
 #[derive(Debug, thiserror::Error)]
@@ -83,6 +88,7 @@ pub struct Attachment {
     cgroup: PathBuf,
     links: Vec<(&'static str, CgroupSockAddrLinkId)>,
     sock_ops: SockOpsLinkId,
+    ingress: CgroupSkbLinkId,
 }
 
 impl Attachment {
@@ -112,8 +118,12 @@ pub struct Counters {
     pub conn_update_failed: u64,
     /// Connections whose byte and close updates could not be enabled.
     pub conn_cb_flags_failed: u64,
-    /// Connections not recorded because they are native IPv6.
+    /// Connections not recorded because of their address family (neither IPv4 nor IPv6).
     pub conn_skipped_family: u64,
+    /// Native IPv6 connections recorded (also in `conn_established`).
+    pub conn_established6: u64,
+    /// Received packets whose connection record got fresh byte counts (cgroup_skb ingress).
+    pub conn_ingress_refreshed: u64,
 }
 
 /// One client TCP connection from an attached cgroup, as its socket sees it.
@@ -121,35 +131,46 @@ pub struct Counters {
 pub struct Connection {
     /// The socket cookie: unique per socket for the kernel's uptime.
     pub cookie: u64,
-    /// The pod's address and port.
-    pub local: SocketAddrV4,
+    /// The pod's address and port (IPv4 also for a dual-stack socket talking to an
+    /// IPv4-mapped address).
+    pub local: SocketAddr,
     /// The address the socket is connected to: the Service VIP under DNAT, the backend pod
     /// under socket-level load balancing, the balancer's listener when redirected.
-    pub remote: SocketAddrV4,
+    pub remote: SocketAddr,
     /// The Service address a redirected socket asked for; `None` when not redirected.
-    pub redirected_from: Option<SocketAddrV4>,
+    pub redirected_from: Option<SocketAddr>,
     /// Last TCP state seen (`BPF_TCP_*`: 1 established, 7 close).
     pub state: u32,
     /// CLOCK_MONOTONIC time the connection was established.
     pub opened: std::time::Duration,
     /// CLOCK_MONOTONIC time it closed; `None` while open.
     pub closed: Option<std::time::Duration>,
-    /// Bytes the client sent that the peer acknowledged (refreshed on every RTT sample and
-    /// state change; final once closed).
+    /// Bytes the client sent that the peer acknowledged (refreshed on every RTT sample,
+    /// state change and received packet; final once closed).
     pub bytes_sent: u64,
     /// Bytes the client received (refreshed like `bytes_sent`).
     pub bytes_received: u64,
 }
 
 impl Connection {
-    fn from_record(cookie: u64, c: &Conn4) -> Self {
-        let ip = |a: u32| Ipv4Addr::from(u32::from_be(a));
+    fn from_record(cookie: u64, c: &Conn) -> Self {
+        let v6 = c.family == FAMILY_INET6;
+        let addr = |words: [u32; 4], port: u16| -> SocketAddr {
+            if v6 {
+                SocketAddr::V6(SocketAddrV6::new(ip6_of_words(words), port, 0, 0))
+            } else {
+                SocketAddr::V4(SocketAddrV4::new(
+                    Ipv4Addr::from(u32::from_be(words[0])),
+                    port,
+                ))
+            }
+        };
         Self {
             cookie,
-            local: SocketAddrV4::new(ip(c.local_addr), c.local_port),
-            remote: SocketAddrV4::new(ip(c.remote_addr), c.remote_port),
-            redirected_from: (c.orig_addr != 0)
-                .then(|| SocketAddrV4::new(ip(c.orig_addr), c.orig_port)),
+            local: addr(c.local_addr, c.local_port),
+            remote: addr(c.remote_addr, c.remote_port),
+            redirected_from: (c.orig_addr != [0; 4] || c.orig_port != 0)
+                .then(|| addr(c.orig_addr, c.orig_port)),
             state: c.state,
             opened: std::time::Duration::from_nanos(c.opened_ns),
             closed: (c.closed_ns != 0).then(|| std::time::Duration::from_nanos(c.closed_ns)),
@@ -183,7 +204,7 @@ pub struct Datapath {
     redirect6: HashMap<MapData, ServiceKey6, Redirect6>,
     heartbeat: Array<MapData, u64>,
     counters: PerCpuArray<MapData, u64>,
-    conns: HashMap<MapData, u64, Conn4>,
+    conns: HashMap<MapData, u64, Conn>,
 }
 
 impl std::fmt::Debug for Datapath {
@@ -211,11 +232,17 @@ impl Datapath {
                 name: SOCK_OPS_PROGRAM,
                 source,
             })?;
+        ingress_program(&mut ebpf)?
+            .load()
+            .map_err(|source| Error::Program {
+                name: INGRESS_PROGRAM,
+                source,
+            })?;
         let redirect4 = take_map(&mut ebpf, REDIRECT4_MAP)?;
         let redirect6 = take_map(&mut ebpf, REDIRECT6_MAP)?;
         let heartbeat = take_map(&mut ebpf, HEARTBEAT_MAP)?;
         let counters = take_map(&mut ebpf, COUNTERS_MAP)?;
-        let conns = take_map(&mut ebpf, CONN4_MAP)?;
+        let conns = take_map(&mut ebpf, CONNS_MAP)?;
         info!("eBPF programs loaded");
         Ok(Self {
             ebpf,
@@ -271,11 +298,35 @@ impl Datapath {
                 return Err(e);
             }
         };
+        let ingress = ingress_program(&mut self.ebpf).and_then(|p| {
+            p.attach(
+                &file,
+                CgroupSkbAttachType::Ingress,
+                CgroupAttachMode::Single,
+            )
+            .map_err(|source| Error::Program {
+                name: INGRESS_PROGRAM,
+                source,
+            })
+        });
+        let ingress = match ingress {
+            Ok(link) => link,
+            Err(e) => {
+                if let Err(undo) = self.detach_observers(sock_ops, None) {
+                    tracing::warn!(error = %undo, "undoing a partial attachment");
+                }
+                if let Err(undo) = self.detach_links(links) {
+                    tracing::warn!(error = %undo, "undoing a partial attachment");
+                }
+                return Err(e);
+            }
+        };
         debug!(cgroup = %cgroup.display(), "attached");
         Ok(Attachment {
             cgroup: cgroup.to_owned(),
             links,
             sock_ops,
+            ingress,
         })
     }
 
@@ -288,13 +339,9 @@ impl Datapath {
             cgroup,
             links,
             sock_ops,
+            ingress,
         } = attachment;
-        let observed = sock_ops_program(&mut self.ebpf).and_then(|p| {
-            p.detach(sock_ops).map_err(|source| Error::Program {
-                name: SOCK_OPS_PROGRAM,
-                source,
-            })
-        });
+        let observed = self.detach_observers(sock_ops, Some(ingress));
         // Detach the redirect hooks even if the observer could not be detached.
         self.detach_links(links)?;
         observed?;
@@ -477,6 +524,8 @@ impl Datapath {
             conn_update_failed: read(Counter::ConnUpdateFailed)?,
             conn_cb_flags_failed: read(Counter::ConnCbFlagsFailed)?,
             conn_skipped_family: read(Counter::ConnSkippedFamily)?,
+            conn_established6: read(Counter::ConnEstablished6)?,
+            conn_ingress_refreshed: read(Counter::ConnIngressRefreshed)?,
         })
     }
 
@@ -504,7 +553,7 @@ impl Datapath {
         match self.conns.remove(&cookie) {
             Ok(()) | Err(aya::maps::MapError::KeyNotFound) => Ok(()),
             Err(source) => Err(Error::Map {
-                name: CONN4_MAP,
+                name: CONNS_MAP,
                 source,
             }),
         }
@@ -523,6 +572,31 @@ impl Datapath {
             run_count: info.run_count(),
             run_time: info.run_time(),
         })
+    }
+
+    /// Detaches the observation programs (sock_ops, and cgroup_skb ingress if attached),
+    /// reporting the first failure after trying both.
+    fn detach_observers(
+        &mut self,
+        sock_ops: SockOpsLinkId,
+        ingress: Option<CgroupSkbLinkId>,
+    ) -> Result<(), Error> {
+        let ops = sock_ops_program(&mut self.ebpf).and_then(|p| {
+            p.detach(sock_ops).map_err(|source| Error::Program {
+                name: SOCK_OPS_PROGRAM,
+                source,
+            })
+        });
+        let skb = match ingress {
+            Some(link) => ingress_program(&mut self.ebpf).and_then(|p| {
+                p.detach(link).map_err(|source| Error::Program {
+                    name: INGRESS_PROGRAM,
+                    source,
+                })
+            }),
+            None => Ok(()),
+        };
+        ops.and(skb)
     }
 
     /// Detaches every link, reporting the first failure after trying all of them.
@@ -564,6 +638,16 @@ fn sock_ops_program(ebpf: &mut Ebpf) -> Result<&mut SockOps, Error> {
         })
 }
 
+fn ingress_program(ebpf: &mut Ebpf) -> Result<&mut CgroupSkb, Error> {
+    ebpf.program_mut(INGRESS_PROGRAM)
+        .ok_or(Error::MissingProgram(INGRESS_PROGRAM))?
+        .try_into()
+        .map_err(|source| Error::Program {
+            name: INGRESS_PROGRAM,
+            source,
+        })
+}
+
 fn take_map<T>(ebpf: &mut Ebpf, name: &'static str) -> Result<T, Error>
 where
     T: TryFrom<aya::maps::Map, Error = aya::maps::MapError>,
@@ -593,11 +677,16 @@ fn words_be(ip: Ipv6Addr) -> [u32; 4] {
 }
 
 fn socket_addr6(addr: [u32; 4], port_be: u16) -> SocketAddrV6 {
+    SocketAddrV6::new(ip6_of_words(addr), u16::from_be(port_be), 0, 0)
+}
+
+/// The inverse of [`words_be`].
+fn ip6_of_words(addr: [u32; 4]) -> Ipv6Addr {
     let mut o = [0u8; 16];
     for (chunk, word) in o.chunks_exact_mut(4).zip(addr) {
         chunk.copy_from_slice(&word.to_ne_bytes());
     }
-    SocketAddrV6::new(Ipv6Addr::from(o), u16::from_be(port_be), 0, 0)
+    Ipv6Addr::from(o)
 }
 
 fn is_full(err: &aya::maps::MapError) -> bool {
@@ -647,5 +736,59 @@ mod tests {
         );
         assert_eq!(key.port.to_ne_bytes(), 8080u16.to_be_bytes());
         assert_eq!(socket_addr6(key.addr, key.port), addr);
+    }
+
+    fn record(family: u32, local: [u32; 4], remote: [u32; 4], orig: [u32; 4]) -> Conn {
+        Conn {
+            local_addr: local,
+            remote_addr: remote,
+            orig_addr: orig,
+            family,
+            state: 1,
+            local_port: 40000,
+            remote_port: 8080,
+            orig_port: if orig == [0; 4] { 0 } else { 50051 },
+            _pad: 0,
+            opened_ns: 1,
+            closed_ns: 0,
+            bytes_acked: 10,
+            bytes_received: 20,
+        }
+    }
+
+    #[test]
+    fn records_of_both_families_become_socket_addresses() {
+        let v4 = |a: &str| u32::from(a.parse::<Ipv4Addr>().unwrap()).to_be();
+        let c = Connection::from_record(
+            7,
+            &record(
+                skewless_common::FAMILY_INET,
+                [v4("198.18.1.2"), 0, 0, 0],
+                [v4("198.19.0.10"), 0, 0, 0],
+                [0; 4],
+            ),
+        );
+        assert_eq!(c.local, "198.18.1.2:40000".parse().unwrap());
+        assert_eq!(c.remote, "198.19.0.10:8080".parse().unwrap());
+        assert_eq!(c.redirected_from, None, "all-zero origin: not redirected");
+
+        let v6 = |a: &str| words_be(a.parse().unwrap());
+        let c = Connection::from_record(
+            8,
+            &record(
+                FAMILY_INET6,
+                v6("fd00:198:18:1::2"),
+                v6("fd00:169:254::1"),
+                v6("fd00:198:19::c613:a"),
+            ),
+        );
+        assert_eq!(c.local, "[fd00:198:18:1::2]:40000".parse().unwrap());
+        assert_eq!(c.remote, "[fd00:169:254::1]:8080".parse().unwrap());
+        assert_eq!(
+            c.redirected_from,
+            Some("[fd00:198:19::c613:a]:50051".parse().unwrap()),
+            "a redirected IPv6 socket keeps its Service address"
+        );
+        assert_eq!((c.bytes_sent, c.bytes_received), (10, 20));
     }
 }

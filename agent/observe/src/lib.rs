@@ -8,12 +8,16 @@
 //! largest share and the skew (largest share / fair share, 1.0 = perfectly even, N = all
 //! traffic on one of N ready backends).
 //!
+//! Addresses are `SocketAddr`: IPv4 and IPv6 Services are aggregated the same way (a
+//! dual-stack Service is two `ServiceSpec`s, one per ClusterIP, each with the endpoints of
+//! its family).
+//!
 //! Pure logic with no kernel or clock access, so it is tested with synthetic records.
 #![forbid(unsafe_code)]
 
 use std::{
     collections::{BTreeMap, HashMap},
-    net::SocketAddrV4,
+    net::SocketAddr,
     time::Duration,
 };
 
@@ -21,9 +25,9 @@ use std::{
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ServiceSpec {
     /// The ClusterIP:port clients connect to.
-    pub addr: SocketAddrV4,
+    pub addr: SocketAddr,
     /// Ready endpoints (pod ip:target port). Socket-LB connections go straight to these.
-    pub endpoints: Vec<SocketAddrV4>,
+    pub endpoints: Vec<SocketAddr>,
 }
 
 /// One observed connection, attributed to a backend.
@@ -32,11 +36,11 @@ pub struct Sample {
     /// Socket cookie: identifies the connection across snapshots.
     pub cookie: u64,
     /// What the socket is connected to (a VIP under DNAT, a pod under socket-LB).
-    pub remote: SocketAddrV4,
+    pub remote: SocketAddr,
     /// The Service address a redirected socket asked for, if it was redirected.
-    pub redirected_from: Option<SocketAddrV4>,
+    pub redirected_from: Option<SocketAddr>,
     /// The backend it is pinned to (equal to `remote` when nothing resolved it further).
-    pub backend: SocketAddrV4,
+    pub backend: SocketAddr,
     /// Whether the connection is still open.
     pub open: bool,
     /// Cumulative bytes client -> backend.
@@ -56,7 +60,7 @@ pub struct Snapshot {
 /// Traffic of one (Service, backend) pair.
 #[derive(Clone, Debug, PartialEq)]
 pub struct BackendReport {
-    pub backend: SocketAddrV4,
+    pub backend: SocketAddr,
     /// Open connections pinned to this backend.
     pub open_connections: usize,
     /// Cumulative bytes client -> backend over the connections in the snapshot.
@@ -85,7 +89,7 @@ pub enum ShareBasis {
 /// Skew figures of one Service.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ServiceReport {
-    pub service: SocketAddrV4,
+    pub service: SocketAddr,
     /// Ready endpoints, from the [`ServiceSpec`].
     pub ready_backends: usize,
     /// Per backend, sorted by address; only backends with at least one connection.
@@ -115,12 +119,12 @@ pub fn aggregate(
     previous: Option<&Snapshot>,
     current: &Snapshot,
 ) -> Vec<ServiceReport> {
-    let by_addr: HashMap<SocketAddrV4, usize> = services
+    let by_addr: HashMap<SocketAddr, usize> = services
         .iter()
         .enumerate()
         .map(|(i, s)| (s.addr, i))
         .collect();
-    let mut by_endpoint: HashMap<SocketAddrV4, usize> = HashMap::new();
+    let mut by_endpoint: HashMap<SocketAddr, usize> = HashMap::new();
     for (i, s) in services.iter().enumerate() {
         for e in &s.endpoints {
             by_endpoint.entry(*e).or_insert(i);
@@ -134,7 +138,7 @@ pub fn aggregate(
         .filter(|d| !d.is_zero());
 
     // Per Service: backend -> (report, bytes in the window).
-    let mut acc: Vec<BTreeMap<SocketAddrV4, (BackendReport, u64)>> =
+    let mut acc: Vec<BTreeMap<SocketAddr, (BackendReport, u64)>> =
         vec![BTreeMap::new(); services.len()];
     let mut unresolved = vec![0usize; services.len()];
     for s in &current.samples {
@@ -188,7 +192,7 @@ pub fn aggregate(
 
 fn report(
     spec: &ServiceSpec,
-    backends: BTreeMap<SocketAddrV4, (BackendReport, u64)>,
+    backends: BTreeMap<SocketAddr, (BackendReport, u64)>,
     unresolved: usize,
 ) -> ServiceReport {
     let total_bytes: u64 = backends.values().map(|(_, w)| w).sum();
@@ -237,13 +241,13 @@ mod tests {
 
     const VIP: &str = "10.96.0.10:8080";
 
-    fn addr(s: &str) -> SocketAddrV4 {
+    fn addr(s: &str) -> SocketAddr {
         s.parse().unwrap()
     }
 
-    fn pods(n: u8) -> Vec<SocketAddrV4> {
+    fn pods(n: u8) -> Vec<SocketAddr> {
         (1..=n)
-            .map(|i| SocketAddrV4::new([10, 0, i, 2].into(), 8080))
+            .map(|i| SocketAddr::from(([10, 0, i, 2], 8080)))
             .collect()
     }
 
@@ -254,7 +258,7 @@ mod tests {
         }
     }
 
-    fn sample(cookie: u64, backend: SocketAddrV4, sent: u64, received: u64) -> Sample {
+    fn sample(cookie: u64, backend: SocketAddr, sent: u64, received: u64) -> Sample {
         Sample {
             cookie,
             remote: addr(VIP),
@@ -396,5 +400,38 @@ mod tests {
         assert_eq!(r.basis, ShareBasis::None);
         assert_eq!(r.backends_receiving, 0);
         assert_eq!(r.skew, 0.0);
+    }
+
+    #[test]
+    fn dual_stack_service_is_reported_per_family() {
+        // One Service, two ClusterIPs; each spec lists the endpoints of its family.
+        let v6_pods: Vec<SocketAddr> = (1..=4u16)
+            .map(|i| SocketAddr::new([0xfd00, 0, 0, i, 0, 0, 0, 2].into(), 8080))
+            .collect();
+        let v6 = ServiceSpec {
+            addr: addr("[fd00:96::a]:8080"),
+            endpoints: v6_pods.clone(),
+        };
+        let p = pods(4);
+        let samples = vec![
+            // IPv6 client pinned through the IPv6 VIP (DNAT resolved to a pod's IPv6 address).
+            Sample {
+                remote: v6.addr,
+                ..sample(1, v6_pods[3], 100, 900)
+            },
+            // IPv4 client spread over two pods through the IPv4 VIP.
+            sample(2, p[0], 100, 400),
+            sample(3, p[1], 100, 400),
+        ];
+        let r = aggregate(&[spec(4), v6], None, &snap(1, samples));
+        assert_eq!(r[0].backends_receiving, 2, "IPv4 ClusterIP: {:?}", r[0]);
+        assert_eq!(r[1].backends_receiving, 1, "IPv6 ClusterIP: {:?}", r[1]);
+        assert_eq!(r[1].backends[0].backend, v6_pods[3]);
+        assert!(
+            (r[1].skew - 4.0).abs() < 1e-9,
+            "the IPv6 family is pinned on its own: {:?}",
+            r[1]
+        );
+        assert_eq!(r[1].unresolved, 0);
     }
 }

@@ -9,7 +9,7 @@
 //! before it opted in, still pinned.
 
 use std::{
-    net::{IpAddr, SocketAddr, SocketAddrV4},
+    net::SocketAddr,
     sync::{Arc, Mutex},
     time::Duration,
 };
@@ -121,23 +121,21 @@ pub async fn run(
     }
 }
 
-/// Every opted-in IPv4 Service port with its ready endpoints, and (same order) the Service
-/// and mode it belongs to.
+/// Every opted-in Service port, once per ClusterIP (IPv4 and IPv6 alike), with the ready
+/// endpoints of that ClusterIP's family, and (same order) the Service and mode it belongs to.
 fn specs(model: &Model) -> (Vec<ServiceSpec>, Vec<(ServiceKey, Mode)>) {
     let (mut specs, mut owners) = (Vec::new(), Vec::new());
     for svc in model.iter() {
         for ip in &svc.cluster_ips {
-            let IpAddr::V4(ip) = ip else { continue };
             for port in &svc.ports {
+                // A dual-stack Service's IPv6 ClusterIP is DNATed to the pods' IPv6 addresses.
                 let endpoints = port
                     .ready()
-                    .filter_map(|e| match e.addr {
-                        SocketAddr::V4(a) => Some(a),
-                        SocketAddr::V6(_) => None,
-                    })
+                    .map(|e| e.addr)
+                    .filter(|a| a.is_ipv6() == ip.is_ipv6())
                     .collect();
                 let spec = ServiceSpec {
-                    addr: SocketAddrV4::new(*ip, port.port),
+                    addr: SocketAddr::new(*ip, port.port),
                     endpoints,
                 };
                 specs.push(spec);

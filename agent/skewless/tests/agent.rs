@@ -150,16 +150,34 @@ fn write_services_ips(
     mode: &str,
     pods: &[&str],
 ) {
+    write_services_full(path, tb, cluster_ips, port, mode, pods, false);
+}
+
+/// The services file with any ClusterIPs; with `ipv6_endpoints` every pod is also listed
+/// with its IPv6 address (what a dual-stack Service's IPv6 EndpointSlice holds).
+fn write_services_full(
+    path: &std::path::Path,
+    tb: &skewless_testbed::Testbed,
+    cluster_ips: &[String],
+    port: u16,
+    mode: &str,
+    pods: &[&str],
+    ipv6_endpoints: bool,
+) {
     let ips: Vec<String> = cluster_ips.iter().map(|ip| format!("\"{ip}\"")).collect();
     let mut yaml = format!(
         "services:\n  - name: echo\n    clusterIPs: [{}]\n    mode: {mode}\n    ports:\n      - port: {port}\n        targetPort: {port}\n    endpoints:\n",
         ips.join(", ")
     );
     for p in pods {
-        yaml.push_str(&format!(
-            "      - {{address: {}, target: {p}}}\n",
-            tb.pod(p).unwrap().ip
-        ));
+        let pod = tb.pod(p).unwrap();
+        yaml.push_str(&format!("      - {{address: {}, target: {p}}}\n", pod.ip));
+        if ipv6_endpoints {
+            yaml.push_str(&format!(
+                "      - {{address: \"{}\", target: {p}}}\n",
+                pod.ip6
+            ));
+        }
     }
     // Write-then-rename: the agent polls the file and must never read half of it.
     let tmp = path.with_extension("tmp");
@@ -396,7 +414,7 @@ fn spawn_file_agent(tb: &mut skewless_testbed::Testbed, services: &std::path::Pa
 fn spawn_long_client(
     tb: &mut skewless_testbed::Testbed,
     gen_dir: &std::path::Path,
-    vip: SocketAddrV4,
+    vip: impl std::fmt::Display,
     concurrency: u32,
     extra: &[&str],
 ) -> u32 {
@@ -426,12 +444,23 @@ fn spawn_long_client(
 /// Waits up to 10 s for `/status` to show the Service's pod traffic all on one backend, and
 /// returns that report.
 fn wait_pinned(tb: &skewless_testbed::Testbed) -> serde_json::Value {
+    wait_pinned_at(tb, None)
+}
+
+/// [`wait_pinned`] for the observed Service port at `vip` (`None`: the first one listed).
+fn wait_pinned_at(tb: &skewless_testbed::Testbed, vip: Option<&str>) -> serde_json::Value {
     let started = std::time::Instant::now();
     loop {
         let status = status_json(tb);
-        let o = &status["observed"][0];
+        let o = match vip {
+            None => status["observed"][0].clone(),
+            Some(vip) => status["observed"]
+                .as_array()
+                .and_then(|a| a.iter().find(|o| o["vip"] == vip).cloned())
+                .unwrap_or_default(),
+        };
         if o["backends_receiving"] == 1 && o["largest_share"].as_f64() == Some(1.0) {
-            return o.clone();
+            return o;
         }
         assert!(
             started.elapsed() < Duration::from_secs(10),
@@ -623,3 +652,152 @@ fn agent_balances_grpc_through_an_ipv6_cluster_ip() {
         "the IPv6 client must be balanced, not pinned: {balanced:?}"
     );
 }
+
+#[test]
+#[ignore = "privileged: needs root and the real kernel; run with `cargo xtask test`"]
+fn observe_mode_reports_the_backend_of_a_pinned_ipv6_client() {
+    let vip = SocketAddrV4::new(std::net::Ipv4Addr::new(198, 19, 0, 34), 50051);
+    let vip6 = std::net::SocketAddrV6::new(skewless_testbed::vip6(*vip.ip()), vip.port(), 0, 0);
+    let (mut tb, gen_dir) = echo_bed(vip, &ECHO_PODS);
+    let services = TempPath::new(format!("skewless-test-services-{}.yaml", tb.id()));
+    let ips = [vip.ip().to_string(), vip6.ip().to_string()];
+    write_services_full(
+        &services,
+        &tb,
+        &ips,
+        vip.port(),
+        "observe",
+        &ECHO_PODS,
+        true,
+    );
+    spawn_file_agent(&mut tb, &services);
+    // A pick_first client through the IPv6 ClusterIP (ip6 DNAT in the node).
+    spawn_long_client(&mut tb, &gen_dir, vip6, 2, &[]);
+    let o = wait_pinned_at(&tb, Some(&vip6.to_string()));
+    assert_eq!(o["mode"], "observe", "{o}");
+    assert_eq!(
+        o["ready_backends"], 4,
+        "the IPv6 ClusterIP's backends are the pods' IPv6 addresses: {o}"
+    );
+    assert_eq!(o["skew"].as_f64(), Some(4.0), "{o}");
+    assert_eq!(o["unresolved"], 0, "{o}");
+    let backend = o["backends"][0]["backend"].as_str().unwrap().to_owned();
+    assert!(
+        ECHO_PODS.iter().any(|p| backend
+            == std::net::SocketAddrV6::new(tb.pod(p).unwrap().ip6, vip.port(), 0, 0).to_string()),
+        "the backend must be a pod's IPv6 address resolved through conntrack, not the VIP: \
+         {backend}"
+    );
+    eprintln!("IPv6 observe: pinned to {backend}: {o}");
+}
+
+#[test]
+#[ignore = "privileged: needs root and the real kernel; run with `cargo xtask test`"]
+fn ipv6_balancer_listener_serves_pods_and_refuses_other_peers() {
+    use skewless_testbed::{BALANCER_IP6, grpc};
+    let vip = SocketAddrV4::new(std::net::Ipv4Addr::new(198, 19, 0, 35), 50051);
+    let vip6 = std::net::SocketAddrV6::new(skewless_testbed::vip6(*vip.ip()), vip.port(), 0, 0);
+    let (mut tb, gen_dir) = echo_bed(vip, &ECHO_PODS);
+    let services = TempPath::new(format!("skewless-test-services-{}.yaml", tb.id()));
+    let ips = [vip.ip().to_string(), vip6.ip().to_string()];
+    write_services_ips(&services, &tb, &ips, vip.port(), "request", &ECHO_PODS);
+    let client = tb.pod("client").unwrap();
+    let cgroup = client.cgroup.display().to_string();
+    // Only the client pod's networks, IPv4 and IPv6, may use the balancers.
+    let o = client.ip.octets();
+    let pod_cidr = format!("{}.{}.{}.0/24", o[0], o[1], o[2]);
+    let pod_cidr6 = format!("{}/64", client.ip6);
+    let (file, ip6) = (services.display().to_string(), BALANCER_IP6.to_string());
+    let argv = [
+        env!("CARGO_BIN_EXE_skewless"),
+        "agent",
+        "--services-file",
+        &file,
+        "--cgroup",
+        &cgroup,
+        "--balancer-ip6",
+        &ip6,
+        "--pod-cidr",
+        &pod_cidr,
+        "--pod-cidr",
+        &pod_cidr6,
+        "--admin-addr",
+        ADMIN,
+    ];
+    tb.spawn(Place::Node(0), &argv).unwrap();
+    wait_until("both families are redirected", || {
+        services_in_status(&tb) == 2
+    });
+    let status = status_json(&tb);
+    let listener6 = status["services"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["vip"] == vip6.to_string())
+        .and_then(|s| s["listener"].as_str())
+        .unwrap_or_else(|| panic!("no balancer for the IPv6 VIP: {status}"))
+        .to_owned();
+    assert!(
+        listener6.starts_with(&format!("[{BALANCER_IP6}]:")),
+        "the IPv6 VIP is served on the --balancer-ip6 listener: {listener6}"
+    );
+    let refused_before = status["refused_peers"].as_u64().unwrap();
+
+    // The pod's own IPv6 address is inside its /64: redirected to the IPv6 listener and served.
+    let served = grpc::run_client(
+        &tb,
+        &gen_dir,
+        Place::Pod("client"),
+        &vip6.to_string(),
+        50,
+        2,
+    )
+    .unwrap();
+    assert_eq!(
+        served.ok, 50,
+        "a pod's IPv6 address must be served: {served:?}"
+    );
+    assert_eq!(
+        status_json(&tb)["refused_peers"].as_u64().unwrap(),
+        refused_before,
+        "no refusal for the pod's own IPv6 connections"
+    );
+
+    // The node reaching the IPv6 listener directly has a source address outside the pod
+    // CIDRs (as another node with a route to it would): refused before any HTTP/2.
+    let outsider = grpc::run_client(&tb, &gen_dir, Place::Node(0), &listener6, 5, 1).unwrap();
+    assert_eq!(
+        outsider.ok, 0,
+        "a peer outside the pod CIDRs must not be served over IPv6: {outsider:?}"
+    );
+    let refused = status_json(&tb)["refused_peers"].as_u64().unwrap();
+    assert!(
+        refused > refused_before,
+        "the refused IPv6 connection must be counted: {refused_before} -> {refused}"
+    );
+    let metrics = tb
+        .run(Place::Node(0), &["python3", "-c", METRICS_FETCH, ADMIN])
+        .unwrap();
+    let metrics = String::from_utf8_lossy(&metrics.stdout);
+    let counted = metrics
+        .lines()
+        .find(|l| l.starts_with("skewless_balancer_refused_total"))
+        .and_then(|l| l.split_whitespace().last())
+        .and_then(|v| v.parse::<f64>().ok())
+        .unwrap_or_else(|| panic!("skewless_balancer_refused_total in /metrics: {metrics}"));
+    assert!(
+        counted >= refused as f64,
+        "/metrics must count the refusals too: {counted} < {refused}"
+    );
+    eprintln!(
+        "IPv6 peer check: pod {}/50 calls served, node outsider {}/5 served, refused \
+         {refused_before} -> {refused}, /metrics {counted}",
+        served.ok, outsider.ok
+    );
+}
+
+/// `python3 -c METRICS_FETCH HOST:PORT`: prints the agent's `/metrics` page.
+const METRICS_FETCH: &str = r#"
+import sys, urllib.request
+print(urllib.request.urlopen("http://%s/metrics" % sys.argv[1], timeout=5).read().decode())
+"#;

@@ -35,12 +35,17 @@ pub const HEARTBEAT_MAP: &str = "HEARTBEAT";
 pub const HEARTBEAT_STALE_NS: u64 = 750_000_000;
 /// Name of the per-CPU counter array (indexed by [`Counter`]).
 pub const COUNTERS_MAP: &str = "COUNTERS";
-/// Name of the map of observed client TCP connections (socket cookie `u64` -> [`Conn4`]),
-/// written by the `sock_ops` program for every active connection from an attached cgroup.
-pub const CONN4_MAP: &str = "CONN4";
-/// Capacity of [`CONN4_MAP`]. It is an LRU map: when full, the least recently updated
+/// Name of the map of observed client TCP connections (socket cookie `u64` -> [`Conn`]),
+/// written by the `sock_ops` program for every active IPv4 or IPv6 connection from an attached
+/// cgroup, and kept current by the `conn_ingress` (cgroup_skb) program.
+pub const CONNS_MAP: &str = "CONNS";
+/// Capacity of [`CONNS_MAP`]. It is an LRU map: when full, the least recently updated
 /// connection (usually a closed one) is evicted, so recording never blocks a connection.
-pub const CONN4_CAPACITY: u32 = 65_536;
+pub const CONNS_CAPACITY: u32 = 65_536;
+/// `AF_INET`, as [`Conn::family`] holds it.
+pub const FAMILY_INET: u32 = 2;
+/// `AF_INET6`, as [`Conn::family`] holds it.
+pub const FAMILY_INET6: u32 = 10;
 
 /// An IPv4 Service address as the connect4 hook sees it: both fields in network byte order,
 /// exactly as `bpf_sock_addr.user_ip4` / `user_port` carry them.
@@ -121,22 +126,28 @@ const _: () = assert!(core::mem::size_of::<Redirect6>() == 24);
 
 /// One client TCP connection as its own socket sees it, recorded by the `sock_ops` program.
 ///
-/// Addresses are in network byte order (as `bpf_sock_ops` carries them); ports are in host
-/// order (the program converts them). Times are `bpf_ktime_get_ns` (CLOCK_MONOTONIC, ns).
-/// Byte counts are the kernel's RFC 4898 counters (`tcp_sock.bytes_acked` and
-/// `bytes_received`), refreshed on every RTT sample and every state change, and final once
+/// One layout for both families: an IPv4 connection ([`FAMILY_INET`]; also a dual-stack
+/// socket talking to an IPv4-mapped address `::ffff:a.b.c.d`) keeps its addresses in word 0
+/// and zeroes the other three; a native IPv6 one ([`FAMILY_INET6`]) uses all four words (wire
+/// order, as `bpf_sock_ops.local_ip6` carries them). Addresses are in network byte order;
+/// ports are in host order (the program converts them). Times are `bpf_ktime_get_ns`
+/// (CLOCK_MONOTONIC, ns). Byte counts are the kernel's RFC 4898 counters
+/// (`tcp_sock.bytes_acked` and `bytes_received`), copied on every RTT sample, every state
+/// change and every packet the socket receives (cgroup_skb ingress), and final once
 /// `closed_ns` is set.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Conn4 {
-    /// Local (pod) IPv4 address, network byte order.
-    pub local_addr: u32,
-    /// Remote IPv4 address the socket is connected to (the VIP under DNAT, the pod IP under
-    /// socket-level load balancing, the balancer when redirected), network byte order.
-    pub remote_addr: u32,
-    /// The Service address a redirected socket asked for (from `ORIGDST`), network byte
-    /// order; 0 when the socket was not redirected.
-    pub orig_addr: u32,
+pub struct Conn {
+    /// Local (pod) address.
+    pub local_addr: [u32; 4],
+    /// Remote address the socket is connected to (the VIP under DNAT, the pod under
+    /// socket-level load balancing, the balancer when redirected).
+    pub remote_addr: [u32; 4],
+    /// The Service address a redirected socket asked for (from `ORIGDST` or `ORIGDST6`); all
+    /// zero when the socket was not redirected.
+    pub orig_addr: [u32; 4],
+    /// [`FAMILY_INET`] or [`FAMILY_INET6`]: how to read the addresses.
+    pub family: u32,
     /// Last TCP state seen (`BPF_TCP_*`, 1 = established, 7 = close).
     pub state: u32,
     /// Local port, host byte order.
@@ -155,7 +166,7 @@ pub struct Conn4 {
     /// Bytes received from the peer.
     pub bytes_received: u64,
 }
-const _: () = assert!(core::mem::size_of::<Conn4>() == 56);
+const _: () = assert!(core::mem::size_of::<Conn>() == 96);
 
 /// Indices into the per-CPU [`COUNTERS_MAP`] array.
 #[repr(u32)]
@@ -188,13 +199,18 @@ pub enum Counter {
     /// Established connections whose callbacks (state changes, RTT samples) could not be
     /// enabled: their bytes and close time stay at the values seen at establishment.
     ConnCbFlagsFailed = 10,
-    /// Active connections of a family the observer does not record (native IPv6).
+    /// Active connections of a family the observer does not record (neither IPv4 nor IPv6;
+    /// should stay 0).
     ConnSkippedFamily = 11,
     /// connect6 calls to a native IPv6 Service address rewritten to a balancer listener.
     Connect6NativeRedirected = 12,
+    /// Native IPv6 active connections recorded (also counted in `ConnEstablished`).
+    ConnEstablished6 = 13,
+    /// Received packets whose socket's record was refreshed by the cgroup_skb program.
+    ConnIngressRefreshed = 14,
 }
 /// Number of entries in [`COUNTERS_MAP`].
-pub const COUNTERS_LEN: u32 = 13;
+pub const COUNTERS_LEN: u32 = 15;
 
 #[cfg(feature = "user")]
 mod user {
@@ -204,7 +220,7 @@ mod user {
     // SAFETY: as above.
     unsafe impl aya::Pod for super::Redirect4 {}
     // SAFETY: as above.
-    unsafe impl aya::Pod for super::Conn4 {}
+    unsafe impl aya::Pod for super::Conn {}
     // SAFETY: as above.
     unsafe impl aya::Pod for super::ServiceKey6 {}
     // SAFETY: as above.

@@ -8,10 +8,14 @@
 //! - `getpeername4` / `getpeername6`: a redirected socket still reports the VIP:port it
 //!   connected to, so applications that log or check their peer see no difference.
 //!
-//! - `sock_ops`: for every active (client-side) TCP connection that reaches ESTABLISHED,
-//!   records its addresses, open time and, on every RTT sample and state change, the kernel's
-//!   byte counters and the close time in the LRU map `CONN4` under the socket cookie. The
-//!   agent resolves the real backend from these records (conntrack under DNAT).
+//! - `sock_ops`: for every active (client-side) IPv4 or IPv6 TCP connection that reaches
+//!   ESTABLISHED, records its addresses, the Service it asked for if redirected (`ORIGDST` /
+//!   `ORIGDST6`), its open time and, on every RTT sample and state change, the kernel's byte
+//!   counters and the close time in the LRU map `CONNS` under the socket cookie. The agent
+//!   resolves the real backend from these records (conntrack under DNAT).
+//! - `conn_ingress` (cgroup_skb ingress): on every packet a recorded connection receives,
+//!   copies the kernel's byte counters into its record, so a connection that only downloads
+//!   stays current too (sock_ops has no callback for received data).
 //!
 //! A redirect also needs a fresh heartbeat from the agent (`HEARTBEAT`): if the agent hangs,
 //! connects go straight to the Service again within a second.
@@ -27,15 +31,15 @@ mod programs {
             BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB, BPF_SOCK_OPS_RTT_CB, BPF_SOCK_OPS_RTT_CB_FLAG,
             BPF_SOCK_OPS_STATE_CB, BPF_SOCK_OPS_STATE_CB_FLAG, BPF_TCP_CLOSE, bpf_sock_addr,
         },
-        helpers::{bpf_get_socket_cookie, bpf_ktime_get_ns},
-        macros::{cgroup_sock_addr, map, sock_ops},
+        helpers::{bpf_get_socket_cookie, bpf_ktime_get_ns, bpf_tcp_sock},
+        macros::{cgroup_skb, cgroup_sock_addr, map, sock_ops},
         maps::{Array, HashMap, LruHashMap, PerCpuArray},
-        programs::{SockAddrContext, SockOpsContext},
+        programs::{SkBuffContext, SockAddrContext, SockOpsContext},
     };
     use skewless_common::{
-        CONN4_CAPACITY, COUNTERS_LEN, Conn4, Counter, HEARTBEAT_STALE_NS, ORIGDST_CAPACITY,
-        ORIGDST6_CAPACITY, REDIRECT4_CAPACITY, REDIRECT6_CAPACITY, Redirect4, Redirect6,
-        ServiceKey4, ServiceKey6,
+        CONNS_CAPACITY, COUNTERS_LEN, Conn, Counter, FAMILY_INET, FAMILY_INET6, HEARTBEAT_STALE_NS,
+        ORIGDST_CAPACITY, ORIGDST6_CAPACITY, REDIRECT4_CAPACITY, REDIRECT6_CAPACITY, Redirect4,
+        Redirect6, ServiceKey4, ServiceKey6,
     };
 
     /// Verdict for cgroup sock_addr programs: 1 lets the syscall proceed (with whatever address
@@ -64,8 +68,8 @@ mod programs {
     #[map(name = "HEARTBEAT")]
     static HEARTBEAT: Array<u64> = Array::with_max_entries(1, 0);
 
-    #[map(name = "CONN4")]
-    static CONN4: LruHashMap<u64, Conn4> = LruHashMap::with_max_entries(CONN4_CAPACITY, 0);
+    #[map(name = "CONNS")]
+    static CONNS: LruHashMap<u64, Conn> = LruHashMap::with_max_entries(CONNS_CAPACITY, 0);
 
     #[map(name = "COUNTERS")]
     static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(COUNTERS_LEN, 0);
@@ -276,10 +280,17 @@ mod programs {
         SOCK_OPS_OK
     }
 
-    /// IPv4 addresses of the socket (network order), or `None` for native IPv6. Dual-stack
-    /// sockets reach IPv4 peers through IPv4-mapped addresses, which count as IPv4.
+    /// A socket's family and addresses as a [`Conn`] stores them.
+    struct Addrs {
+        family: u32,
+        local: [u32; 4],
+        remote: [u32; 4],
+    }
+
+    /// The socket's addresses (network order). Dual-stack sockets reach IPv4 peers through
+    /// IPv4-mapped addresses, which are recorded as IPv4; native IPv6 keeps all 16 bytes.
     #[inline(always)]
-    fn addrs(ctx: &SockOpsContext) -> Option<(u32, u32)> {
+    fn addrs(ctx: &SockOpsContext) -> Option<Addrs> {
         let o = ctx.ops;
         // Every field is read up front with volatile loads, one word each: otherwise the
         // compiler merges the IPv4 and IPv6 loads into one load through an offset context
@@ -308,45 +319,73 @@ mod programs {
             )
         };
         let mapped = |a: [u32; 4]| a[0] == 0 && a[1] == 0 && a[2] == V4_MAPPED_WORD;
+        let v4 = |l: u32, r: u32| Addrs {
+            family: FAMILY_INET,
+            local: [l, 0, 0, 0],
+            remote: [r, 0, 0, 0],
+        };
         match family {
-            AF_INET => Some((l4, r4)),
-            AF_INET6 if mapped(l6) && mapped(r6) => Some((l6[3], r6[3])),
+            AF_INET => Some(v4(l4, r4)),
+            AF_INET6 if mapped(l6) && mapped(r6) => Some(v4(l6[3], r6[3])),
+            AF_INET6 => Some(Addrs {
+                family: FAMILY_INET6,
+                local: l6,
+                remote: r6,
+            }),
             _ => None,
+        }
+    }
+
+    /// The Service a redirected socket asked for, as (address words, port in network order):
+    /// `ORIGDST` for IPv4 (and IPv4-mapped) sockets, `ORIGDST6` for native IPv6 ones.
+    #[inline(always)]
+    fn origin(family: u32, cookie: u64) -> Option<([u32; 4], u16)> {
+        if family == FAMILY_INET6 {
+            // SAFETY: the value is copied out immediately.
+            let o = unsafe { ORIGDST6.get(cookie) }.copied()?;
+            Some((o.addr, o.port))
+        } else {
+            // SAFETY: the value is copied out immediately.
+            let o = unsafe { ORIGDST.get(cookie) }.copied()?;
+            Some(([o.addr, 0, 0, 0], o.port))
         }
     }
 
     #[inline(always)]
     fn established(ctx: &SockOpsContext) {
         count(Counter::ConnEstablished);
-        let Some((local_addr, remote_addr)) = addrs(ctx) else {
+        let Some(addrs) = addrs(ctx) else {
             count(Counter::ConnSkippedFamily);
             return;
         };
+        if addrs.family == FAMILY_INET6 {
+            count(Counter::ConnEstablished6);
+        }
         // SAFETY: sock_ops programs may call bpf_get_socket_cookie on their context.
         let cookie = unsafe { bpf_get_socket_cookie(ctx.ops.cast()) };
-        // SAFETY: the value is copied out immediately.
-        let orig = unsafe { ORIGDST.get(cookie) }.copied();
+        let orig = origin(addrs.family, cookie);
         // SAFETY: `ops` is the kernel-provided context, valid for the whole run; the verifier
         // checks every field access (a full socket is guaranteed at ESTABLISHED callbacks).
         let ops = unsafe { &*ctx.ops };
         // SAFETY: bpf_ktime_get_ns has no preconditions.
         let now = unsafe { bpf_ktime_get_ns() };
-        let conn = Conn4 {
-            local_addr,
-            remote_addr,
-            orig_addr: orig.map_or(0, |o| o.addr),
+        let conn = Conn {
+            local_addr: addrs.local,
+            remote_addr: addrs.remote,
+            orig_addr: orig.map_or([0; 4], |o| o.0),
+            family: addrs.family,
             state: ops.state,
             // local_port is host order; remote_port is network order in the high half.
             local_port: ctx.local_port() as u16,
             remote_port: u32::from_be(ctx.remote_port()) as u16,
-            orig_port: orig.map_or(0, |o| u16::from_be(o.port)),
+            orig_port: orig.map_or(0, |o| u16::from_be(o.1)),
             _pad: 0,
             opened_ns: now,
             closed_ns: 0,
             bytes_acked: ops.bytes_acked,
             bytes_received: ops.bytes_received,
         };
-        if CONN4.insert(cookie, conn, 0).is_err() {
+        if CONNS.insert(cookie, conn, 0).is_err() {
             count(Counter::ConnUpdateFailed);
             return;
         }
@@ -363,7 +402,7 @@ mod programs {
         // SAFETY: as in `established`.
         let cookie = unsafe { bpf_get_socket_cookie(ctx.ops.cast()) };
         // Callbacks are only enabled for recorded sockets; a missing record was evicted.
-        let Some(conn) = CONN4.get_ptr_mut(cookie) else {
+        let Some(conn) = CONNS.get_ptr_mut(cookie) else {
             return;
         };
         // SAFETY: as in `established`; state and RTT callbacks run on full sockets.
@@ -380,6 +419,53 @@ mod programs {
                 (*conn).closed_ns = bpf_ktime_get_ns();
             }
         }
+    }
+
+    /// Verdict for cgroup_skb programs: 1 lets the packet through. 0 would drop it; skewless
+    /// never does that.
+    const PASS: i32 = 1;
+
+    /// cgroup_skb ingress: keeps the byte counters of recorded connections current while
+    /// they only receive. sock_ops refreshes them on RTT samples (ACKs of the client's own
+    /// data) and state changes, so a download-only connection (server streaming) would
+    /// otherwise show its bytes at close only. This runs before TCP processes the packet, so
+    /// the counters it copies lag by at most that one packet; the close refresh is final.
+    #[cgroup_skb(ingress)]
+    pub fn conn_ingress(ctx: SkBuffContext) -> i32 {
+        ingress(&ctx);
+        PASS
+    }
+
+    #[inline(always)]
+    fn ingress(ctx: &SkBuffContext) {
+        let skb = ctx.skb.skb;
+        // SAFETY: `skb` is the kernel-provided context, valid for the whole run; `sk` is one
+        // of its fields, read with one 8-byte load as the verifier requires.
+        let sk = unsafe { core::ptr::read_volatile(&raw const (*skb).__bindgen_anon_2.sk) };
+        if sk.is_null() {
+            return;
+        }
+        // SAFETY: cgroup_skb programs may call bpf_get_socket_cookie on their context (the
+        // cookie of skb->sk).
+        let cookie = unsafe { bpf_get_socket_cookie(skb.cast()) };
+        // Only connections sock_ops recorded: server sockets and other traffic miss here.
+        let Some(conn) = CONNS.get_ptr_mut(cookie) else {
+            return;
+        };
+        // SAFETY: `sk` is a non-null socket pointer from the context; bpf_tcp_sock returns
+        // NULL unless it is a full TCP socket.
+        let tp = unsafe { bpf_tcp_sock(sk) };
+        if tp.is_null() {
+            return;
+        }
+        // SAFETY: `tp` was checked non-null; `conn` points to a live map value. A concurrent
+        // sock_ops refresh of the same record writes the same or newer kernel counters, so a
+        // race only delays a counter by one packet.
+        unsafe {
+            (*conn).bytes_acked = (*tp).bytes_acked;
+            (*conn).bytes_received = (*tp).bytes_received;
+        }
+        count(Counter::ConnIngressRefreshed);
     }
 
     #[panic_handler]

@@ -81,7 +81,8 @@ for _ in sys.stdin:
 
 /// `python3 -c ECHO_IDENT_SERVER NAME HOST PORT`: on every TCP connection (one thread each),
 /// sends `NAME\n`, then echoes everything it reads until the client shuts down its side.
-/// Tells a client which server it reached and lets it move a known number of bytes.
+/// Tells a client which server it reached and lets it move a known number of bytes. An IPv6
+/// HOST (`::`) gets an IPv6 socket with `IPV6_V6ONLY` off, so it answers both families.
 pub const ECHO_IDENT_SERVER: &str = r#"
 import socket, sys, threading
 name, host, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -97,7 +98,11 @@ def serve(c):
         pass
     finally:
         c.close()
-s = socket.socket()
+if ":" in host:
+    s = socket.socket(socket.AF_INET6)
+    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+else:
+    s = socket.socket()
 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 s.bind((host, port))
 s.listen(1024)
@@ -110,9 +115,12 @@ while True:
 /// to an [`ECHO_IDENT_SERVER`]; on each reads the name line, sends about BYTES bytes (varied
 /// per connection) in 4 KiB chunks reading each echo back, shuts down its side, reads to EOF
 /// and closes. Prints one line per connection: `<name> <local ip>:<port> <sent> <received>`
-/// (received includes the name line), or `ERR <reason>`.
+/// (received includes the name line; an IPv6 local address is printed as `[ip]:port`), or
+/// `ERR <reason>`.
 pub const ECHO_TALK: &str = r#"
 import socket, sys
+def addr(a):
+    return ("[%s]:%d" if ":" in a[0] else "%s:%d") % (a[0], a[1])
 host, port, n, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 def read_exact(s, k):
     got = 0
@@ -148,7 +156,7 @@ for i in range(n):
                 break
             received += len(chunk)
         s.close()
-        out.append("%s %s:%d %d %d" % (name.decode().strip(), local[0], local[1], sent, received))
+        out.append("%s %s %d %d" % (name.decode().strip(), addr(local), sent, received))
     except OSError as e:
         out.append("ERR %s" % e)
 print("\n".join(out))
@@ -157,9 +165,11 @@ print("\n".join(out))
 /// `python3 -c ECHO_STREAM HOST PORT SECONDS CHUNK`: one long-lived connection to an
 /// [`ECHO_IDENT_SERVER`], like a pinned gRPC channel: prints `<name> <local ip>:<port>` as
 /// soon as it is connected, then sends CHUNK bytes and reads the echo every 10 ms for SECONDS,
-/// then prints `<sent> <received>` and closes.
+/// then prints `<sent> <received>` and closes. An IPv6 local address is printed as `[ip]:port`.
 pub const ECHO_STREAM: &str = r#"
 import socket, sys, time
+def addr(a):
+    return ("[%s]:%d" if ":" in a[0] else "%s:%d") % (a[0], a[1])
 host, port, secs, size = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
 s = socket.create_connection((host, port), timeout=5)
 local = s.getsockname()
@@ -169,7 +179,7 @@ while not name.endswith(b"\n"):
     if not chunk:
         sys.exit("no name")
     name += chunk
-print("%s %s:%d" % (name.decode().strip(), local[0], local[1]), flush=True)
+print("%s %s" % (name.decode().strip(), addr(local)), flush=True)
 sent, received = 0, len(name)
 end = time.monotonic() + secs
 while time.monotonic() < end:
@@ -185,4 +195,68 @@ while time.monotonic() < end:
     time.sleep(0.01)
 s.close()
 print("%d %d" % (sent, received), flush=True)
+"#;
+
+/// `python3 -c STREAM_SERVER NAME HOST PORT`: on every TCP connection (one thread each), sends
+/// `NAME\n`, reads one line `SECONDS\n`, then sends 16 KiB every 20 ms for that long (at
+/// most 30 s) and closes: a server-streaming peer whose client only downloads.
+pub const STREAM_SERVER: &str = r#"
+import socket, sys, threading, time
+name, host, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+def serve(c):
+    try:
+        c.sendall((name + "\n").encode())
+        line = b""
+        while not line.endswith(b"\n"):
+            chunk = c.recv(64)
+            if not chunk:
+                return
+            line += chunk
+        end = time.monotonic() + min(float(line), 30.0)
+        block = b"y" * 16384
+        while time.monotonic() < end:
+            c.sendall(block)
+            time.sleep(0.02)
+    except (OSError, ValueError):
+        pass
+    finally:
+        c.close()
+if ":" in host:
+    s = socket.socket(socket.AF_INET6)
+    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+else:
+    s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((host, port))
+s.listen(64)
+while True:
+    c, _ = s.accept()
+    threading.Thread(target=serve, args=(c,), daemon=True).start()
+"#;
+
+/// `python3 -c DOWNLOAD HOST PORT SECONDS`: one connection to a [`STREAM_SERVER`]: prints
+/// `<name> <local ip>:<port>` once connected, sends the one request line, then only receives
+/// until EOF and prints the bytes received (name line included).
+pub const DOWNLOAD: &str = r#"
+import socket, sys
+host, port, secs = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+s = socket.create_connection((host, port), timeout=10)
+local = s.getsockname()
+name = b""
+while not name.endswith(b"\n"):
+    chunk = s.recv(1)
+    if not chunk:
+        sys.exit("no name")
+    name += chunk
+fmt = "[%s]:%d" if ":" in local[0] else "%s:%d"
+print("%s %s" % (name.decode().strip(), fmt % (local[0], local[1])), flush=True)
+s.sendall(("%s\n" % secs).encode())
+received = len(name)
+while True:
+    chunk = s.recv(65536)
+    if not chunk:
+        break
+    received += len(chunk)
+s.close()
+print(received, flush=True)
 "#;
