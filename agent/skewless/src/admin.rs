@@ -271,6 +271,16 @@ impl Collector for AgentCollector {
                 "Redirected sockets whose original destination could not be recorded for getpeername.",
                 c.origdst_update_failed,
             ),
+            (
+                "observed_connections",
+                "Pod TCP connections recorded by the sock_ops hook (IPv4 and IPv6).",
+                c.conn_established,
+            ),
+            (
+                "observed_record_failed",
+                "Pod TCP connections the hooks could not record or keep current (map update or callback setup failed); they go unobserved, never blocked.",
+                c.conn_update_failed + c.conn_cb_flags_failed,
+            ),
         ];
         for (name, help, v) in kernel {
             // No labels: encoded directly, so the line reads `name_total 3`, not `name_total{} 3`.

@@ -504,6 +504,30 @@ fn observe_mode_flags_a_pinned_pick_first_client_within_ten_seconds() {
     let o = wait_pinned(&tb);
     assert_eq!(o["mode"], "observe", "{o}");
     assert_pinned_to_a_pod(&o, &tb, &ECHO_PODS, vip);
+    // The hook's own bookkeeping is on /metrics: the client's connection was recorded, and
+    // nothing failed to be.
+    assert!(
+        metric(&tb, "skewless_observed_connections_total") >= 1.0,
+        "the recorded connection must be counted"
+    );
+    assert!(
+        metric(&tb, "skewless_observed_record_failed_total").abs() < f64::EPSILON,
+        "no record may have failed"
+    );
+}
+
+/// One unlabelled metric's value from the agent's /metrics.
+fn metric(tb: &skewless_testbed::Testbed, name: &str) -> f64 {
+    let out = tb
+        .run(Place::Node(0), &["python3", "-c", METRICS_FETCH, ADMIN])
+        .unwrap();
+    let metrics = String::from_utf8_lossy(&out.stdout);
+    metrics
+        .lines()
+        .find(|l| l.split_whitespace().next() == Some(name))
+        .and_then(|l| l.split_whitespace().last())
+        .and_then(|v| v.parse::<f64>().ok())
+        .unwrap_or_else(|| panic!("{name} in /metrics: {metrics}"))
 }
 
 #[test]
@@ -775,16 +799,7 @@ fn ipv6_balancer_listener_serves_pods_and_refuses_other_peers() {
         refused > refused_before,
         "the refused IPv6 connection must be counted: {refused_before} -> {refused}"
     );
-    let metrics = tb
-        .run(Place::Node(0), &["python3", "-c", METRICS_FETCH, ADMIN])
-        .unwrap();
-    let metrics = String::from_utf8_lossy(&metrics.stdout);
-    let counted = metrics
-        .lines()
-        .find(|l| l.starts_with("skewless_balancer_refused_total"))
-        .and_then(|l| l.split_whitespace().last())
-        .and_then(|v| v.parse::<f64>().ok())
-        .unwrap_or_else(|| panic!("skewless_balancer_refused_total in /metrics: {metrics}"));
+    let counted = metric(&tb, "skewless_balancer_refused_total");
     assert!(
         counted >= refused as f64,
         "/metrics must count the refusals too: {counted} < {refused}"
