@@ -192,6 +192,29 @@ impl Row {
     }
 }
 
+/// The order of the runs of `cells`, each given as (cell, its targets, its repeats): pass `p`
+/// runs, in cell order, every cell repeated more than `p` times, with its targets rotated left
+/// by `p`. So a cell's repeats are spread over the whole run instead of back to back, and each
+/// target takes every position in turn: a burst of load from other work on the machine lands
+/// on every target alike rather than on one proxy's runs.
+#[must_use]
+pub fn interleave<C: Copy, T: Copy>(cells: &[(C, Vec<T>, usize)]) -> Vec<(C, T)> {
+    let passes = cells.iter().map(|(_, _, n)| *n).max().unwrap_or(0);
+    let mut order = Vec::new();
+    for pass in 0..passes {
+        for (cell, targets, repeats) in cells {
+            if pass >= *repeats || targets.is_empty() {
+                continue;
+            }
+            let mut t = targets.clone();
+            let n = pass % t.len();
+            t.rotate_left(n);
+            order.extend(t.into_iter().map(|t| (*cell, t)));
+        }
+    }
+    order
+}
+
 /// Median and range of one measure over a cell's repeats.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Spread {
@@ -807,6 +830,46 @@ mod tests {
         let (targets, all) = targets_table(&summarize(&worse));
         assert!(!all);
         assert!(targets.contains("1.12x NOT met"), "{targets}");
+    }
+
+    #[test]
+    fn repeats_are_interleaved_with_rotated_targets() {
+        let order = interleave(&[("a", vec!['x', 'y', 'z'], 3), ("b", vec!['x', 'y'], 1)]);
+        assert_eq!(
+            order,
+            [
+                ("a", 'x'),
+                ("a", 'y'),
+                ("a", 'z'),
+                ("b", 'x'),
+                ("b", 'y'),
+                ("a", 'y'),
+                ("a", 'z'),
+                ("a", 'x'),
+                ("a", 'z'),
+                ("a", 'x'),
+                ("a", 'y'),
+            ]
+        );
+        // A bigger grid: every run happens as often as asked, never twice in a row, and each
+        // target of a repeated cell leads a different pass.
+        let targets: Vec<u8> = (0..6).collect();
+        let cells: Vec<(usize, Vec<u8>, usize)> = (0..4).map(|c| (c, targets.clone(), 3)).collect();
+        let order = interleave(&cells);
+        assert_eq!(order.len(), 4 * 6 * 3);
+        for c in 0..4 {
+            for t in &targets {
+                let n = order.iter().filter(|r| **r == (c, *t)).count();
+                assert_eq!(n, 3, "cell {c} target {t} runs 3 times");
+            }
+        }
+        assert!(
+            order.windows(2).all(|w| w[0] != w[1]),
+            "no run repeats back to back"
+        );
+        let leaders: Vec<u8> = order.chunks(4 * 6).map(|pass| pass[0].1).collect();
+        assert_eq!(leaders, [0, 1, 2], "the first slot rotates");
+        assert!(interleave::<u8, u8>(&[(1, vec![], 3)]).is_empty());
     }
 
     #[test]

@@ -29,9 +29,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, bail};
 use clap::Parser;
 use skewless_bench::{
-    Pod, Row, Summary, bar_chart_svg, haproxy_config, markdown_table, nginx_config, open_table,
-    open_targets_table, replace_section, stat_cpu_ticks, stat_ppid, status_vm_hwm_kib, summarize,
-    targets_table,
+    Pod, Row, Summary, bar_chart_svg, haproxy_config, interleave, markdown_table, nginx_config,
+    open_table, open_targets_table, replace_section, stat_cpu_ticks, stat_ppid, status_vm_hwm_kib,
+    summarize, targets_table,
 };
 
 const PODS: usize = 5;
@@ -509,11 +509,10 @@ fn run(args: Args, bin_dir: PathBuf, work: PathBuf) -> anyhow::Result<()> {
             connections: a.open_connections,
             rate: Some(rate),
         };
-        for pass in 0..a.repeats_for(a.open_connections) {
-            for t in rotated(&OPEN_TARGETS, pass) {
-                eprint!("[{}/{runs}] ", rows.len() + 1);
-                rows.push(bench.run_logged(cell, t)?);
-            }
+        let order = interleave(&[(cell, OPEN_TARGETS.to_vec(), a.repeats_for(cell.connections))]);
+        for (cell, t) in order {
+            eprint!("[{}/{runs}] ", rows.len() + 1);
+            rows.push(bench.run_logged(cell, t)?);
         }
     }
     drop(echo);
@@ -605,35 +604,16 @@ impl Args {
     }
 }
 
-/// `targets` rotated left by `pass`, so each target takes every position in turn.
-fn rotated(targets: &[Target], pass: usize) -> Vec<Target> {
-    let mut t = targets.to_vec();
-    if !t.is_empty() {
-        let n = pass % t.len();
-        t.rotate_left(n);
-    }
-    t
-}
-
-/// The closed-loop runs in order, per delay (the slow pod's delay is set once per delay):
-/// passes over every cell, cells of non-repeated connection counts only in the first pass,
-/// the target order rotated per pass.
+/// The closed-loop runs in order, per delay (the slow pod's delay is set once per delay),
+/// interleaved over the repeats by [`interleave`].
 fn plan(a: &Args) -> Vec<(u64, Vec<(Cell, Target)>)> {
-    let passes = a
-        .connections
-        .iter()
-        .map(|c| a.repeats_for(*c))
-        .max()
-        .unwrap_or(1);
     a.delays
         .iter()
         .map(|&delay| {
-            let mut runs = Vec::new();
-            for pass in 0..passes {
-                for &conns in &a.connections {
-                    if pass >= a.repeats_for(conns) {
-                        continue;
-                    }
+            let cells: Vec<(Cell, Vec<Target>, usize)> = a
+                .connections
+                .iter()
+                .map(|&conns| {
                     let mut targets = vec![Target::DirectHealthy, Target::DirectSlow];
                     if conns > 1 {
                         targets.push(Target::L4);
@@ -644,10 +624,10 @@ fn plan(a: &Args) -> Vec<(u64, Vec<(Cell, Target)>)> {
                         connections: conns,
                         rate: None,
                     };
-                    runs.extend(rotated(&targets, pass).into_iter().map(|t| (cell, t)));
-                }
-            }
-            (delay, runs)
+                    (cell, targets, a.repeats_for(conns))
+                })
+                .collect();
+            (delay, interleave(&cells))
         })
         .collect()
 }
