@@ -720,13 +720,19 @@ fn section(a: &Args, table: &str, targets: &str, open: Option<(&String, &String)
         .map(ToString::to_string)
         .collect();
     let repeats = if a.repeats > 1 && !repeated.is_empty() {
+        let which = if repeated.len() == a.connections.len() {
+            "Every cell".to_owned()
+        } else {
+            format!(
+                "Cells with {} connection(s) (the others once)",
+                repeated.join("/")
+            )
+        };
         format!(
-            "Cells with {} connection(s) ran {} times, interleaved (each pass runs every cell \
-             once, the target order rotated from pass to pass), the others once; RPS and CPU \
-             show the median and the min–max range, latencies are the median of the runs' \
-             percentiles, peak RSS the largest run's, errors the sum, and the verdicts use the \
-             medians.",
-            repeated.join("/"),
+            "{which} ran {} times, interleaved (each pass runs every cell once, the target \
+             order rotated from pass to pass); RPS and CPU show the median and the min–max \
+             range, latencies are the median of the runs' percentiles, peak RSS the largest \
+             run's, errors the sum, and the verdicts use the medians.",
             a.repeats
         )
     } else {
