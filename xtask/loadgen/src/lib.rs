@@ -13,8 +13,8 @@
 //!   is measured from that *intended* time, not from when it was actually sent (Gil Tene's
 //!   correction for coordinated omission, as in wrk2). If the target falls behind, the
 //!   per-connection cap on outstanding calls makes the sender wait; the calls it sends late
-//!   still count from their intended time, and calls still unsent when the window closes are
-//!   reported as not sent rather than silently skipped. tokio's timer has a 1 ms resolution,
+//!   still count from their intended time, and calls still unsent [`SEND_GRACE`] after the
+//!   window closes are reported as not sent rather than silently skipped. tokio's timer has a 1 ms resolution,
 //!   so a call can leave up to about 1 ms after its intended time; that wait is in its latency,
 //!   the same for every target.
 #![forbid(unsafe_code)]
@@ -32,6 +32,11 @@ use tonic::transport::Channel;
 
 /// An open-loop call sent more than this after its intended time counts as late.
 pub const LATE_AFTER: Duration = Duration::from_millis(5);
+
+/// A call due in the window may still leave this long after the window ends (a call due just
+/// before the end leaves after it when the timer ticks late or the process was not scheduled);
+/// a sender further behind stops and reports the rest as not sent.
+pub const SEND_GRACE: Duration = Duration::from_millis(100);
 
 /// How long an open-loop run waits, after its window, for calls still outstanding; calls not
 /// done by then are reported as unfinished.
@@ -355,9 +360,7 @@ async fn open_connection(
         }
         Ok::<_, LoadError>(())
     };
-    // A call due just before the end may leave just after it (the timer ticks in whole
-    // milliseconds); a sender further behind than this stops and reports the rest as not sent.
-    let send_until = w.stop_at + LATE_AFTER;
+    let send_until = w.stop_at + SEND_GRACE;
     let mut k = 0;
     loop {
         let intended = w.start + intended_offset(rate, connections, conn, k);
