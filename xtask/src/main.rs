@@ -55,7 +55,8 @@ struct BenchArgs {
     /// Only the proxy comparison (no root needed).
     #[arg(long)]
     proxies_only: bool,
-    /// Passed to skewless-bench, e.g. `-- --connections 1,2,4,8 --duration 20`.
+    /// Passed to skewless-bench, e.g. `-- --delays 50 --connections 1,2 --repeats 1` (see
+    /// `cargo run -p skewless-bench --bin skewless-bench -- --help`).
     #[arg(last = true)]
     bench_args: Vec<String>,
 }

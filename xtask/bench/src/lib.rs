@@ -132,6 +132,8 @@ pub struct Row {
     /// What was loaded: `direct-healthy`, `direct-slow`, `l4-roundrobin`, `haproxy`, `nginx`,
     /// `skewless`.
     pub target: String,
+    /// Open loop: the offered rate, calls per second (None for closed loop).
+    pub offered_rps: Option<f64>,
     /// Successful calls per second.
     pub rps: f64,
     /// Latency quantiles, ms.
@@ -144,6 +146,12 @@ pub struct Row {
     pub slow_share: f64,
     /// Failed calls.
     pub errors: u64,
+    /// Open loop: calls sent more than 5 ms after their intended time.
+    pub late: u64,
+    /// Open loop: calls due in the window but never sent (the sender fell behind).
+    pub not_sent: u64,
+    /// Open loop: sent calls with no answer within the load generator's drain time.
+    pub unfinished: u64,
     /// Proxy CPU over the measured window, in cores per 1,000 RPS (None for direct runs).
     pub cores_per_krps: Option<f64>,
     /// Proxy peak RSS in MiB, summed over its processes (None for direct runs).
@@ -170,79 +178,308 @@ impl Row {
         self.errors = v["errors"].as_object().map_or(0, |m| {
             m.values().filter_map(serde_json::Value::as_u64).sum()
         });
+        if v["mode"] == "open" {
+            let count = |k: &str| {
+                v[k].as_u64()
+                    .ok_or_else(|| anyhow::anyhow!("open-loop JSON lacks {k}"))
+            };
+            self.offered_rps = Some(num("target_rps")?);
+            self.late = count("late")?;
+            self.not_sent = count("not_sent")?;
+            self.unfinished = count("unfinished")?;
+        }
         Ok(())
     }
 }
 
-/// p99 of the `direct-healthy` run with the same delay and connections.
-fn baseline_p99(rows: &[Row], r: &Row) -> Option<f64> {
-    rows.iter()
-        .find(|b| {
-            b.target == "direct-healthy"
-                && b.delay_ms == r.delay_ms
-                && b.connections == r.connections
+/// The order of the runs of `cells`, each given as (cell, its targets, its repeats): pass `p`
+/// runs, in cell order, every cell repeated more than `p` times, with its targets rotated left
+/// by `p`. So a cell's repeats are spread over the whole run instead of back to back, and each
+/// target takes every position in turn: a burst of load from other work on the machine lands
+/// on every target alike rather than on one proxy's runs.
+#[must_use]
+pub fn interleave<C: Copy, T: Copy>(cells: &[(C, Vec<T>, usize)]) -> Vec<(C, T)> {
+    let passes = cells.iter().map(|(_, _, n)| *n).max().unwrap_or(0);
+    let mut order = Vec::new();
+    for pass in 0..passes {
+        for (cell, targets, repeats) in cells {
+            if pass >= *repeats || targets.is_empty() {
+                continue;
+            }
+            let mut t = targets.clone();
+            let n = pass % t.len();
+            t.rotate_left(n);
+            order.extend(t.into_iter().map(|t| (*cell, t)));
+        }
+    }
+    order
+}
+
+/// Median and range of one measure over a cell's repeats.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Spread {
+    /// The median (mean of the two middle values for an even count).
+    pub median: f64,
+    /// Smallest value.
+    pub min: f64,
+    /// Largest value.
+    pub max: f64,
+}
+
+impl Spread {
+    /// The spread of `values`; None when there are none.
+    #[must_use]
+    pub fn of(values: impl IntoIterator<Item = f64>) -> Option<Self> {
+        let mut v: Vec<f64> = values.into_iter().collect();
+        if v.is_empty() {
+            return None;
+        }
+        v.sort_by(f64::total_cmp);
+        let n = v.len();
+        let median = if n % 2 == 1 {
+            v[n / 2]
+        } else {
+            f64::midpoint(v[n / 2 - 1], v[n / 2])
+        };
+        Some(Self {
+            median,
+            min: v[0],
+            max: v[n - 1],
         })
-        .map(|b| b.p99_ms)
+    }
+
+    /// `median (min–max)` with `digits` decimals, or just the value for a single run.
+    #[must_use]
+    pub fn show(&self, digits: usize) -> String {
+        if (self.max - self.min).abs() < f64::EPSILON {
+            format!("{:.digits$}", self.median)
+        } else {
+            format!(
+                "{:.digits$} ({:.digits$}–{:.digits$})",
+                self.median, self.min, self.max
+            )
+        }
+    }
+}
+
+/// The runs of one cell (delay, connections, target, closed or open loop) folded together:
+/// the median and range of RPS and CPU, the median of each latency quantile over the runs (as
+/// the seed benchmark reports percentiles across its repeats), the median slow-pod share,
+/// summed error counts and the largest peak RSS.
+#[derive(Debug, Clone)]
+pub struct Summary {
+    /// Delay of the slow pod, ms.
+    pub delay_ms: u64,
+    /// Client HTTP/2 connections.
+    pub connections: usize,
+    /// What was loaded.
+    pub target: String,
+    /// Open loop: the offered rate (None for closed loop).
+    pub offered_rps: Option<f64>,
+    /// Runs folded in.
+    pub runs: usize,
+    /// Successful calls per second.
+    pub rps: Spread,
+    /// Median p50 over the runs, ms.
+    pub p50_ms: f64,
+    /// Median p99 over the runs, ms.
+    pub p99_ms: f64,
+    /// Median p99.9 over the runs, ms.
+    pub p999_ms: f64,
+    /// Median slow-pod share.
+    pub slow_share: f64,
+    /// Failed calls over all runs.
+    pub errors: u64,
+    /// Open loop, over all runs: late, never sent and unfinished calls.
+    pub late: u64,
+    /// See `late`.
+    pub not_sent: u64,
+    /// See `late`.
+    pub unfinished: u64,
+    /// Proxy CPU, cores per 1,000 RPS (None for direct runs).
+    pub cores_per_krps: Option<Spread>,
+    /// Largest proxy peak RSS over the runs, MiB.
+    pub peak_rss_mib: Option<f64>,
+}
+
+fn series_index(target: &str) -> usize {
+    SERIES
+        .iter()
+        .position(|(n, _)| *n == target)
+        .unwrap_or(SERIES.len())
+}
+
+/// Folds repeated runs into one [`Summary`] per cell, closed-loop cells first, then by delay,
+/// connections and target (in chart order).
+#[must_use]
+pub fn summarize(rows: &[Row]) -> Vec<Summary> {
+    let key = |r: &Row| {
+        (
+            r.offered_rps.is_some(),
+            r.delay_ms,
+            r.connections,
+            series_index(&r.target),
+            r.target.clone(),
+        )
+    };
+    let mut keys: Vec<_> = rows.iter().map(key).collect();
+    keys.sort();
+    keys.dedup();
+    keys.into_iter()
+        .filter_map(|k| {
+            let runs: Vec<&Row> = rows.iter().filter(|r| key(r) == k).collect();
+            let first = runs.first()?;
+            let median =
+                |f: fn(&Row) -> f64| Spread::of(runs.iter().map(|r| f(r))).map(|s| s.median);
+            Some(Summary {
+                delay_ms: first.delay_ms,
+                connections: first.connections,
+                target: first.target.clone(),
+                offered_rps: median(|r| r.offered_rps.unwrap_or(0.0)).filter(|_| k.0),
+                runs: runs.len(),
+                rps: Spread::of(runs.iter().map(|r| r.rps))?,
+                p50_ms: median(|r| r.p50_ms)?,
+                p99_ms: median(|r| r.p99_ms)?,
+                p999_ms: median(|r| r.p999_ms)?,
+                slow_share: median(|r| r.slow_share)?,
+                errors: runs.iter().map(|r| r.errors).sum(),
+                late: runs.iter().map(|r| r.late).sum(),
+                not_sent: runs.iter().map(|r| r.not_sent).sum(),
+                unfinished: runs.iter().map(|r| r.unfinished).sum(),
+                cores_per_krps: Spread::of(runs.iter().filter_map(|r| r.cores_per_krps)),
+                peak_rss_mib: runs.iter().filter_map(|r| r.peak_rss_mib).reduce(f64::max),
+            })
+        })
+        .collect()
+}
+
+/// The `direct-healthy` cell with the same delay, connections and loop kind.
+fn baseline<'a>(cells: &'a [Summary], s: &Summary) -> Option<&'a Summary> {
+    cells.iter().find(|b| {
+        b.target == "direct-healthy"
+            && b.delay_ms == s.delay_ms
+            && b.connections == s.connections
+            && b.offered_rps.is_some() == s.offered_rps.is_some()
+    })
 }
 
 fn opt(v: Option<f64>, digits: usize) -> String {
     v.map_or_else(|| "-".to_owned(), |v| format!("{v:.digits$}"))
 }
 
-/// The results table, with each run's p99 as a multiple of the direct-healthy p99.
+fn ratio(v: f64, base: Option<f64>) -> String {
+    base.filter(|b| *b > 0.0)
+        .map_or_else(|| "n/a".to_owned(), |b| format!("{:.2}x", v / b))
+}
+
+/// The closed-loop results table: one line per cell, RPS and CPU as median (min–max) over the
+/// runs, and RPS and p99 as multiples of the direct-healthy cell of the same delay and
+/// connections.
 #[must_use]
-pub fn markdown_table(rows: &[Row]) -> String {
+pub fn markdown_table(cells: &[Summary]) -> String {
     let mut t = String::new();
-    t.push_str("| delay ms | conns | target | RPS | p50 ms | p99 ms | p99.9 ms | p99 / direct-healthy | slow pod share | errors | cores / 1k RPS | peak RSS MiB |\n");
-    t.push_str("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
-    for r in rows {
-        let ratio = baseline_p99(rows, r)
-            .filter(|b| *b > 0.0)
-            .map(|b| r.p99_ms / b);
+    t.push_str("| delay ms | conns | target | runs | RPS | RPS / direct-healthy | p50 ms | p99 ms | p99.9 ms | p99 / direct-healthy | slow pod share | errors | cores / 1k RPS | peak RSS MiB |\n");
+    t.push_str("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    for s in cells.iter().filter(|s| s.offered_rps.is_none()) {
+        let base = baseline(cells, s);
         let _ = writeln!(
             t,
-            "| {} | {} | {} | {:.0} | {:.2} | {:.2} | {:.2} | {} | {:.1}% | {} | {} | {} |",
-            r.delay_ms,
-            r.connections,
-            r.target,
-            r.rps,
-            r.p50_ms,
-            r.p99_ms,
-            r.p999_ms,
-            ratio.map_or_else(|| "n/a".to_owned(), |x| format!("{x:.2}x")),
-            r.slow_share * 100.0,
-            r.errors,
-            opt(r.cores_per_krps, 3),
-            opt(r.peak_rss_mib, 1),
+            "| {} | {} | {} | {} | {} | {} | {:.2} | {:.2} | {:.2} | {} | {:.1}% | {} | {} | {} |",
+            s.delay_ms,
+            s.connections,
+            s.target,
+            s.runs,
+            s.rps.show(0),
+            ratio(s.rps.median, base.map(|b| b.rps.median)),
+            s.p50_ms,
+            s.p99_ms,
+            s.p999_ms,
+            ratio(s.p99_ms, base.map(|b| b.p99_ms)),
+            s.slow_share * 100.0,
+            s.errors,
+            s.cores_per_krps
+                .map_or_else(|| "-".to_owned(), |c| c.show(3)),
+            opt(s.peak_rss_mib, 1),
         );
     }
     t
 }
 
-/// The issue-4 targets checked per (delay, connections): skewless RPS >= 1.25x HAProxy's,
-/// skewless cores per 1k RPS <= HAProxy's, skewless peak RSS < 40 MiB, and skewless p99
-/// against the best L7 peer's. Returns the table and whether every target was met.
+/// The open-loop table: every target at the same offered rate; latency counts from each
+/// call's intended send time, so a target that falls behind shows it.
 #[must_use]
-pub fn targets_table(rows: &[Row]) -> (String, bool) {
+pub fn open_table(cells: &[Summary]) -> String {
+    let mut t = String::new();
+    t.push_str("| delay ms | conns | target | runs | offered RPS | achieved RPS | p50 ms | p99 ms | p99.9 ms | p99 / direct-healthy | slow pod share | late | not sent | unfinished | errors | cores / 1k RPS | peak RSS MiB |\n");
+    t.push_str(
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    for s in cells.iter().filter(|s| s.offered_rps.is_some()) {
+        let base = baseline(cells, s);
+        let _ = writeln!(
+            t,
+            "| {} | {} | {} | {} | {} | {} | {:.2} | {:.2} | {:.2} | {} | {:.1}% | {} | {} | {} | {} | {} | {} |",
+            s.delay_ms,
+            s.connections,
+            s.target,
+            s.runs,
+            opt(s.offered_rps, 0),
+            s.rps.show(0),
+            s.p50_ms,
+            s.p99_ms,
+            s.p999_ms,
+            ratio(s.p99_ms, base.map(|b| b.p99_ms)),
+            s.slow_share * 100.0,
+            s.late,
+            s.not_sent,
+            s.unfinished,
+            s.errors,
+            s.cores_per_krps
+                .map_or_else(|| "-".to_owned(), |c| c.show(3)),
+            opt(s.peak_rss_mib, 1),
+        );
+    }
+    t
+}
+
+fn yes(b: bool) -> &'static str {
+    if b { "met" } else { "NOT met" }
+}
+
+fn peer<'a>(cells: &'a [Summary], ours: &Summary, name: &str) -> Option<&'a Summary> {
+    cells.iter().find(|r| {
+        r.target == name
+            && r.delay_ms == ours.delay_ms
+            && r.connections == ours.connections
+            && r.offered_rps.is_some() == ours.offered_rps.is_some()
+    })
+}
+
+/// The issue-4 targets checked per closed-loop (delay, connections) cell on the medians:
+/// skewless RPS >= 1.25x HAProxy's, skewless cores per 1k RPS <= HAProxy's, skewless peak RSS
+/// < 40 MiB, and skewless p99 against the best L7 peer's. Returns the table and whether every
+/// target was met in every cell.
+#[must_use]
+pub fn targets_table(cells: &[Summary]) -> (String, bool) {
     let mut t = String::new();
     let mut all = true;
-    t.push_str("| delay ms | conns | RPS skewless / HAProxy (>= 1.25) | cores/1k RPS skewless vs HAProxy (<=) | peak RSS skewless (< 40 MiB) | p99 skewless vs best of HAProxy/nginx |\n");
-    t.push_str("|---:|---:|---|---|---|---|\n");
-    let yes = |b: bool| if b { "met" } else { "NOT met" };
-    for ours in rows.iter().filter(|r| r.target == "skewless") {
-        let peer = |name: &str| {
-            rows.iter().find(|r| {
-                r.target == name && r.delay_ms == ours.delay_ms && r.connections == ours.connections
-            })
+    t.push_str("| delay ms | conns | runs | RPS skewless / HAProxy (>= 1.25) | cores/1k RPS skewless vs HAProxy (<=) | peak RSS skewless (< 40 MiB) | p99 skewless vs best of HAProxy/nginx |\n");
+    t.push_str("|---:|---:|---:|---|---|---|---|\n");
+    for ours in cells
+        .iter()
+        .filter(|r| r.target == "skewless" && r.offered_rps.is_none())
+    {
+        let Some(ha) = peer(cells, ours, "haproxy") else {
+            continue;
         };
-        let Some(ha) = peer("haproxy") else { continue };
-        let rps_ratio = ours.rps / ha.rps.max(1e-9);
-        let cpu_ok = match (ours.cores_per_krps, ha.cores_per_krps) {
-            (Some(a), Some(b)) => a <= b,
-            _ => false,
-        };
+        let rps_ratio = ours.rps.median / ha.rps.median.max(1e-9);
+        let (our_cpu, ha_cpu) = (
+            ours.cores_per_krps.map(|c| c.median),
+            ha.cores_per_krps.map(|c| c.median),
+        );
+        let cpu_ok = matches!((our_cpu, ha_cpu), (Some(a), Some(b)) if a <= b);
         let rss = ours.peak_rss_mib.unwrap_or(f64::INFINITY);
-        let best_peer_p99 = [Some(ha), peer("nginx")]
+        let best_peer_p99 = [Some(ha), peer(cells, ours, "nginx")]
             .into_iter()
             .flatten()
             .map(|r| r.p99_ms)
@@ -251,13 +488,16 @@ pub fn targets_table(rows: &[Row]) -> (String, bool) {
         all &= rps_ratio >= 1.25 && cpu_ok && rss < 40.0 && p99_ok;
         let _ = writeln!(
             t,
-            "| {} | {} | {:.2}x {} | {} vs {} {} | {:.1} MiB {} | {:.2} vs {:.2} ms {} |",
+            "| {} | {} | {} | {:.2}x {} ({:.0} / {:.0}) | {} vs {} {} | {:.1} MiB {} | {:.2} vs {:.2} ms {} |",
             ours.delay_ms,
             ours.connections,
+            ours.runs.min(ha.runs),
             rps_ratio,
             yes(rps_ratio >= 1.25),
-            opt(ours.cores_per_krps, 3),
-            opt(ha.cores_per_krps, 3),
+            ours.rps.median,
+            ha.rps.median,
+            opt(our_cpu, 3),
+            opt(ha_cpu, 3),
             yes(cpu_ok),
             rss,
             yes(rss < 40.0),
@@ -273,6 +513,56 @@ pub fn targets_table(rows: &[Row]) -> (String, bool) {
     (t, all)
 }
 
+/// At equal offered load (open loop): skewless's p99 and p99.9 against the better of HAProxy
+/// and nginx, and whether it kept the offered rate (nothing left unsent or unfinished).
+#[must_use]
+pub fn open_targets_table(cells: &[Summary]) -> String {
+    let mut t = String::new();
+    t.push_str("| delay ms | conns | offered RPS | p99 skewless vs best of HAProxy/nginx | p99.9 skewless vs best of HAProxy/nginx | skewless kept the rate |\n");
+    t.push_str("|---:|---:|---:|---|---|---|\n");
+    for ours in cells
+        .iter()
+        .filter(|r| r.target == "skewless" && r.offered_rps.is_some())
+    {
+        let peers: Vec<&Summary> = ["haproxy", "nginx"]
+            .iter()
+            .filter_map(|n| peer(cells, ours, n))
+            .collect();
+        if peers.is_empty() {
+            continue;
+        }
+        let best =
+            |f: fn(&Summary) -> f64| peers.iter().map(|p| f(p)).fold(f64::INFINITY, f64::min);
+        let (p99, p999) = (best(|s| s.p99_ms), best(|s| s.p999_ms));
+        let cmp = |ours: f64, best: f64| {
+            if ours <= best {
+                format!("{ours:.2} vs {best:.2} ms lower (met)")
+            } else {
+                format!("{ours:.2} vs {best:.2} ms higher (NOT met)")
+            }
+        };
+        let kept = ours.not_sent == 0 && ours.unfinished == 0 && ours.errors == 0;
+        let _ = writeln!(
+            t,
+            "| {} | {} | {} | {} | {} | {} |",
+            ours.delay_ms,
+            ours.connections,
+            opt(ours.offered_rps, 0),
+            cmp(ours.p99_ms, p99),
+            cmp(ours.p999_ms, p999),
+            if kept {
+                "yes".to_owned()
+            } else {
+                format!(
+                    "no ({} not sent, {} unfinished, {} errors)",
+                    ours.not_sent, ours.unfinished, ours.errors
+                )
+            },
+        );
+    }
+    t
+}
+
 /// Order and colour of the targets in the charts.
 const SERIES: &[(&str, &str)] = &[
     ("direct-healthy", "#4c78a8"),
@@ -284,14 +574,14 @@ const SERIES: &[(&str, &str)] = &[
 ];
 
 /// A grouped bar chart (one group per delay and connection count, one bar per target) of
-/// `value` of every row, as a standalone SVG. With `log` the y axis is log10 (for latencies
+/// `value` of every cell (use medians), as a standalone SVG. With `log` the y axis is log10 (for latencies
 /// that span 1 ms to 200 ms).
 #[must_use]
 pub fn bar_chart_svg(
     title: &str,
     unit: &str,
-    rows: &[Row],
-    value: fn(&Row) -> f64,
+    rows: &[Summary],
+    value: fn(&Summary) -> f64,
     log: bool,
 ) -> String {
     let mut groups: Vec<(u64, usize)> = Vec::new();
@@ -305,7 +595,10 @@ pub fn bar_chart_svg(
         .copied()
         .filter(|(n, _)| rows.iter().any(|r| r.target == *n))
         .collect();
-    let (w, h, left, top, bottom) = (760.0_f64, 360.0_f64, 70.0_f64, 40.0_f64, 70.0_f64);
+    // Wide enough for about 14 px per bar.
+    let bars = (groups.len() * series.len().max(1)) as f64;
+    let w = (90.0 + bars * 14.0 / 0.8).max(760.0);
+    let (h, left, top, bottom) = (360.0_f64, 70.0_f64, 40.0_f64, 70.0_f64);
     let plot_h = h - top - bottom;
     let max = rows.iter().map(value).fold(0.0_f64, f64::max).max(1e-9);
     let min_log = rows
@@ -388,7 +681,7 @@ pub fn bar_chart_svg(
         }
         let _ = writeln!(
             s,
-            r#"<text x="{:.1}" y="{:.1}" text-anchor="middle">delay {delay} ms, {conns} conn</text>"#,
+            r#"<text x="{:.1}" y="{:.1}" text-anchor="middle">{delay} ms, {conns} conn</text>"#,
             gx + group_w * 0.4,
             top + plot_h + 16.0
         );
@@ -520,21 +813,157 @@ mod tests {
             row("nginx", 7_000.0, 16.0, Some(0.06), Some(10.0)),
             row("skewless", 10_000.0, 8.0, Some(0.04), Some(12.0)),
         ];
-        let t = markdown_table(&rows);
-        assert!(t.contains("| 50 | 1 | skewless | 10000 |"), "{t}");
-        assert!(t.contains("| 2.00x |"), "{t}");
-        assert!(t.contains("| 3.00x |"), "{t}");
-        let (targets, all) = targets_table(&rows);
+        let cells = summarize(&rows);
+        let t = markdown_table(&cells);
+        assert!(
+            t.contains("| 50 | 1 | skewless | 1 | 10000 | 1.00x |"),
+            "{t}"
+        );
+        assert!(t.contains("| 2.00x |"), "p99 8 / 4: {t}");
+        assert!(t.contains("| 3.00x |"), "p99 12 / 4: {t}");
+        assert!(t.contains("| 0.80x |"), "RPS 8000 / 10000: {t}");
+        let (targets, all) = targets_table(&cells);
         assert!(all, "{targets}");
         assert!(targets.contains("1.25x met"), "{targets}");
         let mut worse = rows.clone();
         worse[3].rps = 9_000.0;
-        assert!(!targets_table(&worse).1);
+        let (targets, all) = targets_table(&summarize(&worse));
+        assert!(!all);
+        assert!(targets.contains("1.12x NOT met"), "{targets}");
+    }
+
+    #[test]
+    fn repeats_are_interleaved_with_rotated_targets() {
+        let order = interleave(&[("a", vec!['x', 'y', 'z'], 3), ("b", vec!['x', 'y'], 1)]);
+        assert_eq!(
+            order,
+            [
+                ("a", 'x'),
+                ("a", 'y'),
+                ("a", 'z'),
+                ("b", 'x'),
+                ("b", 'y'),
+                ("a", 'y'),
+                ("a", 'z'),
+                ("a", 'x'),
+                ("a", 'z'),
+                ("a", 'x'),
+                ("a", 'y'),
+            ]
+        );
+        // A bigger grid: every run happens as often as asked, never twice in a row, and each
+        // target of a repeated cell leads a different pass.
+        let targets: Vec<u8> = (0..6).collect();
+        let cells: Vec<(usize, Vec<u8>, usize)> = (0..4).map(|c| (c, targets.clone(), 3)).collect();
+        let order = interleave(&cells);
+        assert_eq!(order.len(), 4 * 6 * 3);
+        for c in 0..4 {
+            for t in &targets {
+                let n = order.iter().filter(|r| **r == (c, *t)).count();
+                assert_eq!(n, 3, "cell {c} target {t} runs 3 times");
+            }
+        }
+        assert!(
+            order.windows(2).all(|w| w[0] != w[1]),
+            "no run repeats back to back"
+        );
+        let leaders: Vec<u8> = order.chunks(4 * 6).map(|pass| pass[0].1).collect();
+        assert_eq!(leaders, [0, 1, 2], "the first slot rotates");
+        assert!(interleave::<u8, u8>(&[(1, vec![], 3)]).is_empty());
+    }
+
+    #[test]
+    fn spread_is_median_and_range() {
+        let s = Spread::of([3.0, 1.0, 2.0]).unwrap();
+        assert_eq!((s.median, s.min, s.max), (2.0, 1.0, 3.0));
+        assert_eq!(Spread::of([4.0, 1.0, 2.0, 3.0]).unwrap().median, 2.5);
+        assert!(Spread::of([]).is_none());
+        assert_eq!(s.show(1), "2.0 (1.0–3.0)");
+        assert_eq!(Spread::of([5.0]).unwrap().show(0), "5");
+    }
+
+    #[test]
+    fn repeats_fold_into_medians_and_verdicts_use_them() {
+        // Three interleaved repeats; one noisy skewless run must not decide the verdict.
+        let mut rows = Vec::new();
+        for (ha, ours) in [(8_000.0, 10_500.0), (8_100.0, 6_000.0), (7_900.0, 10_200.0)] {
+            rows.push(row("direct-healthy", 12_000.0, 4.0, None, None));
+            rows.push(row("skewless", ours, 8.0, Some(0.04), Some(12.0)));
+            rows.push(row("haproxy", ha, 12.0, Some(0.05), Some(20.0)));
+        }
+        rows[1].peak_rss_mib = Some(41.0);
+        let cells = summarize(&rows);
+        assert_eq!(cells.len(), 3, "one cell per target");
+        assert_eq!(
+            cells.iter().map(|c| c.target.as_str()).collect::<Vec<_>>(),
+            ["direct-healthy", "haproxy", "skewless"],
+            "chart order, not run order"
+        );
+        let ours = &cells[2];
+        assert_eq!(ours.runs, 3);
+        assert_eq!(
+            ours.rps,
+            Spread {
+                median: 10_200.0,
+                min: 6_000.0,
+                max: 10_500.0
+            }
+        );
+        assert_eq!(
+            ours.peak_rss_mib,
+            Some(41.0),
+            "peak RSS is the largest run's"
+        );
+        let t = markdown_table(&cells);
+        assert!(t.contains("| 10200 (6000–10500) |"), "{t}");
+        let (targets, all) = targets_table(&cells);
+        assert!(targets.contains("1.27x met (10200 / 8000)"), "{targets}");
+        assert!(targets.contains("41.0 MiB NOT met"), "{targets}");
+        assert!(!all, "the RSS target fails");
+    }
+
+    #[test]
+    fn open_loop_cells_are_compared_at_equal_offered_load() {
+        let open = |target: &str, p99: f64, p999: f64, not_sent: u64| Row {
+            offered_rps: Some(6_000.0),
+            rps: 6_000.0,
+            p99_ms: p99,
+            p999_ms: p999,
+            not_sent,
+            ..row(target, 0.0, 0.0, None, None)
+        };
+        let rows = vec![
+            row("haproxy", 10_000.0, 12.0, Some(0.05), Some(20.0)),
+            open("direct-healthy", 5.0, 7.0, 0),
+            open("haproxy", 55.0, 60.0, 0),
+            open("nginx", 60.0, 65.0, 0),
+            open("skewless", 9.0, 70.0, 3),
+        ];
+        let cells = summarize(&rows);
+        let closed = markdown_table(&cells);
+        assert_eq!(closed.lines().count(), 3, "only the closed cell: {closed}");
+        let t = open_table(&cells);
+        assert!(t.contains("| 50 | 1 | skewless | 1 | 6000 | 6000 |"), "{t}");
+        assert!(
+            t.contains("| 1.80x |"),
+            "p99 9 / 5 against the open direct-healthy: {t}"
+        );
+        let v = open_targets_table(&cells);
+        assert!(v.contains("9.00 vs 55.00 ms lower (met)"), "{v}");
+        assert!(v.contains("70.00 vs 60.00 ms higher (NOT met)"), "{v}");
+        assert!(v.contains("no (3 not sent"), "{v}");
+        let (targets, _) = targets_table(&cells);
+        assert_eq!(
+            targets.lines().count(),
+            2,
+            "no closed skewless cell: {targets}"
+        );
     }
 
     #[test]
     fn loadgen_json_fills_a_row() {
         let v = serde_json::json!({
+            "mode": "closed",
             "ok": 1000, "rps": 500.0, "p50_us": 1500, "p99_us": 9000, "p999_us": 12000,
             "pods": {"pod-0": 800, "pod-4": 200}, "errors": {"Unavailable": 3},
         });
@@ -543,21 +972,38 @@ mod tests {
         assert!((r.slow_share - 0.2).abs() < 1e-9);
         assert!((r.p99_ms - 9.0).abs() < 1e-9);
         assert_eq!(r.errors, 3);
+        assert_eq!(r.offered_rps, None);
+        let mut open = v.clone();
+        open["mode"] = "open".into();
+        let mut r = Row::default();
+        assert!(
+            r.set_load(&open, "pod-4").is_err(),
+            "open loop needs its counts"
+        );
+        open["target_rps"] = 600.0.into();
+        open["late"] = 4.into();
+        open["not_sent"] = 2.into();
+        open["unfinished"] = 1.into();
+        r.set_load(&open, "pod-4").unwrap();
+        assert_eq!(r.offered_rps, Some(600.0));
+        assert_eq!((r.late, r.not_sent, r.unfinished), (4, 2, 1));
     }
 
     #[test]
-    fn charts_are_svg_with_one_bar_per_row() {
+    fn charts_are_svg_with_one_bar_per_cell() {
         let rows = vec![
             row("direct-healthy", 10_000.0, 4.0, None, None),
             row("haproxy", 8_000.0, 120.0, Some(0.05), Some(20.0)),
+            row("haproxy", 8_000.0, 100.0, Some(0.05), Some(20.0)),
             row("skewless", 10_000.0, 8.0, Some(0.04), Some(12.0)),
         ];
+        let cells = summarize(&rows);
         for log in [false, true] {
-            let svg = bar_chart_svg("p99", "ms", &rows, |r| r.p99_ms, log);
+            let svg = bar_chart_svg("p99", "ms", &cells, |r| r.p99_ms, log);
             assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
             assert_eq!(svg.matches("<title>").count(), 3);
-            assert!(svg.contains("haproxy: 120.00 ms"));
-            assert!(svg.contains("delay 50 ms, 1 conn"));
+            assert!(svg.contains("haproxy: 110.00 ms"), "median of 120 and 100");
+            assert!(svg.contains("50 ms, 1 conn"));
         }
     }
 

@@ -1,4 +1,4 @@
-//! `skewless-loadgen`: closed-loop load against an echo target, or (`local`) against an
+//! `skewless-loadgen`: closed- or open-loop load against an echo target, or (`local`) against an
 //! in-process balancer in front of in-process echo pods, one of them slowed down. The local
 //! mode measures skewless alone; the side-by-side benchmark with HAProxy/nginx is separate.
 
@@ -9,7 +9,7 @@ use anyhow::Context as _;
 use clap::{Args, Parser, Subcommand};
 use skewless_balancer::{Balancer, Config, Endpoint};
 use skewless_echo::SpawnedEcho;
-use skewless_loadgen::{LoadConfig, run};
+use skewless_loadgen::{Load as Issue, LoadConfig, run};
 
 #[derive(Debug, Parser)]
 struct Cli {
@@ -51,9 +51,16 @@ struct Load {
     /// HTTP/2 connections.
     #[arg(long, default_value_t = 1)]
     connections: usize,
-    /// Calls in flight per connection.
-    #[arg(long, default_value_t = 200)]
+    /// Closed loop: calls in flight per connection.
+    #[arg(long, default_value_t = 200, conflicts_with = "rate")]
     in_flight: usize,
+    /// Open loop instead: this many calls per second in total, each due at a fixed time and
+    /// timed from then (no coordinated omission).
+    #[arg(long)]
+    rate: Option<f64>,
+    /// Open loop: most calls outstanding per connection (the sender waits beyond it).
+    #[arg(long, default_value_t = 1000)]
+    max_in_flight: usize,
     /// Warm-up seconds (not measured).
     #[arg(long, default_value_t = 2.0)]
     warmup: f64,
@@ -70,6 +77,8 @@ impl Load {
         let Load {
             connections,
             in_flight,
+            rate,
+            max_in_flight,
             warmup,
             duration,
             payload,
@@ -77,7 +86,13 @@ impl Load {
         LoadConfig {
             target,
             connections,
-            in_flight,
+            load: match rate {
+                Some(rate) => Issue::Open {
+                    rate,
+                    max_in_flight,
+                },
+                None => Issue::Closed { in_flight },
+            },
             warmup: Duration::from_secs_f64(warmup),
             duration: Duration::from_secs_f64(duration),
             payload,

@@ -1,14 +1,24 @@
 //! `skewless-bench`: the side-by-side proxy benchmark (issue 4), on 127.0.0.1 only.
 //!
 //! Starts 5 `skewless-echo` pods (the 5th one slowed down by the run's delay), then for every
-//! delay and client connection count loads, with `skewless-loadgen run --json`: one healthy pod
-//! directly, the slow pod directly (the two outcomes of an L4 coin flip, never averaged), an
-//! L4 per-connection balancer (HAProxy `mode tcp`, only with more than one connection), HAProxy
-//! (h2, leastconn), nginx (grpc_pass, least_conn) and `skewless-proxy`. Each proxy is started
-//! fresh for its run; its CPU comes from `/proc/<pid>/stat` over the measured window and its
-//! peak RSS from `VmHWM`, both summed over its processes. Every process started here is ended
-//! by its pid when its run ends, also on errors.
+//! delay and client connection count loads, with `skewless-loadgen run --json` in closed loop:
+//! one healthy pod directly, the slow pod directly (the two outcomes of an L4 coin flip, never
+//! averaged), an L4 per-connection balancer (HAProxy `mode tcp`, only with more than one
+//! connection), HAProxy (h2, leastconn), nginx (grpc_pass, least_conn) and `skewless-proxy`.
+//! Then an open-loop section: direct-healthy and the three L7 proxies at one fixed offered rate
+//! (by default 60% of HAProxy's closed-loop median RPS at one connection), where latency
+//! counts from each call's intended send time.
+//!
+//! Cells are repeated (`--repeats`, for the connection counts in `--repeat-connections`) and
+//! the repeats are interleaved: each pass runs every cell once, with the target order rotated
+//! from pass to pass, so machine noise lands on every target alike rather than on whichever
+//! proxy happened to run during a burst. The tables report medians and ranges.
+//!
+//! Each proxy is started fresh for its run; its CPU comes from `/proc/<pid>/stat` over the
+//! measured window and its peak RSS from `VmHWM`, both summed over its processes. Every process
+//! started here is ended by its pid when its run ends, also on errors.
 
+use std::fmt::Write as _;
 use std::io::{Read as _, Write as _};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
@@ -19,19 +29,25 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, bail};
 use clap::Parser;
 use skewless_bench::{
-    Pod, Row, bar_chart_svg, haproxy_config, markdown_table, nginx_config, replace_section,
-    stat_cpu_ticks, stat_ppid, status_vm_hwm_kib, targets_table,
+    Pod, Row, Summary, bar_chart_svg, haproxy_config, interleave, markdown_table, nginx_config,
+    open_table, open_targets_table, replace_section, stat_cpu_ticks, stat_ppid, status_vm_hwm_kib,
+    summarize, targets_table,
 };
 
 const PODS: usize = 5;
 const SECTION: &str = "## Proxies side by side";
 
-/// File name, title, unit, value of a row, log scale.
+/// Seconds a run costs beyond its warm-up and measured window (starting and stopping the
+/// proxy and the load generator, connecting), for the time estimate only.
+const RUN_OVERHEAD_S: f64 = 0.5;
+
+/// File name, title, unit, value of a cell, log scale, open-loop cells (else closed).
 type Chart = (
     &'static str,
     &'static str,
     &'static str,
-    fn(&Row) -> f64,
+    fn(&Summary) -> f64,
+    bool,
     bool,
 );
 
@@ -42,17 +58,41 @@ struct Args {
     #[arg(long, value_delimiter = ',', default_value = "0,50,200")]
     delays: Vec<u64>,
     /// Client HTTP/2 connection counts.
-    #[arg(long, value_delimiter = ',', default_value = "1")]
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8")]
     connections: Vec<usize>,
-    /// Calls in flight per connection.
+    /// Closed loop: calls in flight per connection.
     #[arg(long, default_value_t = 200)]
     in_flight: usize,
     /// Warm-up seconds per run (not measured).
-    #[arg(long, default_value_t = 2.0)]
+    #[arg(long, default_value_t = 1.0)]
     warmup: f64,
     /// Measured seconds per run.
-    #[arg(long, default_value_t = 8.0)]
+    #[arg(long, default_value_t = 4.0)]
     duration: f64,
+    /// Runs per cell for the connection counts in --repeat-connections (the others run once);
+    /// tables show the median and the min–max range, verdicts use the median.
+    #[arg(long, default_value_t = 3)]
+    repeats: usize,
+    /// Connection counts whose cells are repeated (and the open-loop cells, when they use one
+    /// of them).
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8")]
+    repeat_connections: Vec<usize>,
+    /// Skip the open-loop section.
+    #[arg(long)]
+    no_open: bool,
+    /// Open loop: offered calls per second (default: --open-fraction of HAProxy's closed-loop
+    /// median RPS at --open-delay and --open-connections).
+    #[arg(long)]
+    open_rate: Option<f64>,
+    /// Open loop: fraction of HAProxy's closed-loop RPS to offer.
+    #[arg(long, default_value_t = 0.6)]
+    open_fraction: f64,
+    /// Open loop: delay of the slow pod, ms.
+    #[arg(long, default_value_t = 50)]
+    open_delay: u64,
+    /// Open loop: client HTTP/2 connections.
+    #[arg(long, default_value_t = 1)]
+    open_connections: usize,
     /// Worker threads/processes of every proxy (HAProxy nbthread, nginx worker_processes,
     /// skewless-proxy runtime threads).
     #[arg(long, default_value_t = 2)]
@@ -242,6 +282,15 @@ impl Target {
     }
 }
 
+/// What a run loads: the slow pod's delay, client connections, and the open-loop rate (None:
+/// closed loop).
+#[derive(Clone, Copy, PartialEq)]
+struct Cell {
+    delay_ms: u64,
+    connections: usize,
+    rate: Option<f64>,
+}
+
 struct Bench {
     args: Args,
     bin_dir: PathBuf,
@@ -307,26 +356,32 @@ impl Bench {
         Ok((Some(proc), listen))
     }
 
-    fn run_one(&self, delay_ms: u64, connections: usize, target: Target) -> anyhow::Result<Row> {
+    /// One run: closed loop, or open loop at `rate` calls per second.
+    fn run_one(&self, cell: Cell, target: Target) -> anyhow::Result<Row> {
+        let Cell {
+            delay_ms,
+            connections,
+            rate,
+        } = cell;
         let (proxy, addr) = self.start_proxy(target)?;
         let a = &self.args;
-        let mut load = Proc::spawn(
-            "skewless-loadgen",
-            Command::new(self.bin_dir.join("skewless-loadgen"))
-                .arg("run")
-                .arg("--target")
-                .arg(addr.to_string())
-                .arg("--connections")
-                .arg(connections.to_string())
-                .arg("--in-flight")
-                .arg(a.in_flight.to_string())
-                .arg("--warmup")
-                .arg(a.warmup.to_string())
-                .arg("--duration")
-                .arg(a.duration.to_string())
-                .arg("--json")
-                .stdout(Stdio::piped()),
-        )?;
+        let mut cmd = Command::new(self.bin_dir.join("skewless-loadgen"));
+        cmd.arg("run")
+            .arg("--target")
+            .arg(addr.to_string())
+            .arg("--connections")
+            .arg(connections.to_string())
+            .arg("--warmup")
+            .arg(a.warmup.to_string())
+            .arg("--duration")
+            .arg(a.duration.to_string())
+            .arg("--json")
+            .stdout(Stdio::piped());
+        match rate {
+            Some(r) => cmd.arg("--rate").arg(r.to_string()),
+            None => cmd.arg("--in-flight").arg(a.in_flight.to_string()),
+        };
+        let mut load = Proc::spawn("skewless-loadgen", &mut cmd)?;
         // The measured window of the proxy's CPU is the load generator's measured window.
         sleep(Duration::from_secs_f64(a.warmup));
         let pids = proxy.as_ref().map(|p| tree(p.pid())).unwrap_or_default();
@@ -422,66 +477,108 @@ fn run(args: Args, bin_dir: PathBuf, work: PathBuf) -> anyhow::Result<()> {
         args,
     };
     let a = &bench.args;
+    let plan = plan(a);
+    let open_runs = if a.no_open {
+        0
+    } else {
+        a.repeats_for(a.open_connections) * OPEN_TARGETS.len()
+    };
+    let runs = plan.iter().map(|(_, cells)| cells.len()).sum::<usize>() + open_runs;
+    eprintln!(
+        "{runs} runs of {} s + {} s warm-up: about {:.0} min",
+        a.duration,
+        a.warmup,
+        runs as f64 * (a.warmup + a.duration + RUN_OVERHEAD_S) / 60.0
+    );
     let mut rows = Vec::new();
-    for &delay in &a.delays {
-        set_delay(admins[PODS - 1], delay)?;
-        for &conns in &a.connections {
-            let mut targets = vec![Target::DirectHealthy, Target::DirectSlow];
-            if conns > 1 {
-                targets.push(Target::L4);
-            }
-            targets.extend([Target::Haproxy, Target::Nginx, Target::Skewless]);
-            for t in targets {
-                let row = bench
-                    .run_one(delay, conns, t)
-                    .with_context(|| format!("{} at {delay} ms, {conns} conn(s)", t.name()))?;
-                eprintln!(
-                    "delay {delay:>3} ms conns {conns} {:<15} {:>7.0} rps  p50 {:>7.2}  p99 {:>7.2}  p99.9 {:>7.2} ms  slow {:>5.1}%  errors {}{}",
-                    row.target,
-                    row.rps,
-                    row.p50_ms,
-                    row.p99_ms,
-                    row.p999_ms,
-                    row.slow_share * 100.0,
-                    row.errors,
-                    match (row.cores_per_krps, row.peak_rss_mib) {
-                        (Some(c), Some(m)) => format!("  {c:.3} cores/1k rps  {m:.1} MiB"),
-                        _ => String::new(),
-                    }
-                );
-                rows.push(row);
-            }
+    for (delay, cells) in &plan {
+        set_delay(admins[PODS - 1], *delay)?;
+        for (cell, t) in cells {
+            eprint!("[{}/{runs}] ", rows.len() + 1);
+            rows.push(bench.run_logged(*cell, *t)?);
+        }
+    }
+    if !a.no_open {
+        let rate = match a.open_rate {
+            Some(r) => r,
+            None => a.open_fraction * bench.haproxy_rps(&rows, &admins)?,
+        };
+        set_delay(admins[PODS - 1], a.open_delay)?;
+        let cell = Cell {
+            delay_ms: a.open_delay,
+            connections: a.open_connections,
+            rate: Some(rate),
+        };
+        let order = interleave(&[(cell, OPEN_TARGETS.to_vec(), a.repeats_for(cell.connections))]);
+        for (cell, t) in order {
+            eprint!("[{}/{runs}] ", rows.len() + 1);
+            rows.push(bench.run_logged(cell, t)?);
         }
     }
     drop(echo);
-    let table = markdown_table(&rows);
-    let (targets, all_met) = targets_table(&rows);
+    let cells = summarize(&rows);
+    let table = markdown_table(&cells);
+    let (targets, all_met) = targets_table(&cells);
+    let open = open_table(&cells);
+    let open_targets = open_targets_table(&cells);
     println!("{table}\n{targets}");
+    if !a.no_open {
+        println!("{open}\n{open_targets}");
+    }
     println!(
-        "all targets met: {all_met} ({:.0} s)",
+        "all closed-loop targets met: {all_met} ({:.0} s)",
         started.elapsed().as_secs_f64()
     );
     if let Some(path) = &a.write {
         let doc = std::fs::read_to_string(path).unwrap_or_default();
         let dir = path.parent().context("the results file has no directory")?;
-        let charts: [Chart; 2] = [
+        let charts: [Chart; 3] = [
             (
                 "bench-p99.svg",
-                "p99 latency (log scale)",
+                "Closed loop: p99 latency, median of runs (log scale)",
                 "ms",
                 |r| r.p99_ms,
                 true,
+                false,
             ),
-            ("bench-rps.svg", "Throughput", "RPS", |r| r.rps, false),
+            (
+                "bench-rps.svg",
+                "Closed loop: throughput, median of runs",
+                "RPS",
+                |r| r.rps.median,
+                false,
+                false,
+            ),
+            (
+                "bench-open-p99.svg",
+                "Open loop at equal offered load: p99 latency (log scale)",
+                "ms",
+                |r| r.p99_ms,
+                true,
+                true,
+            ),
         ];
-        for (file, title, unit, value, log) in charts {
+        for (file, title, unit, value, log, open_loop) in charts {
+            let these: Vec<Summary> = cells
+                .iter()
+                .filter(|c| c.offered_rps.is_some() == open_loop)
+                .cloned()
+                .collect();
+            if these.is_empty() {
+                continue;
+            }
             std::fs::write(
                 dir.join(file),
-                bar_chart_svg(title, unit, &rows, value, log),
+                bar_chart_svg(title, unit, &these, value, log),
             )
             .with_context(|| format!("writing {file}"))?;
         }
-        let section = section(a, &table, &targets);
+        let section = section(
+            a,
+            &table,
+            &targets,
+            (!a.no_open).then_some((&open, &open_targets)),
+        );
         std::fs::write(path, replace_section(&doc, SECTION, &section))
             .with_context(|| format!("writing {}", path.display()))?;
         println!("wrote {}", path.display());
@@ -489,7 +586,125 @@ fn run(args: Args, bin_dir: PathBuf, work: PathBuf) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn section(a: &Args, table: &str, targets: &str) -> String {
+/// The L7 targets of the open-loop section, with direct-healthy as the baseline.
+const OPEN_TARGETS: [Target; 4] = [
+    Target::DirectHealthy,
+    Target::Haproxy,
+    Target::Nginx,
+    Target::Skewless,
+];
+
+impl Args {
+    fn repeats_for(&self, connections: usize) -> usize {
+        if self.repeat_connections.contains(&connections) {
+            self.repeats.max(1)
+        } else {
+            1
+        }
+    }
+}
+
+/// The closed-loop runs in order, per delay (the slow pod's delay is set once per delay),
+/// interleaved over the repeats by [`interleave`].
+fn plan(a: &Args) -> Vec<(u64, Vec<(Cell, Target)>)> {
+    a.delays
+        .iter()
+        .map(|&delay| {
+            let cells: Vec<(Cell, Vec<Target>, usize)> = a
+                .connections
+                .iter()
+                .map(|&conns| {
+                    let mut targets = vec![Target::DirectHealthy, Target::DirectSlow];
+                    if conns > 1 {
+                        targets.push(Target::L4);
+                    }
+                    targets.extend([Target::Haproxy, Target::Nginx, Target::Skewless]);
+                    let cell = Cell {
+                        delay_ms: delay,
+                        connections: conns,
+                        rate: None,
+                    };
+                    (cell, targets, a.repeats_for(conns))
+                })
+                .collect();
+            (delay, interleave(&cells))
+        })
+        .collect()
+}
+
+impl Bench {
+    fn run_logged(&self, cell: Cell, t: Target) -> anyhow::Result<Row> {
+        let Cell {
+            delay_ms: delay,
+            connections: conns,
+            rate,
+        } = cell;
+        let row = self.run_one(cell, t).with_context(|| {
+            format!(
+                "{} at {delay} ms, {conns} conn(s){}",
+                t.name(),
+                rate.map(|r| format!(", open loop at {r:.0}/s"))
+                    .unwrap_or_default()
+            )
+        })?;
+        eprintln!(
+            "delay {delay:>3} ms conns {conns} {:<15}{} {:>7.0} rps  p50 {:>7.2}  p99 {:>7.2}  p99.9 {:>7.2} ms  slow {:>5.1}%  errors {}{}{}",
+            row.target,
+            rate.map(|r| format!(" open {r:.0}/s")).unwrap_or_default(),
+            row.rps,
+            row.p50_ms,
+            row.p99_ms,
+            row.p999_ms,
+            row.slow_share * 100.0,
+            row.errors,
+            if rate.is_some() {
+                format!(
+                    "  late {} not sent {} unfinished {}",
+                    row.late, row.not_sent, row.unfinished
+                )
+            } else {
+                String::new()
+            },
+            match (row.cores_per_krps, row.peak_rss_mib) {
+                (Some(c), Some(m)) => format!("  {c:.3} cores/1k rps  {m:.1} MiB"),
+                _ => String::new(),
+            }
+        );
+        Ok(row)
+    }
+
+    /// HAProxy's closed-loop median RPS at the open-loop delay and connections, from the grid
+    /// when it has that cell, else from one calibration run (not reported).
+    fn haproxy_rps(&self, rows: &[Row], admins: &[SocketAddr]) -> anyhow::Result<f64> {
+        let a = &self.args;
+        let from_grid: Vec<f64> = rows
+            .iter()
+            .filter(|r| {
+                r.target == Target::Haproxy.name()
+                    && r.offered_rps.is_none()
+                    && r.delay_ms == a.open_delay
+                    && r.connections == a.open_connections
+            })
+            .map(|r| r.rps)
+            .collect();
+        if let Some(s) = skewless_bench::Spread::of(from_grid) {
+            return Ok(s.median);
+        }
+        eprintln!(
+            "calibrating the open-loop rate: HAProxy closed loop at {} ms",
+            a.open_delay
+        );
+        set_delay(admins[PODS - 1], a.open_delay)?;
+        let cell = Cell {
+            delay_ms: a.open_delay,
+            connections: a.open_connections,
+            rate: None,
+        };
+        Ok(self.run_logged(cell, Target::Haproxy)?.rps)
+    }
+}
+
+fn section(a: &Args, table: &str, targets: &str, open: Option<(&String, &String)>) -> String {
     let date = Command::new("date")
         .args(["-u", "+%Y-%m-%d %H:%M UTC"])
         .output()
@@ -498,24 +713,82 @@ fn section(a: &Args, table: &str, targets: &str) -> String {
         .unwrap_or_default();
     let date = date.trim();
     let cpus = std::thread::available_parallelism().map_or(0, usize::from);
-    format!(
+    let repeated: Vec<String> = a
+        .repeat_connections
+        .iter()
+        .filter(|c| a.connections.contains(c))
+        .map(ToString::to_string)
+        .collect();
+    let repeats = if a.repeats > 1 && !repeated.is_empty() {
+        let which = if repeated.len() == a.connections.len() {
+            "Every cell".to_owned()
+        } else {
+            format!(
+                "Cells with {} connection(s) (the others once)",
+                repeated.join("/")
+            )
+        };
+        format!(
+            "{which} ran {} times, interleaved (each pass runs every cell once, the target \
+             order rotated from pass to pass); RPS and CPU show the median and the min–max \
+             range, latencies are the median of the runs' percentiles, peak RSS the largest \
+             run's, errors the sum, and the verdicts use the medians.",
+            a.repeats
+        )
+    } else {
+        "Every cell ran once.".to_owned()
+    };
+    let mut out = format!(
         "{SECTION}\n\n\
          Run of {date} (`{cmd}`), {cpus} CPUs, everything on 127.0.0.1: 5 `skewless-echo` pods \
-         (the 5th delayed by the row's delay), `skewless-loadgen run` (closed loop, {inf} calls \
-         in flight per connection, {w} s warm-up, {d} s measured), and one proxy at a time, \
-         started fresh for its run with {t} worker threads/processes. `direct-healthy` and \
-         `direct-slow` load one pod without a proxy: the two outcomes of an L4 coin flip, never \
-         averaged. `p99 / direct-healthy` divides by the direct-healthy p99 of the same delay. \
-         CPU is the proxy's utime+stime over the measured window (all its processes), as cores \
-         per 1,000 RPS; peak RSS is `VmHWM` summed over its processes.\n\n\
+         (the 5th delayed by the row's delay), `skewless-loadgen run` ({w} s warm-up, {d} s \
+         measured per run), and one proxy at a time, started fresh for its run with {t} worker \
+         threads/processes. `direct-healthy` and `direct-slow` load one pod without a proxy: \
+         the two outcomes of an L4 coin flip, never averaged; `l4-roundrobin` (HAProxy `mode \
+         tcp`) is per-connection balancing, run with more than one connection. Ratios divide by \
+         the direct-healthy cell of the same delay and connections. CPU is the proxy's \
+         utime+stime over the measured window (all its processes), as cores per 1,000 RPS; \
+         peak RSS is `VmHWM` summed over its processes. {repeats}\n\n\
+         ### Closed loop\n\n\
+         {inf} calls in flight per connection (like ghz `-c`), a call starts when one ends.\n\n\
          {table}\n\
          ![p99 by target](bench-p99.svg) ![RPS by target](bench-rps.svg)\n\n\
-         Targets (issue 4), skewless against the peers of the same run:\n\n\
+         Targets (issue 4), skewless against the peers of the same run, per cell:\n\n\
          {targets}",
         cmd = a.command,
         inf = a.in_flight,
         w = a.warmup,
         d = a.duration,
         t = a.proxy_threads,
-    )
+    );
+    if let Some((open, open_targets)) = open {
+        let rate = a.open_rate.map_or_else(
+            || {
+                format!(
+                    "{:.0}% of HAProxy's closed-loop median RPS at {} ms and {} connection(s) \
+                     in this run",
+                    a.open_fraction * 100.0,
+                    a.open_delay,
+                    a.open_connections
+                )
+            },
+            |r| format!("{r:.0} calls/s (`--open-rate`)"),
+        );
+        let _ = write!(
+            out,
+            "\n### Open loop at equal offered load\n\n\
+             Every target gets the same fixed rate, {rate}, dealt round-robin over the \
+             connections; each call's latency counts from its intended send time, so a target \
+             that falls behind is charged for every call it delayed (no coordinated omission). \
+             `late`: calls sent more than 5 ms after their intended time; `not sent`: due in \
+             the window but never sent (at most 1,000 outstanding per connection); \
+             `unfinished`: no answer within 5 s after the window. `direct-healthy` is one pod \
+             without a proxy while the proxies spread the rate over five, so a rate above one \
+             pod's capacity overloads the baseline itself (it then shows `not sent`).\n\n\
+             {open}\n\
+             ![open-loop p99 by target](bench-open-p99.svg)\n\n\
+             {open_targets}"
+        );
+    }
+    out
 }
