@@ -94,7 +94,7 @@ struct Args {
     #[arg(long, default_value_t = 1)]
     open_connections: usize,
     /// Worker threads/processes of every proxy (HAProxy nbthread, nginx worker_processes,
-    /// skewless-proxy runtime threads).
+    /// skewless-proxy data-plane workers).
     #[arg(long, default_value_t = 2)]
     proxy_threads: usize,
     /// Directory with skewless-echo, skewless-loadgen and skewless-proxy (default: this
