@@ -133,6 +133,12 @@ impl<R: Rng> Picker<R> {
         }
     }
 
+    /// Replaces the tuning. Every decision from now on uses it; what was learned (latency
+    /// estimates, degraded and ejected endpoints) is kept.
+    pub fn set_config(&mut self, config: PickerConfig) {
+        self.config = config;
+    }
+
     /// Adds an endpoint; it is not pickable until [`Picker::set_ready`].
     pub fn insert(&mut self, id: SlotId, addr: SocketAddr, name: String, now: Instant) {
         self.slots.push(Slot {

@@ -1170,3 +1170,213 @@ async fn only_methods_marked_retryable_are_retried_after_a_processing_failure() 
         "a retryable method is retried elsewhere: {failed:?}"
     );
 }
+
+/// One caller's calls: when each was sent and which pod answered, or how it failed.
+type Calls = Vec<(tokio::time::Instant, Result<String, tonic::Status>)>;
+
+/// Unary calls from `tasks` concurrent callers until `stop_at`.
+fn unary_load(
+    c: &EchoClient<Channel>,
+    tasks: usize,
+    stop_at: tokio::time::Instant,
+) -> Vec<tokio::task::JoinHandle<Calls>> {
+    (0..tasks)
+        .map(|_| {
+            let mut c = c.clone();
+            tokio::spawn(async move {
+                let mut seen = Vec::new();
+                loop {
+                    let sent = tokio::time::Instant::now();
+                    if sent >= stop_at {
+                        break seen;
+                    }
+                    let r = c.echo(req(b"l")).await.map(|r| r.into_inner().pod);
+                    seen.push((sent, r));
+                }
+            })
+        })
+        .collect()
+}
+
+/// A bidi stream that stays open across `until`, one message every 20 ms; the replies it got.
+fn open_stream(
+    c: &EchoClient<Channel>,
+    until: tokio::time::Instant,
+) -> tokio::task::JoinHandle<Result<usize, tonic::Status>> {
+    let mut c = c.clone();
+    tokio::spawn(async move {
+        let (tx, rx) = mpsc::channel(1);
+        let mut replies = c
+            .bidi(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await?
+            .into_inner();
+        let mut got = 0;
+        while tokio::time::Instant::now() < until {
+            tx.send(req(b"s")).await.expect("stream open");
+            replies
+                .message()
+                .await?
+                .ok_or_else(|| tonic::Status::internal("stream ended early"))?;
+            got += 1;
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        drop(tx);
+        while replies.message().await?.is_some() {}
+        Ok(got)
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_service_set_and_cleared_live_applies_without_failing_calls() {
+    let pods = pods(3).await;
+    // pod-2 reports NOT_SERVING all along; without health checking it still gets its share.
+    pods[2].control.set_serving(false).await;
+    let b = balancer(Config::default(), endpoints(&pods)).await;
+    let c = client(b.addr).await;
+    let start = tokio::time::Instant::now();
+    let (on_at, off_at, stop_at) = (
+        start + Duration::from_millis(600),
+        start + Duration::from_millis(1400),
+        start + Duration::from_millis(2200),
+    );
+    let stream = open_stream(&c, stop_at);
+    let load = unary_load(&c, 4, stop_at);
+
+    tokio::time::sleep_until(on_at).await;
+    b.balancer.reconfigure(Config {
+        health_service: Some(skewless_echo::SERVICE_NAME.to_owned()),
+        ..Config::default()
+    });
+    tokio::time::sleep_until(off_at).await;
+    b.balancer.reconfigure(Config::default());
+
+    let mut all = Vec::new();
+    for t in load {
+        all.extend(t.await.expect("task"));
+    }
+    let replies = stream.await.expect("task");
+    let failed: Vec<_> = all.iter().filter_map(|(_, r)| r.as_ref().err()).collect();
+    assert!(
+        failed.is_empty(),
+        "no call fails across the changes: {} of {}, e.g. {:?}",
+        failed.len(),
+        all.len(),
+        failed.first()
+    );
+    assert!(
+        replies.as_ref().is_ok_and(|n| *n > 20),
+        "a stream open across both changes goes on: {replies:?}"
+    );
+    let window = |from: tokio::time::Instant, to: tokio::time::Instant| {
+        let names: Vec<String> = all
+            .iter()
+            .filter(|(t, _)| *t >= from && *t < to)
+            .filter_map(|(_, r)| r.as_ref().ok().cloned())
+            .collect();
+        tally(&names, 3)
+    };
+    let before = window(start, on_at);
+    let during = window(on_at + Duration::from_millis(200), off_at);
+    let after = window(off_at + Duration::from_millis(200), stop_at);
+    println!("pod-0..2 calls: before {before:?}, health on {during:?}, health off {after:?}");
+    assert!(
+        before[2] > 0,
+        "without health checking the NOT_SERVING pod gets calls: {before:?}"
+    );
+    assert!(
+        during[2] == 0 && during[0] > 0 && during[1] > 0,
+        "200 ms after health checking is switched on it gets none: {during:?}"
+    );
+    assert!(
+        after[2] > 0,
+        "switched off again, it gets calls again: {after:?}"
+    );
+    b.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retryable_methods_added_live_are_retried_from_the_next_call() {
+    let pods = pods(1).await;
+    // INTERNAL_ERROR: the upstream may have run the call, so only a retryable method is retried.
+    let (broken, hits) = resetting_upstream(h2::Reason::INTERNAL_ERROR).await;
+    let mut eps = endpoints(&pods);
+    eps.push(Endpoint::new(broken, "broken"));
+    let b = balancer(Config::default(), eps).await;
+    let mut c = client(b.addr).await;
+    let hit = || hits.load(std::sync::atomic::Ordering::Relaxed);
+    let mut failed = 0;
+    for _ in 0..8 {
+        failed += usize::from(c.echo(req(b"i")).await.is_err());
+    }
+    let before = hit();
+    assert!(
+        before > 0 && failed == before,
+        "not retryable yet: every call the broken endpoint took failed ({failed}/{before})"
+    );
+
+    b.balancer.reconfigure(Config {
+        retryable_methods: vec!["/skewless.echo.v1.Echo/Echo".to_owned()],
+        ..Config::default()
+    });
+    let mut failed = Vec::new();
+    for _ in 0..8 {
+        if let Err(status) = c.echo(req(b"i")).await {
+            failed.push(status);
+        }
+    }
+    assert!(hit() > before, "the broken endpoint was tried again");
+    assert!(
+        failed.is_empty(),
+        "once retryable, a call the broken endpoint reset is retried elsewhere: {failed:?}"
+    );
+    b.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_connection_age_set_live_rotates_open_client_connections() {
+    let pods = pods(1).await;
+    let b = balancer(Config::default(), endpoints(&pods)).await;
+    // Count the client connections the balancer accepts: a counting TCP relay in front of it.
+    let relay = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let relay_addr = relay.local_addr().expect("addr");
+    let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = accepted.clone();
+    let target = b.addr;
+    tokio::spawn(async move {
+        while let Ok((mut inbound, _)) = relay.accept().await {
+            count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            tokio::spawn(async move {
+                if let Ok(mut outbound) = tokio::net::TcpStream::connect(target).await {
+                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                }
+            });
+        }
+    });
+    let mut c = client(relay_addr).await;
+    let calls_for = |c: &mut EchoClient<Channel>, d: Duration| {
+        let mut c = c.clone();
+        async move {
+            let stop_at = tokio::time::Instant::now() + d;
+            while tokio::time::Instant::now() < stop_at {
+                // One caller, a call every 10 ms: a call racing our GOAWAY can fail in tonic
+                // (see max_connection_age_rotates_...), which this test does not count.
+                let _ = c.echo(req(b"a")).await;
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    };
+    calls_for(&mut c, Duration::from_millis(500)).await;
+    let before = accepted.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(before, 1, "no max age: one client connection");
+    b.balancer.reconfigure(Config {
+        max_connection_age: Some(Duration::from_millis(200)),
+        ..Config::default()
+    });
+    calls_for(&mut c, Duration::from_millis(1000)).await;
+    let after = accepted.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(
+        after >= 3,
+        "a 200 ms max age set on the live balancer rotates the open connection: {after} connections"
+    );
+    b.stop().await;
+}
