@@ -360,6 +360,21 @@ impl<R: Rng> Picker<R> {
         )
     }
 
+    /// Median latency estimate of the usable, active endpoints other than `id`.
+    fn median_active_latency_ns(&self, id: SlotId, now: Instant) -> Option<f64> {
+        let mut v: Vec<f64> = self
+            .slots
+            .iter()
+            .filter(|s| s.id != id && s.usable() && s.health == Health::Active)
+            .map(|s| self.latency_ns(s, now))
+            .collect();
+        if v.is_empty() {
+            return None;
+        }
+        v.sort_by(f64::total_cmp);
+        Some(v[(v.len() - 1) / 2])
+    }
+
     /// Whether one more endpoint may leave the rotation: at least half of the ready endpoints
     /// must stay in it.
     fn may_take_out(&self) -> bool {
@@ -400,6 +415,10 @@ impl<R: Rng> Picker<R> {
         let Some(threshold) = self.threshold_ns() else {
             return;
         };
+        // Only for a probe, which may bring the endpoint back: what a typical peer costs now.
+        let peers_ns = (probe && matches!(health, Health::Degraded { .. }))
+            .then(|| self.median_active_latency_ns(id, now))
+            .flatten();
         let may_take_out = self.may_take_out();
         let (recovery_probes, degraded_samples, degraded_after, interval, floor) = (
             self.config.recovery_probes,
@@ -444,8 +463,11 @@ impl<R: Rng> Picker<R> {
                     if good_probes >= recovery_probes {
                         tracing::info!(addr = %s.addr, name = %s.name, "endpoint recovered");
                         s.health = Health::Active;
-                        // Start over from what the probes saw, not the stale peak.
-                        s.ewma = Some((rtt_ns, now));
+                        // Start over from what the probes saw, not the stale peak; but no
+                        // cheaper than the median active peer: a probe is one request on an
+                        // idle endpoint, its peers' estimates carry the load's peaks, and a
+                        // returning endpoint that looks cheaper than everyone draws a herd.
+                        s.ewma = Some((peers_ns.map_or(rtt_ns, |p| p.max(rtt_ns)), now));
                         s.mean = Some((rtt_ns, now));
                     } else {
                         s.health = Health::Degraded { good_probes };

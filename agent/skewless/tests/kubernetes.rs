@@ -397,7 +397,7 @@ async fn health_annotation_change_reconfigures_the_running_balancer_without_fail
                     })
                     .await
                     .map(|r| r.into_inner().pod);
-                seen.push((sent, r));
+                seen.push((sent, Instant::now(), r));
             }
             seen
         }));
@@ -441,7 +441,7 @@ async fn health_annotation_change_reconfigures_the_running_balancer_without_fail
         backend_state(s, "echo-3") == Some("NotServing")
     })
     .await;
-    let out_from = Instant::now() + Duration::from_millis(50);
+    let out_from = Instant::now();
     tokio::time::sleep(Duration::from_millis(800)).await;
     // And off again: it is back.
     let off = Instant::now();
@@ -450,7 +450,7 @@ async fn health_annotation_change_reconfigures_the_running_balancer_without_fail
         backend_state(s, "echo-3") == Some("Active")
     })
     .await;
-    let back_from = Instant::now() + Duration::from_millis(50);
+    let back_from = Instant::now();
     tokio::time::sleep(Duration::from_millis(800)).await;
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let end = Instant::now();
@@ -460,7 +460,10 @@ async fn health_annotation_change_reconfigures_the_running_balancer_without_fail
         calls.extend(c.await.unwrap());
     }
     let streamed = stream.await.unwrap();
-    let failed: Vec<_> = calls.iter().filter_map(|(_, r)| r.as_ref().err()).collect();
+    let failed: Vec<_> = calls
+        .iter()
+        .filter_map(|(_, _, r)| r.as_ref().err())
+        .collect();
     assert!(
         failed.is_empty(),
         "no call fails across the annotation changes: {} of {}, e.g. {:?}",
@@ -468,8 +471,9 @@ async fn health_annotation_change_reconfigures_the_running_balancer_without_fail
         calls.len(),
         failed.first()
     );
+    // It only ends (Ok) after `stop`, so it was open across both changes.
     assert!(
-        streamed.as_ref().is_ok_and(|n| *n > 20),
+        streamed.as_ref().is_ok_and(|n| *n >= 5),
         "a stream open across both changes goes on: {streamed:?}"
     );
     let s = status(&admin).await.unwrap();
@@ -478,13 +482,16 @@ async fn health_annotation_change_reconfigures_the_running_balancer_without_fail
         Some(listen_addr),
         "the balancer was reconfigured in place, not replaced"
     );
+    // Calls sent after `from` and done before `to`, so picked between the two.
     let tally = |from: Instant, to: Instant| -> Vec<usize> {
         (1..=3)
             .map(|i| {
                 calls
                     .iter()
-                    .filter(|(t, r)| {
-                        *t >= from && *t < to && r.as_ref().is_ok_and(|p| *p == format!("echo-{i}"))
+                    .filter(|(sent, done, r)| {
+                        *sent >= from
+                            && *done < to
+                            && r.as_ref().is_ok_and(|p| *p == format!("echo-{i}"))
                     })
                     .count()
             })
