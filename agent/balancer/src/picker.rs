@@ -12,7 +12,9 @@
 //!    (and by at least `degraded_min_gap`) `degraded_samples` times in a row leaves the rotation
 //!    and gets one probe request in flight at most, one per `probe_interval`. It is never fully
 //!    evicted, and `recovery_probes` good probes in a row bring it back with its estimate reset
-//!    to what the probes saw (recovery in well under 5 s). The median reference means "everyone
+//!    to what the probes saw, but no lower than the median active peer's (a probe is one request
+//!    on an idle endpoint; looking cheaper than every loaded peer would draw a herd). Recovery
+//!    takes well under 5 s. The median reference means "everyone
 //!    is equally slow" degrades nobody, and at most half of the ready endpoints can be out of
 //!    rotation (degraded or ejected) at any time.
 //! 2. **One candidate is round robin, the other random.** P2C draws two random candidates; with
