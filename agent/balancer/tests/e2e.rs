@@ -1384,7 +1384,11 @@ async fn retryable_methods_added_live_are_retried_from_the_next_call() {
     let (broken, hits) = resetting_upstream(h2::Reason::INTERNAL_ERROR).await;
     let mut eps = endpoints(&pods);
     eps.push(Endpoint::new(broken, "broken"));
-    let b = balancer(Config::default(), eps).await;
+    // Never ejected, so the broken endpoint keeps being picked in both phases (else whether it
+    // is tried after the change depends on how many calls it took before).
+    let mut config = Config::default();
+    config.picker.failure_threshold = u32::MAX;
+    let b = balancer(config.clone(), eps).await;
     let mut c = client(b.addr).await;
     let hit = || hits.load(std::sync::atomic::Ordering::Relaxed);
     let mut failed = 0;
@@ -1399,7 +1403,7 @@ async fn retryable_methods_added_live_are_retried_from_the_next_call() {
 
     b.balancer.reconfigure(Config {
         retryable_methods: vec!["/skewless.echo.v1.Echo/Echo".to_owned()],
-        ..Config::default()
+        ..config
     });
     let mut failed = Vec::new();
     for _ in 0..8 {
