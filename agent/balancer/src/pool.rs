@@ -470,11 +470,10 @@ async fn connection_task(pool: Weak<Pool>, id: SlotId, addr: SocketAddr, grow: A
                 tracing::debug!(generation, "connected");
                 let Some(p) = pool.upgrade() else { return };
                 // With active health checking the endpoint is not used until its first
-                // SERVING (A17: a new connection starts out not known to be healthy).
+                // SERVING (A17: a new connection starts out not known to be healthy); without,
+                // it serves (also when checks were switched off while it was reconnecting).
                 let mut health_service = config.borrow_and_update().health_service.clone();
-                if health_service.is_some() {
-                    p.lock().picker.set_serving(id, false);
-                }
+                p.lock().picker.set_serving(id, health_service.is_none());
                 p.add_upstream(id, generation, sender.clone());
                 drop(p);
                 let health_watch = |service: String| {

@@ -1469,3 +1469,65 @@ async fn max_connection_age_set_live_rotates_open_client_connections() {
     );
     b.stop().await;
 }
+
+/// A TCP relay from `listener` to `target`; dropping the returned set closes the listener and
+/// every relayed connection at once (an endpoint that goes away).
+fn relay(listener: TcpListener, target: SocketAddr) -> tokio::task::JoinSet<()> {
+    let mut set = tokio::task::JoinSet::new();
+    set.spawn(async move {
+        // Dropped with this task: aborts every relayed connection.
+        let mut conns = tokio::task::JoinSet::new();
+        while let Ok((mut inbound, _)) = listener.accept().await {
+            conns.spawn(async move {
+                if let Ok(mut outbound) = tokio::net::TcpStream::connect(target).await {
+                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                }
+            });
+        }
+    });
+    set
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_checks_switched_off_while_an_endpoint_reconnects_leave_it_serving() {
+    use skewless_balancer::EndpointState::{Active, Connecting, NotServing};
+    let pods = pods(2).await;
+    pods[1].control.set_serving(false).await;
+    // pod-1 is reached through a relay, so the test can make it go away and come back at the
+    // same address.
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let via = listener.local_addr().expect("addr");
+    let up = relay(listener, pods[1].addr);
+    let b = balancer(
+        Config {
+            health_service: Some(skewless_echo::SERVICE_NAME.to_owned()),
+            ..Config::default()
+        },
+        vec![
+            Endpoint::new(pods[0].addr, "pod-0"),
+            Endpoint::new(via, "pod-1"),
+        ],
+    )
+    .await;
+    until_state(&b.balancer, 1, NotServing).await;
+    // pod-1 goes away, health checks are switched off while the balancer reconnects to it,
+    // then it is back.
+    drop(up);
+    until_state(&b.balancer, 1, Connecting).await;
+    b.balancer.reconfigure(Config::default());
+    let _up = relay(
+        TcpListener::bind(via).await.expect("rebind the relay"),
+        pods[1].addr,
+    );
+    until_state(&b.balancer, 1, Active).await;
+    let mut c = client(b.addr).await;
+    let mut names = Vec::new();
+    for _ in 0..20 {
+        names.push(c.echo(req(b"h")).await.expect("echo").into_inner().pod);
+    }
+    assert!(
+        names.iter().any(|p| p == "pod-1"),
+        "without health checks the reconnected pod serves: {names:?}"
+    );
+    b.stop().await;
+}
