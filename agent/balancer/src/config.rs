@@ -1,5 +1,6 @@
 //! Tuning of the balancer. Every field has a default chosen for gRPC services on one node; the
-//! model crate will fill these from the Service's annotations later.
+//! agent fills some from the Service's annotations, and `Balancer::reconfigure` applies a new
+//! `Config` to a running balancer (every field takes effect live; see there for when).
 
 use std::time::Duration;
 

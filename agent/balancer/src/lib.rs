@@ -105,6 +105,27 @@ impl Balancer {
         Self { pool, discovery }
     }
 
+    /// Applies `config` to the running balancer without dropping a connection or a call.
+    ///
+    /// Everything takes effect live: the picker's tuning, retries (retryable methods, budget,
+    /// attempts) and timeouts from the next request on; connection settings (connect timeout,
+    /// backoff, streams and connections per endpoint) from the next upstream connect; a changed
+    /// health service stops the old `grpc.health.v1` watches and starts the new ones on the
+    /// open upstream connections (switched off, every endpoint counts as serving again);
+    /// `max_connection_age` applies to new client connections, and to open ones counted from
+    /// the change (with the usual jitter, so they do not all reconnect at once); `drain_grace`
+    /// applies to drains that start afterwards.
+    pub fn reconfigure(&self, config: Config) {
+        tracing::debug!(?config, "reconfigured");
+        self.pool.reconfigure(config);
+    }
+
+    /// The configuration in effect.
+    #[must_use]
+    pub fn config(&self) -> Arc<Config> {
+        self.pool.config()
+    }
+
     /// Per-endpoint counters, for metrics and `skewless status`.
     #[must_use]
     pub fn stats(&self) -> Vec<EndpointStats> {
@@ -170,21 +191,20 @@ impl Balancer {
             let _ = stream.set_nodelay(true);
             let pool = self.pool.clone();
             let mut drain = drain_rx.clone();
+            let mut config = self.pool.subscribe_config();
             // +-10% jitter so connections accepted together do not all rotate together.
-            let max_age = self
-                .pool
-                .config()
-                .max_connection_age
-                .map(|age| age.mul_f64(0.9 + 0.2 * self.pool.random_unit()));
-            let grace = self.pool.config().drain_grace;
+            let jitter = 0.9 + 0.2 * self.pool.random_unit();
             conns.spawn(
                 async move {
                     // Boxed: hyper keeps the handler's future inside its per-stream task, and
                     // tokio moves a task's future by value when it spawns and finishes it; a
                     // pointer is cheaper to move than the ~2.8 KB state machine.
-                    let service = hyper::service::service_fn(move |req| {
-                        Box::pin(proxy::handle(pool.clone(), req))
-                    });
+                    let service = {
+                        let pool = pool.clone();
+                        hyper::service::service_fn(move |req| {
+                            Box::pin(proxy::handle(pool.clone(), req))
+                        })
+                    };
                     let conn = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
                         .timer(TokioTimer::new())
                         // Fixed windows; see `pool::STREAM_WINDOW`.
@@ -192,22 +212,38 @@ impl Balancer {
                         .initial_connection_window_size(pool::CONNECTION_WINDOW)
                         .serve_connection(TokioIo::new(stream), service);
                     tokio::pin!(conn);
-                    let aged = async {
-                        match max_age {
-                            Some(age) => tokio::time::sleep(age).await,
-                            None => std::future::pending().await,
-                        }
-                    };
-                    tokio::select! {
-                        res = conn.as_mut() => {
-                            if let Err(error) = res {
-                                tracing::debug!(%error, "client connection failed");
+                    // The age counts from the accept, or from the change for a max age set or
+                    // changed while the connection is open.
+                    let mut since = tokio::time::Instant::now();
+                    let mut max_age = config.borrow_and_update().max_connection_age;
+                    loop {
+                        let aged = async {
+                            match max_age {
+                                Some(age) => tokio::time::sleep_until(since + age.mul_f64(jitter)).await,
+                                None => std::future::pending().await,
                             }
-                            return;
+                        };
+                        tokio::select! {
+                            res = conn.as_mut() => {
+                                if let Err(error) = res {
+                                    tracing::debug!(%error, "client connection failed");
+                                }
+                                return;
+                            }
+                            _ = drain.wait_for(|d| *d) => tracing::debug!("draining client connection"),
+                            () = aged => tracing::debug!("client connection reached its max age"),
+                            Ok(()) = config.changed() => {
+                                let age = config.borrow_and_update().max_connection_age;
+                                if age != max_age {
+                                    max_age = age;
+                                    since = tokio::time::Instant::now();
+                                }
+                                continue;
+                            }
                         }
-                        _ = drain.wait_for(|d| *d) => tracing::debug!("draining client connection"),
-                        () = aged => tracing::debug!("client connection reached its max age"),
+                        break;
                     }
+                    let grace = pool.config().drain_grace;
                     // Two-phase GOAWAY: the client stops opening streams on this connection and
                     // reconnects; streams in flight finish within the grace period.
                     conn.as_mut().graceful_shutdown();

@@ -12,7 +12,9 @@
 //!    (and by at least `degraded_min_gap`) `degraded_samples` times in a row leaves the rotation
 //!    and gets one probe request in flight at most, one per `probe_interval`. It is never fully
 //!    evicted, and `recovery_probes` good probes in a row bring it back with its estimate reset
-//!    to what the probes saw (recovery in well under 5 s). The median reference means "everyone
+//!    to what the probes saw, but no lower than the median active peer's (a probe is one request
+//!    on an idle endpoint; looking cheaper than every loaded peer would draw a herd). Recovery
+//!    takes well under 5 s. The median reference means "everyone
 //!    is equally slow" degrades nobody, and at most half of the ready endpoints can be out of
 //!    rotation (degraded or ejected) at any time.
 //! 2. **One candidate is round robin, the other random.** P2C draws two random candidates; with
@@ -131,6 +133,12 @@ impl<R: Rng> Picker<R> {
             rng,
             total_requests: 0,
         }
+    }
+
+    /// Replaces the tuning. Every decision from now on uses it; what was learned (latency
+    /// estimates, degraded and ejected endpoints) is kept.
+    pub fn set_config(&mut self, config: PickerConfig) {
+        self.config = config;
     }
 
     /// Adds an endpoint; it is not pickable until [`Picker::set_ready`].
@@ -354,6 +362,21 @@ impl<R: Rng> Picker<R> {
         )
     }
 
+    /// Median latency estimate of the usable, active endpoints other than `id`.
+    fn median_active_latency_ns(&self, id: SlotId, now: Instant) -> Option<f64> {
+        let mut v: Vec<f64> = self
+            .slots
+            .iter()
+            .filter(|s| s.id != id && s.usable() && s.health == Health::Active)
+            .map(|s| self.latency_ns(s, now))
+            .collect();
+        if v.is_empty() {
+            return None;
+        }
+        v.sort_by(f64::total_cmp);
+        Some(v[(v.len() - 1) / 2])
+    }
+
     /// Whether one more endpoint may leave the rotation: at least half of the ready endpoints
     /// must stay in it.
     fn may_take_out(&self) -> bool {
@@ -394,6 +417,10 @@ impl<R: Rng> Picker<R> {
         let Some(threshold) = self.threshold_ns() else {
             return;
         };
+        // Only for a probe, which may bring the endpoint back: what a typical peer costs now.
+        let peers_ns = (probe && matches!(health, Health::Degraded { .. }))
+            .then(|| self.median_active_latency_ns(id, now))
+            .flatten();
         let may_take_out = self.may_take_out();
         let (recovery_probes, degraded_samples, degraded_after, interval, floor) = (
             self.config.recovery_probes,
@@ -438,8 +465,11 @@ impl<R: Rng> Picker<R> {
                     if good_probes >= recovery_probes {
                         tracing::info!(addr = %s.addr, name = %s.name, "endpoint recovered");
                         s.health = Health::Active;
-                        // Start over from what the probes saw, not the stale peak.
-                        s.ewma = Some((rtt_ns, now));
+                        // Start over from what the probes saw, not the stale peak; but no
+                        // cheaper than the median active peer: a probe is one request on an
+                        // idle endpoint, its peers' estimates carry the load's peaks, and a
+                        // returning endpoint that looks cheaper than everyone draws a herd.
+                        s.ewma = Some((peers_ns.map_or(rtt_ns, |p| p.max(rtt_ns)), now));
                         s.mean = Some((rtt_ns, now));
                     } else {
                         s.health = Health::Degraded { good_probes };

@@ -27,7 +27,10 @@ use crate::stats::{Counters, EndpointStats};
 type Rng = Box<dyn RngCore + Send>;
 
 pub(crate) struct Pool {
-    config: Config,
+    /// The current configuration. Readers take the `Arc` that is current when they look (a
+    /// request, a connect); [`Pool::reconfigure`] replaces it and tasks that hold state derived
+    /// from it (health watches, client connections' max age) follow through `subscribe`.
+    config: watch::Sender<Arc<Config>>,
     state: Mutex<State>,
     /// Woken whenever an endpoint becomes ready or the endpoint set changes.
     changed: Notify,
@@ -88,7 +91,7 @@ impl Pool {
                 conns: HashMap::new(),
                 retry_tokens: config.retry_burst,
             }),
-            config,
+            config: watch::Sender::new(Arc::new(config)),
             changed: Notify::new(),
             next_id: AtomicU64::new(0),
             counters: Counters::default(),
@@ -102,8 +105,26 @@ impl Pool {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    pub(crate) fn config(&self) -> &Config {
-        &self.config
+    pub(crate) fn config(&self) -> Arc<Config> {
+        self.config.borrow().clone()
+    }
+
+    /// Follows configuration changes.
+    pub(crate) fn subscribe_config(&self) -> watch::Receiver<Arc<Config>> {
+        self.config.subscribe()
+    }
+
+    /// Applies a new configuration to the running pool: the picker's tuning and the retry
+    /// budget at once, per-request settings from the next request on, connection settings from
+    /// the next connect, health watches as their connection tasks see the change.
+    pub(crate) fn reconfigure(&self, config: Config) {
+        let mut state = self.lock();
+        state.picker.set_config(config.picker.clone());
+        state.retry_tokens = state.retry_tokens.min(config.retry_burst);
+        drop(state);
+        self.config.send_replace(Arc::new(config));
+        // Requests waiting for a ready endpoint look again (health checking may be off now).
+        self.changed.notify_waiters();
     }
 
     /// A uniform number in [0, 1) from the balancer's (injectable) RNG, for jitter.
@@ -205,9 +226,9 @@ impl Pool {
 
     /// Deposits the retry-budget share of one original request.
     pub(crate) fn deposit_retry_token(&self) {
+        let config = self.config();
         let mut state = self.lock();
-        state.retry_tokens =
-            (state.retry_tokens + self.config.retry_ratio).min(self.config.retry_burst);
+        state.retry_tokens = (state.retry_tokens + config.retry_ratio).min(config.retry_burst);
     }
 
     /// Takes one retry from the budget, if it has one.
@@ -227,7 +248,7 @@ impl Pool {
         self: &Arc<Self>,
         exclude: &[SlotId],
     ) -> Result<Lease, ForwardError> {
-        let give_up = Instant::now() + self.config.ready_timeout;
+        let give_up = Instant::now() + self.config().ready_timeout;
         loop {
             let notified = self.changed.notified();
             tokio::pin!(notified);
@@ -257,10 +278,13 @@ impl Pool {
             }
             return Ok(None);
         };
-        let (per_conn, max_conns) = (
-            self.config.max_streams_per_connection,
-            self.config.max_connections_per_endpoint,
-        );
+        let (per_conn, max_conns) = {
+            let config = self.config.borrow();
+            (
+                config.max_streams_per_connection,
+                config.max_connections_per_endpoint,
+            )
+        };
         if let Some(conn) = state.conns.get_mut(&pick.id)
             && let Some(up) = conn
                 .upstreams
@@ -424,43 +448,50 @@ async fn connect(
 /// connections die young. Opens extra connections when asked through `grow`; those live until
 /// they end and are not replaced.
 async fn connection_task(pool: Weak<Pool>, id: SlotId, addr: SocketAddr, grow: Arc<Notify>) {
-    let Some((timeout, (base, max), max_conns)) = pool.upgrade().map(|p| {
-        (
-            p.config.connect_timeout,
-            p.config.reconnect_backoff,
-            p.config.max_connections_per_endpoint,
-        )
-    }) else {
+    let Some(mut config) = pool.upgrade().map(|p| p.subscribe_config()) else {
         return;
     };
     // Dropped (aborting the extra connections' tasks) when this task is aborted.
     let mut extras = tokio::task::JoinSet::new();
-    let mut backoff = base;
+    let mut backoff = config.borrow().reconnect_backoff.0;
     loop {
+        // Connection settings as of this connect: a reconfiguration applies from the next one.
+        let (timeout, (base, max), max_conns) = {
+            let c = config.borrow_and_update();
+            (
+                c.connect_timeout,
+                c.reconnect_backoff,
+                c.max_connections_per_endpoint,
+            )
+        };
         match connect(addr, timeout).await {
             Ok((sender, conn)) => {
                 let generation = GENERATION.fetch_add(1, Ordering::Relaxed);
                 tracing::debug!(generation, "connected");
                 let Some(p) = pool.upgrade() else { return };
                 // With active health checking the endpoint is not used until its first
-                // SERVING (A17: a new connection starts out not known to be healthy).
-                let health_service = p.config.health_service.clone();
-                if health_service.is_some() {
-                    p.lock().picker.set_serving(id, false);
-                }
+                // SERVING (A17: a new connection starts out not known to be healthy); without,
+                // it serves (also when checks were switched off while it was reconnecting).
+                let mut health_service = config.borrow_and_update().health_service.clone();
+                p.lock().picker.set_serving(id, health_service.is_none());
                 p.add_upstream(id, generation, sender.clone());
                 drop(p);
-                // Aborted when this connection ends.
-                let _health = health_service.map(|service| {
-                    AbortOnDrop(tokio::spawn(crate::health::watch(
-                        pool.clone(),
-                        id,
-                        generation,
-                        sender,
-                        addr.to_string(),
-                        service,
-                    )))
-                });
+                let health_watch = |service: String| {
+                    // Aborted when dropped: on a health service change and when this
+                    // connection ends.
+                    AbortOnDrop(tokio::spawn(
+                        crate::health::watch(
+                            pool.clone(),
+                            id,
+                            generation,
+                            sender.clone(),
+                            addr.to_string(),
+                            service,
+                        )
+                        .in_current_span(),
+                    ))
+                };
+                let mut health = health_service.clone().map(health_watch);
                 let started = Instant::now();
                 // Resolves when the connection takes no new streams: after an upstream GOAWAY
                 // the in-flight streams go on in hyper's connection task, so the replacement
@@ -482,8 +513,31 @@ async fn connection_task(pool: Weak<Pool>, id: SlotId, addr: SocketAddr, grow: A
                                 extras.spawn(extra_connection(pool.clone(), id, addr, timeout).in_current_span());
                             }
                         }
+                        Ok(()) = config.changed() => {
+                            let wanted = config.borrow_and_update().health_service.clone();
+                            if wanted == health_service {
+                                continue;
+                            }
+                            tracing::debug!(service = ?wanted, "health service changed");
+                            // Stop the old watch before anything else can report for it.
+                            drop(health.take());
+                            match &wanted {
+                                // Health checking is off: EndpointSlice readiness alone counts.
+                                None => {
+                                    if let Some(p) = pool.upgrade() {
+                                        p.set_serving(id, generation, true);
+                                    }
+                                }
+                                // A live connection keeps its current state until the new watch
+                                // reports (a moment later), so switching health checks on does
+                                // not stall a Service whose endpoints all serve.
+                                Some(service) => health = Some(health_watch(service.clone())),
+                            }
+                            health_service = wanted;
+                        }
                     }
                 }
+                drop(health);
                 let Some(p) = pool.upgrade() else { return };
                 p.connection_closed(id, generation);
                 drop(p);

@@ -87,14 +87,19 @@ async fn forward(
     deadline: Option<Instant>,
 ) -> Result<Response<ProxyBody>, ForwardError> {
     pool.deposit_retry_token();
-    let max_attempts = pool.config().max_attempts.max(1);
+    let (max_attempts, retryable_method) = {
+        // One look at the live config per request (it may be swapped by `reconfigure`).
+        let config = pool.config();
+        let path = req.uri().path();
+        (
+            config.max_attempts.max(1),
+            config
+                .retryable_methods
+                .iter()
+                .any(|m| path == m.as_str() || (m.ends_with('/') && path.starts_with(m.as_str()))),
+        )
+    };
     let (parts, body) = req.into_parts();
-    let path = parts.uri.path();
-    let retryable_method = pool
-        .config()
-        .retryable_methods
-        .iter()
-        .any(|m| path == m.as_str() || (m.ends_with('/') && path.starts_with(m.as_str())));
     let (body, replay) = UpstreamBody::client(body);
     // What a retry needs to rebuild the request (extensions are not forwarded anyway).
     let template = (

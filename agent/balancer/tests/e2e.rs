@@ -1071,63 +1071,98 @@ async fn full_connections_make_the_balancer_open_more_to_the_same_endpoint() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn healed_pod_is_back_in_rotation_within_5s() {
-    let pods = pods(4).await;
-    pods[3].control.set_delay(Duration::from_millis(50));
+async fn healed_pod_gets_its_fair_share_back_within_5s_without_a_herd() {
+    const PODS: usize = 5;
+    let pods = pods(PODS).await;
+    pods[4].control.set_delay(Duration::from_millis(50));
     let b = balancer(Config::default(), endpoints(&pods)).await;
     let c = client(b.addr).await;
     let started = tokio::time::Instant::now();
-    let heal_at = started + Duration::from_millis(1000);
-    let stop_at = started + Duration::from_millis(6000);
+    // Bounded: 8 callers for at most 20 s (in practice ~1 s slow + 6 s healed).
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let mut tasks = Vec::new();
     for _ in 0..8 {
-        let mut c = c.clone();
+        let (mut c, stop) = (c.clone(), stop.clone());
         tasks.push(tokio::spawn(async move {
             let mut seen = Vec::new();
-            loop {
+            let give_up = started + Duration::from_secs(20);
+            while !stop.load(std::sync::atomic::Ordering::Relaxed)
+                && tokio::time::Instant::now() < give_up
+            {
                 let sent = tokio::time::Instant::now();
-                if sent >= stop_at {
-                    break seen;
-                }
                 let pod = c.echo(req(b"h")).await.expect("echo").into_inner().pod;
                 seen.push((sent, pod));
             }
+            seen
         }));
     }
-    tokio::time::sleep_until(heal_at).await;
-    pods[3].control.set_delay(Duration::ZERO);
+    // Slow until the balancer has taken it out of the rotation (a second or less; more when the
+    // machine is so busy that every pod's latency is near 50 ms)...
+    let deadline = started + Duration::from_secs(10);
+    while b.balancer.stats()[4].state != skewless_balancer::EndpointState::Degraded {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the 50 ms pod is degraded within 10 s: {:?}",
+            b.balancer.stats()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let degraded_at = tokio::time::Instant::now();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // ... then healed; watched for 6 s in 1 s windows.
+    let healed_at = tokio::time::Instant::now();
+    pods[4].control.set_delay(Duration::ZERO);
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let mut all = Vec::new();
     for t in tasks {
         all.extend(t.await.expect("task"));
     }
-    let window = |from: tokio::time::Instant, to: tokio::time::Instant| {
+    let share = |from: tokio::time::Instant, to: tokio::time::Instant| {
         let names: Vec<String> = all
             .iter()
             .filter(|(t, _)| *t >= from && *t < to)
             .map(|(_, p)| p.clone())
             .collect();
-        let t = tally(&names, 4);
-        (t[3] as f64 / names.len().max(1) as f64, t)
+        let t = tally(&names, PODS);
+        (t[4] as f64 / names.len().max(1) as f64, t)
     };
-    let (slow_share, t) = window(started + Duration::from_millis(300), heal_at);
-    assert!(slow_share < 0.05, "while slow it gets little: {t:?}");
-    // The last second, 4-5 s after healing (the issue's bound): back to about a fair quarter.
-    let (healed_share, t) = window(stop_at - Duration::from_millis(1000), stop_at);
-    let state = b.balancer.stats()[3].state;
-    assert_eq!(
-        state,
-        skewless_balancer::EndpointState::Active,
-        "the healed pod is in rotation"
+    let (_, t) = share(degraded_at, healed_at);
+    assert!(
+        t[4] <= 4,
+        "while degraded it gets probes only, one per 200 ms: {t:?}"
+    );
+    let windows: Vec<(f64, Vec<usize>)> = (0..6)
+        .map(|i| {
+            let from = healed_at + Duration::from_secs(i);
+            share(from, from + Duration::from_secs(1))
+        })
+        .collect();
+    println!(
+        "healed pod's share per 1 s window after healing (fair 0.20): {:?}",
+        windows
+            .iter()
+            .map(|(s, _)| format!("{s:.3}"))
+            .collect::<Vec<_>>()
+    );
+    // Generous bounds (a shared 2-core machine): fair is 20%. Seconds 2-5 together, not one
+    // window: a single stalled reply (a busy machine) makes any pod's peak-EWMA estimate
+    // jump, and that pod, healed or not, gets little for a second or so.
+    let (back, t) = share(
+        healed_at + Duration::from_secs(2),
+        healed_at + Duration::from_secs(5),
     );
     assert!(
-        // Back in rotation (it had < 5% while slow). The fair share itself is pinned by the
-        // picker's simulation only: here 24 tests share 2 cores, and in about 1 run of 10 the
-        // healed pod was seen at only 4-10% in this window, its peak-EWMA estimate staying
-        // ~3x its peers' (open question, reported with issue 4).
-        healed_share > 0.0,
-        "healed pod gets calls again within 5 s: {t:?} {:?}",
+        back >= 0.10,
+        "2-5 s after healing it is back near its fair share (>= 10%): {back:.3} {t:?} {:?}",
         b.balancer.stats()
     );
+    for (i, (s, t)) in windows.iter().take(5).enumerate() {
+        assert!(
+            *s < 0.40,
+            "no herd onto the healed pod: second {i} after healing it got {s:.2}: {t:?}"
+        );
+    }
     b.stop().await;
 }
 
@@ -1169,4 +1204,330 @@ async fn only_methods_marked_retryable_are_retried_after_a_processing_failure() 
         failed.is_empty(),
         "a retryable method is retried elsewhere: {failed:?}"
     );
+}
+
+/// One caller's calls: when each was sent, when it ended, and which pod answered or how it
+/// failed.
+type Calls = Vec<(
+    tokio::time::Instant,
+    tokio::time::Instant,
+    Result<String, tonic::Status>,
+)>;
+
+/// Set to stop a load; it stops by itself after 20 s.
+type Stop = Arc<std::sync::atomic::AtomicBool>;
+
+fn running(stop: &Stop, started: tokio::time::Instant) -> bool {
+    !stop.load(std::sync::atomic::Ordering::Relaxed) && started.elapsed() < Duration::from_secs(20)
+}
+
+/// Unary calls from `tasks` concurrent callers until `stop`.
+fn unary_load(
+    c: &EchoClient<Channel>,
+    tasks: usize,
+    stop: &Stop,
+) -> Vec<tokio::task::JoinHandle<Calls>> {
+    let started = tokio::time::Instant::now();
+    (0..tasks)
+        .map(|_| {
+            let (mut c, stop) = (c.clone(), stop.clone());
+            tokio::spawn(async move {
+                let mut seen = Vec::new();
+                while running(&stop, started) {
+                    let sent = tokio::time::Instant::now();
+                    let r = c.echo(req(b"l")).await.map(|r| r.into_inner().pod);
+                    seen.push((sent, tokio::time::Instant::now(), r));
+                }
+                seen
+            })
+        })
+        .collect()
+}
+
+/// A bidi stream that stays open until `stop`, one message every 20 ms; the replies it got.
+fn open_stream(
+    c: &EchoClient<Channel>,
+    stop: &Stop,
+) -> tokio::task::JoinHandle<Result<usize, tonic::Status>> {
+    let started = tokio::time::Instant::now();
+    let (mut c, stop) = (c.clone(), stop.clone());
+    tokio::spawn(async move {
+        let (tx, rx) = mpsc::channel(1);
+        let mut replies = c
+            .bidi(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await?
+            .into_inner();
+        let mut got = 0;
+        while running(&stop, started) {
+            tx.send(req(b"s")).await.expect("stream open");
+            replies
+                .message()
+                .await?
+                .ok_or_else(|| tonic::Status::internal("stream ended early"))?;
+            got += 1;
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        drop(tx);
+        while replies.message().await?.is_some() {}
+        Ok(got)
+    })
+}
+
+/// Waits (up to 5 s) until the balancer reports endpoint `i` in `state`; returns when it did.
+async fn until_state(
+    b: &Balancer,
+    i: usize,
+    state: skewless_balancer::EndpointState,
+) -> tokio::time::Instant {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        if b.stats()[i].state == state {
+            return tokio::time::Instant::now();
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "endpoint {i} reaches {state:?} within 5 s: {:?}",
+            b.stats()
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_service_set_and_cleared_live_applies_without_failing_calls() {
+    use skewless_balancer::EndpointState::{Active, NotServing};
+    let pods = pods(3).await;
+    // pod-2 reports NOT_SERVING all along; without health checking it still gets its share.
+    pods[2].control.set_serving(false).await;
+    let b = balancer(Config::default(), endpoints(&pods)).await;
+    let c = client(b.addr).await;
+    let stop = Stop::default();
+    let stream = open_stream(&c, &stop);
+    let load = unary_load(&c, 4, &stop);
+    let phase = Duration::from_millis(600);
+    let start = tokio::time::Instant::now();
+
+    tokio::time::sleep(phase).await;
+    let on_at = tokio::time::Instant::now();
+    b.balancer.reconfigure(Config {
+        health_service: Some(skewless_echo::SERVICE_NAME.to_owned()),
+        ..Config::default()
+    });
+    // The new watch reports within moments; from then on the pod gets no call.
+    let out_at = until_state(&b.balancer, 2, NotServing).await;
+    tokio::time::sleep(phase).await;
+    let off_at = tokio::time::Instant::now();
+    b.balancer.reconfigure(Config::default());
+    let back_at = until_state(&b.balancer, 2, Active).await;
+    tokio::time::sleep(phase).await;
+    let stop_at = tokio::time::Instant::now();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+
+    let mut all = Vec::new();
+    for t in load {
+        all.extend(t.await.expect("task"));
+    }
+    let replies = stream.await.expect("task");
+    let failed: Vec<_> = all
+        .iter()
+        .filter_map(|(_, _, r)| r.as_ref().err())
+        .collect();
+    assert!(
+        failed.is_empty(),
+        "no call fails across the changes: {} of {}, e.g. {:?}",
+        failed.len(),
+        all.len(),
+        failed.first()
+    );
+    // It only ends (Ok) after `stop`, so it was open across both changes.
+    assert!(
+        replies.as_ref().is_ok_and(|n| *n >= 5),
+        "a stream open across both changes goes on: {replies:?}"
+    );
+    // Calls sent after `from` and done before `to`: so picked between the two (a call sent
+    // before a change may be picked after it on a busy machine).
+    let window = |from: tokio::time::Instant, to: tokio::time::Instant| {
+        let names: Vec<String> = all
+            .iter()
+            .filter(|(sent, done, _)| *sent >= from && *done < to)
+            .filter_map(|(_, _, r)| r.as_ref().ok().cloned())
+            .collect();
+        tally(&names, 3)
+    };
+    let before = window(start, on_at);
+    let during = window(out_at, off_at);
+    let after = window(back_at, stop_at);
+    println!(
+        "health on -> NotServing {:?}, off -> Active {:?}; pod-0..2 calls: before {before:?}, health on {during:?}, health off {after:?}",
+        out_at - on_at,
+        back_at - off_at
+    );
+    assert!(
+        before[2] > 0,
+        "without health checking the NOT_SERVING pod gets calls: {before:?}"
+    );
+    assert!(
+        during[2] == 0 && during[0] > 0 && during[1] > 0,
+        "once health checking reports it NOT_SERVING, it gets no call: {during:?}"
+    );
+    assert!(
+        after[2] > 0,
+        "switched off again, it gets calls again: {after:?}"
+    );
+    b.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retryable_methods_added_live_are_retried_from_the_next_call() {
+    let pods = pods(1).await;
+    // INTERNAL_ERROR: the upstream may have run the call, so only a retryable method is retried.
+    let (broken, hits) = resetting_upstream(h2::Reason::INTERNAL_ERROR).await;
+    let mut eps = endpoints(&pods);
+    eps.push(Endpoint::new(broken, "broken"));
+    // Never ejected, so the broken endpoint keeps being picked in both phases (else whether it
+    // is tried after the change depends on how many calls it took before).
+    let mut config = Config::default();
+    config.picker.failure_threshold = u32::MAX;
+    let b = balancer(config.clone(), eps).await;
+    let mut c = client(b.addr).await;
+    let hit = || hits.load(std::sync::atomic::Ordering::Relaxed);
+    let mut failed = 0;
+    for _ in 0..8 {
+        failed += usize::from(c.echo(req(b"i")).await.is_err());
+    }
+    let before = hit();
+    assert!(
+        before > 0 && failed == before,
+        "not retryable yet: every call the broken endpoint took failed ({failed}/{before})"
+    );
+
+    b.balancer.reconfigure(Config {
+        retryable_methods: vec!["/skewless.echo.v1.Echo/Echo".to_owned()],
+        ..config
+    });
+    let mut failed = Vec::new();
+    for _ in 0..8 {
+        if let Err(status) = c.echo(req(b"i")).await {
+            failed.push(status);
+        }
+    }
+    assert!(hit() > before, "the broken endpoint was tried again");
+    assert!(
+        failed.is_empty(),
+        "once retryable, a call the broken endpoint reset is retried elsewhere: {failed:?}"
+    );
+    b.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_connection_age_set_live_rotates_open_client_connections() {
+    let pods = pods(1).await;
+    let b = balancer(Config::default(), endpoints(&pods)).await;
+    // Count the client connections the balancer accepts: a counting TCP relay in front of it.
+    let relay = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let relay_addr = relay.local_addr().expect("addr");
+    let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = accepted.clone();
+    let target = b.addr;
+    tokio::spawn(async move {
+        while let Ok((mut inbound, _)) = relay.accept().await {
+            count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            tokio::spawn(async move {
+                if let Ok(mut outbound) = tokio::net::TcpStream::connect(target).await {
+                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                }
+            });
+        }
+    });
+    let mut c = client(relay_addr).await;
+    let calls_for = |c: &mut EchoClient<Channel>, d: Duration| {
+        let mut c = c.clone();
+        async move {
+            let stop_at = tokio::time::Instant::now() + d;
+            while tokio::time::Instant::now() < stop_at {
+                // One caller, a call every 10 ms: a call racing our GOAWAY can fail in tonic
+                // (see max_connection_age_rotates_...), which this test does not count.
+                let _ = c.echo(req(b"a")).await;
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    };
+    calls_for(&mut c, Duration::from_millis(500)).await;
+    let before = accepted.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(before, 1, "no max age: one client connection");
+    b.balancer.reconfigure(Config {
+        max_connection_age: Some(Duration::from_millis(200)),
+        ..Config::default()
+    });
+    calls_for(&mut c, Duration::from_millis(1000)).await;
+    let after = accepted.load(std::sync::atomic::Ordering::Relaxed);
+    // At least one rotation (>= 3 on an idle machine; a busy one makes the calls, and so the
+    // reconnects, sparse).
+    assert!(
+        after >= 2,
+        "a 200 ms max age set on the live balancer rotates the open connection: {after} connections"
+    );
+    b.stop().await;
+}
+
+/// A TCP relay from `listener` to `target`; dropping the returned set closes the listener and
+/// every relayed connection at once (an endpoint that goes away).
+fn relay(listener: TcpListener, target: SocketAddr) -> tokio::task::JoinSet<()> {
+    let mut set = tokio::task::JoinSet::new();
+    set.spawn(async move {
+        // Dropped with this task: aborts every relayed connection.
+        let mut conns = tokio::task::JoinSet::new();
+        while let Ok((mut inbound, _)) = listener.accept().await {
+            conns.spawn(async move {
+                if let Ok(mut outbound) = tokio::net::TcpStream::connect(target).await {
+                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                }
+            });
+        }
+    });
+    set
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_checks_switched_off_while_an_endpoint_reconnects_leave_it_serving() {
+    use skewless_balancer::EndpointState::{Active, Connecting, NotServing};
+    let pods = pods(2).await;
+    pods[1].control.set_serving(false).await;
+    // pod-1 is reached through a relay, so the test can make it go away and come back at the
+    // same address.
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let via = listener.local_addr().expect("addr");
+    let up = relay(listener, pods[1].addr);
+    let b = balancer(
+        Config {
+            health_service: Some(skewless_echo::SERVICE_NAME.to_owned()),
+            ..Config::default()
+        },
+        vec![
+            Endpoint::new(pods[0].addr, "pod-0"),
+            Endpoint::new(via, "pod-1"),
+        ],
+    )
+    .await;
+    until_state(&b.balancer, 1, NotServing).await;
+    // pod-1 goes away, health checks are switched off while the balancer reconnects to it,
+    // then it is back.
+    drop(up);
+    until_state(&b.balancer, 1, Connecting).await;
+    b.balancer.reconfigure(Config::default());
+    let _up = relay(
+        TcpListener::bind(via).await.expect("rebind the relay"),
+        pods[1].addr,
+    );
+    until_state(&b.balancer, 1, Active).await;
+    let mut c = client(b.addr).await;
+    let mut names = Vec::new();
+    for _ in 0..20 {
+        names.push(c.echo(req(b"h")).await.expect("echo").into_inner().pod);
+    }
+    assert!(
+        names.iter().any(|p| p == "pod-1"),
+        "without health checks the reconnected pod serves: {names:?}"
+    );
+    b.stop().await;
 }

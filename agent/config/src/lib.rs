@@ -2,8 +2,11 @@
 //! single-machine users run the agent.
 //!
 //! The file lists Services with their ClusterIPs, ports, mode, tuning annotations and endpoints
-//! (see [`File`] and the example in `examples/services.yaml`). It is re-read on every poll
-//! and applied when its content changed. A file that cannot be read or parsed is reported (log
+//! (see [`File`] and the example in `examples/services.yaml`). It is re-read when inotify
+//! reports a change in its directory (so an opt-in reaches the model within milliseconds; the
+//! directory, not the file, so an editor or a Kubernetes ConfigMap replacing it by rename and a
+//! file created later are seen too), and on every poll as the fallback (no inotify, a symlink
+//! into another directory), and applied when its content changed. A file that cannot be read or parsed is reported (log
 //! line + `skewless_source_errors_total{source="file"}`) and the last good state stays in
 //! effect; per-Service problems (a bad annotation) are handled by the index like Kubernetes
 //! ones: that Service keeps its last good config.
@@ -16,12 +19,13 @@ use std::{
     time::Duration,
 };
 
+use notify::Watcher as _;
 use serde::Deserialize;
 use skewless_model::{
     EndpointInput, Index, Metrics, PortInput, Rejection, ServiceInput, ServiceKey, SliceInput,
     SliceKey, SlicePortInput, Snapshot, TargetPort, annotations,
 };
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 use tracing::{debug, info, warn};
 
 /// The file's top level.
@@ -277,30 +281,134 @@ impl FileSource {
         Ok(self.index.reset(&inputs.services, &inputs.slices))
     }
 
-    /// Polls the file forever.
+    /// Follows the file forever: re-reads it a moment after inotify reports a change in its
+    /// directory, and on every poll.
     pub async fn run(mut self) {
         info!(path = %self.path.display(), poll = ?self.poll, "watching services file");
+        let (changed_tx, mut changed_rx) = mpsc::channel::<()>(1);
+        let mut watcher = DirWatcher::new(&self.path, changed_tx);
         let mut tick = tokio::time::interval(self.poll);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
-            tick.tick().await;
-            match self.reload() {
-                Ok(_) => {
-                    if self.last_error.take().is_some() {
-                        info!(path = %self.path.display(), "services file valid again");
-                    }
+            tokio::select! {
+                _ = tick.tick() => {
+                    // Retried on every poll while the directory does not exist yet.
+                    watcher.ensure();
                 }
-                Err(error) => {
-                    let shown = error_chain(&error);
-                    if self.last_error.as_deref() != Some(shown.as_str()) {
-                        warn!(error = %shown, "services file rejected; keeping last good state");
-                        self.index.metrics().source_error("file");
-                        self.last_error = Some(shown);
-                    }
+                Some(()) = changed_rx.recv() => {
+                    // A writer's burst of events (truncate, write, close) is one change: let it
+                    // settle, then read once.
+                    tokio::time::sleep(SETTLE).await;
+                    while changed_rx.try_recv().is_ok() {}
+                }
+            }
+            self.reload_and_report();
+        }
+    }
+
+    fn reload_and_report(&mut self) {
+        match self.reload() {
+            Ok(_) => {
+                if self.last_error.take().is_some() {
+                    info!(path = %self.path.display(), "services file valid again");
+                }
+            }
+            Err(error) => {
+                let shown = error_chain(&error);
+                if self.last_error.as_deref() != Some(shown.as_str()) {
+                    warn!(error = %shown, "services file rejected; keeping last good state");
+                    self.index.metrics().source_error("file");
+                    self.last_error = Some(shown);
                 }
             }
         }
     }
+}
+
+/// How long after a change event the file is read: writers produce several events per change.
+const SETTLE: Duration = Duration::from_millis(10);
+
+/// An inotify watch on the file's directory that signals `changed` for events that may concern
+/// the file: its own name, a Kubernetes ConfigMap's `..data` swap, or an overflow.
+struct DirWatcher {
+    path: PathBuf,
+    changed: mpsc::Sender<()>,
+    watcher: Option<notify::RecommendedWatcher>,
+    /// The last failure, logged once.
+    failed: Option<String>,
+}
+
+impl DirWatcher {
+    fn new(path: &Path, changed: mpsc::Sender<()>) -> Self {
+        let mut w = Self {
+            path: path.to_owned(),
+            changed,
+            watcher: None,
+            failed: None,
+        };
+        w.ensure();
+        w
+    }
+
+    /// Sets the watch up if it is not yet.
+    fn ensure(&mut self) {
+        if self.watcher.is_some() {
+            return;
+        }
+        let dir = match self.path.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d.to_owned(),
+            _ => PathBuf::from("."),
+        };
+        let name = self.path.file_name().map(std::ffi::OsStr::to_owned);
+        let changed = self.changed.clone();
+        let watched = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
+            let concerns_file = match &event {
+                Ok(event) => concerns(event, name.as_deref()),
+                // Overflow or a backend error: the file may have changed.
+                Err(_) => true,
+            };
+            if concerns_file {
+                // Full means a reload is already due.
+                let _ = changed.try_send(());
+            }
+        })
+        .and_then(|mut w| {
+            w.watch(&dir, notify::RecursiveMode::NonRecursive)?;
+            Ok(w)
+        });
+        match watched {
+            Ok(w) => {
+                debug!(dir = %dir.display(), "watching the services file's directory");
+                self.watcher = Some(w);
+                if self.failed.take().is_some() {
+                    info!(dir = %dir.display(), "watching the services file's directory again");
+                }
+            }
+            Err(error) => {
+                let shown = error_chain(&error);
+                if self.failed.as_deref() != Some(shown.as_str()) {
+                    warn!(dir = %dir.display(), error = %shown, "cannot watch the services file's directory; polling only");
+                    self.failed = Some(shown);
+                }
+            }
+        }
+    }
+}
+
+/// Whether an event in the directory may concern the file named `name`. Opens and reads (ours
+/// included) do not; anything that writes, creates, renames or removes it does.
+fn concerns(event: &notify::Event, name: Option<&std::ffi::OsStr>) -> bool {
+    use notify::event::{AccessKind, AccessMode, EventKind};
+    match event.kind {
+        EventKind::Access(AccessKind::Close(AccessMode::Write)) => {}
+        EventKind::Access(_) => return false,
+        _ => {}
+    }
+    event.paths.is_empty()
+        || event.paths.iter().any(|p| match p.file_name() {
+            Some(f) => Some(f) == name || f.as_encoded_bytes().starts_with(b".."),
+            None => true,
+        })
 }
 
 /// The error and its sources on one line, for a log field.

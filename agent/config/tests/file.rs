@@ -202,3 +202,83 @@ async fn file_changes_are_applied_and_a_broken_file_keeps_the_last_good_state() 
     wait_for(&mut rx, "services removed", Snapshot::is_empty).await;
     task.abort();
 }
+
+/// Waits until `f` holds and returns how long that took.
+async fn latency(
+    rx: &mut watch::Receiver<Snapshot>,
+    what: &str,
+    f: impl FnMut(&Snapshot) -> bool,
+) -> Duration {
+    let start = tokio::time::Instant::now();
+    wait_for(rx, what, f).await;
+    start.elapsed()
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn changes_are_picked_up_by_the_directory_watch_not_the_poll() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("services.yaml");
+    // The poll (10 s) is far slower than any bound below: only the inotify watch can pass.
+    let src = FileSource::new(&path, Duration::from_secs(10), Metrics::default());
+    let mut rx = src.snapshots();
+    let task = tokio::spawn(src.run());
+    // The first read (at start) finds no file; give the source a moment to set its watch up.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+
+    // Created after the source started (written elsewhere, renamed in: what editors and
+    // Kubernetes' atomic writer do).
+    let replace = |text: String| {
+        let tmp = dir.path().join(".services.yaml.tmp");
+        std::fs::write(&tmp, text).expect("write");
+        std::fs::rename(&tmp, &path).expect("rename");
+    };
+    replace(mk_file(&mk_service("web", "request", &["10.0.0.1"])));
+    let created = latency(&mut rx, "file created -> opt-in", |s| {
+        s.get(&key("web")).is_some_and(|w| w.mode == Mode::Request)
+    })
+    .await;
+
+    // Written in place.
+    std::fs::write(&path, mk_file(&mk_service("web", "observe", &["10.0.0.1"]))).expect("write");
+    let in_place = latency(&mut rx, "in-place write -> mode change", |s| {
+        s.get(&key("web")).is_some_and(|w| w.mode == Mode::Observe)
+    })
+    .await;
+
+    // Replaced by rename: opt-out.
+    replace(mk_file(""));
+    let renamed = latency(&mut rx, "replaced by rename -> opt-out", Snapshot::is_empty).await;
+
+    // And back, several times, for a spread.
+    let mut more = Vec::new();
+    for i in 0..5 {
+        let mode = if i % 2 == 0 { "request" } else { "observe" };
+        replace(mk_file(&mk_service("web", mode, &["10.0.0.1"])));
+        more.push(
+            latency(&mut rx, "replaced by rename -> mode", |s| {
+                s.get(&key("web")).is_some_and(|w| w.mode.as_str() == mode)
+            })
+            .await,
+        );
+    }
+    println!(
+        "services file change -> snapshot: created {created:?}, in place {in_place:?}, renamed {renamed:?}, 5 more renames max {:?}",
+        more.iter().max().expect("5 samples")
+    );
+    for (what, took) in [
+        ("created", created),
+        ("in place", in_place),
+        ("renamed", renamed),
+    ]
+    .into_iter()
+    .chain(more.into_iter().map(|t| ("renamed again", t)))
+    {
+        // Issue 3 asks for 100 ms; generous here for a shared test machine, and still 10x
+        // under the poll.
+        assert!(
+            took < Duration::from_secs(1),
+            "{what}: the watch picks the change up, not the 10 s poll: {took:?}"
+        );
+    }
+    task.abort();
+}

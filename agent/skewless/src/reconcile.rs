@@ -8,6 +8,10 @@
 //! running before the redirect entry is written, and the entry is removed before the balancer
 //! drains.
 //!
+//! A changed tuning annotation reconfigures the running balancer in place
+//! ([`Balancer::reconfigure`]): every setting the annotations carry applies live, so the
+//! listener, the redirect and the client connections stay.
+//!
 //! `observe` needs no redirect. `connection` mode is not built yet: such Services stay plain
 //! L4 and the agent says so once.
 
@@ -20,7 +24,7 @@ use std::{
 use serde::{Deserialize, Serialize};
 use skewless_balancer::{Balancer, Config, Endpoint, EndpointStats, Workers, reuseport_listeners};
 use skewless_datapath::Datapath;
-use skewless_model::{Mode, ServiceKey, ServiceState, Snapshot};
+use skewless_model::{Mode, ServiceKey, ServiceState, Snapshot, Tuning};
 use tokio::{net::TcpListener, sync::watch, task::JoinHandle};
 use tracing::{Instrument as _, info, info_span, warn};
 
@@ -146,6 +150,14 @@ impl Reconciler {
         for (vip, (state, port)) in wanted {
             if let Some(r) = self.running.get_mut(&vip) {
                 if !Arc::ptr_eq(&r.state, &state) {
+                    if r.state.tuning != state.tuning {
+                        // Applied live: no new listener, no dropped connection.
+                        info!(%vip, service = %r.service, "tuning changed; reconfiguring the balancer");
+                        let config = config(&state);
+                        for balancer in &r.balancers {
+                            balancer.reconfigure(config.clone());
+                        }
+                    }
                     r.endpoints.send_replace(endpoints(&state, port));
                     r.state = state;
                 }
@@ -336,12 +348,21 @@ fn endpoints(state: &ServiceState, port: u16) -> Vec<Endpoint> {
 
 /// Balancer settings from the Service's tuning annotations.
 fn config(state: &ServiceState) -> Config {
-    let tuning = &state.tuning;
+    // Exhaustive, so a new annotation does not compile until it is handled here.
+    let Tuning {
+        // Connection mode's rotation policy (not built yet); the request balancer has no use
+        // for them.
+        skew_threshold: _,
+        hold_time: _,
+        max_rotations_per_minute: _,
+        max_connection_age,
+        grpc_health_service,
+        retryable_methods,
+    } = &state.tuning;
     Config {
-        health_service: tuning.grpc_health_service.clone(),
-        max_connection_age: tuning.max_connection_age,
-        retryable_methods: tuning
-            .retryable_methods
+        health_service: grpc_health_service.clone(),
+        max_connection_age: *max_connection_age,
+        retryable_methods: retryable_methods
             .iter()
             .map(|m| match &m.method {
                 Some(method) => format!("/{}/{method}", m.service),
