@@ -9,11 +9,6 @@ mod reconcile;
 
 use clap::{Parser, Subcommand};
 
-// The balancers allocate per request: mimalloc costs a fraction of glibc malloc there
-// (docs/benchmarks.md).
-#[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
 #[derive(Parser)]
 #[command(
     version,
