@@ -6,10 +6,10 @@
 //! reports a change in its directory (so an opt-in reaches the model within milliseconds; the
 //! directory, not the file, so an editor or a Kubernetes ConfigMap replacing it by rename and a
 //! file created later are seen too), and on every poll as the fallback (no inotify, a symlink
-//! into another directory), and applied when its content changed. A file that cannot be read or parsed is reported (log
-//! line + `skewless_source_errors_total{source="file"}`) and the last good state stays in
-//! effect; per-Service problems (a bad annotation) are handled by the index like Kubernetes
-//! ones: that Service keeps its last good config.
+//! into another directory), and applied when its content changed. A file that cannot be read
+//! or parsed is reported (log line + `skewless_source_errors_total{source="file"}`) and the
+//! last good state stays in effect; per-Service problems (a bad annotation) are handled by the
+//! index like Kubernetes ones: that Service keeps its last good config.
 
 #![forbid(unsafe_code)]
 

@@ -10,10 +10,6 @@ use anyhow::{Context as _, bail};
 use clap::Parser;
 use skewless_balancer::{Balancer, Config, Endpoint, Workers, reuseport_listeners};
 
-// Same allocator as the agent.
-#[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
 /// Serve one skewless balancer over a fixed set of endpoints (HTTP/2 cleartext both sides).
 #[derive(Debug, Parser)]
 struct Args {
