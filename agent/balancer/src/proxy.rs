@@ -171,7 +171,7 @@ async fn forward(
                     Counters::bump(&pool.counters.retries);
                     tracing::debug!(addr = %lease.addr, %error, "retrying on another endpoint");
                     tried.push(lease.id);
-                    lease.finish(Outcome::Cancelled);
+                    lease.finish(retried_outcome(&error));
                     attempts += 1;
                     let (method, uri, version, headers) = &template;
                     let mut retry = Request::new(body);
@@ -195,6 +195,29 @@ async fn forward(
 /// (it drops it on its own task, normally at once; 100 ms was too short on a busy node). The
 /// caller's deadline still bounds the whole call.
 const REPLAY_WAIT: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// What a retried attempt says about its endpoint. A graceful GOAWAY (the server rotating or
+/// shutting down its connection) says nothing: the endpoint stays as it was. Anything else, a
+/// REFUSED_STREAM included, is a failure of the endpoint: otherwise an endpoint that refuses
+/// every stream would look cheap (it answers at once and holds nothing in flight), attract
+/// every first attempt and drain the retry budget, until calls fail; counted as failures, it
+/// is ejected after `failure_threshold` of them like any failing endpoint.
+fn retried_outcome(error: &hyper::Error) -> Outcome {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(error);
+    while let Some(e) = source {
+        if let Some(h2) = e.downcast_ref::<h2::Error>() {
+            let graceful =
+                h2.is_go_away() && h2.is_remote() && h2.reason() == Some(h2::Reason::NO_ERROR);
+            return if graceful {
+                Outcome::Cancelled
+            } else {
+                Outcome::Failure
+            };
+        }
+        source = e.source();
+    }
+    Outcome::Failure
+}
 
 /// Whether the upstream provably did not process the request: it refused the stream
 /// (REFUSED_STREAM), or the stream was cut by a graceful GOAWAY (NO_ERROR). h2 fails a stream
