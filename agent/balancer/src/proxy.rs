@@ -203,20 +203,28 @@ const REPLAY_WAIT: std::time::Duration = std::time::Duration::from_millis(500);
 /// every first attempt and drain the retry budget, until calls fail; counted as failures, it
 /// is ejected after `failure_threshold` of them like any failing endpoint.
 fn retried_outcome(error: &hyper::Error) -> Outcome {
+    if h2_error(error).is_some_and(graceful_go_away) {
+        Outcome::Cancelled
+    } else {
+        Outcome::Failure
+    }
+}
+
+/// The HTTP/2 error under a hyper error, if there is one.
+fn h2_error(error: &hyper::Error) -> Option<&h2::Error> {
     let mut source: Option<&(dyn std::error::Error + 'static)> = Some(error);
     while let Some(e) = source {
         if let Some(h2) = e.downcast_ref::<h2::Error>() {
-            let graceful =
-                h2.is_go_away() && h2.is_remote() && h2.reason() == Some(h2::Reason::NO_ERROR);
-            return if graceful {
-                Outcome::Cancelled
-            } else {
-                Outcome::Failure
-            };
+            return Some(h2);
         }
         source = e.source();
     }
-    Outcome::Failure
+    None
+}
+
+/// The stream was cut by the upstream's graceful GOAWAY (NO_ERROR).
+fn graceful_go_away(h2: &h2::Error) -> bool {
+    h2.is_go_away() && h2.is_remote() && h2.reason() == Some(h2::Reason::NO_ERROR)
 }
 
 /// Whether the upstream provably did not process the request: it refused the stream
@@ -224,17 +232,8 @@ fn retried_outcome(error: &hyper::Error) -> Outcome {
 /// with a remote NO_ERROR GOAWAY when its id is above the GOAWAY's last-stream-id; a graceful
 /// server finishes every stream at or below it before closing.
 fn not_processed(error: &hyper::Error) -> bool {
-    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(error);
-    while let Some(e) = source {
-        if let Some(h2) = e.downcast_ref::<h2::Error>() {
-            return h2.reason() == Some(h2::Reason::REFUSED_STREAM)
-                || (h2.is_go_away()
-                    && h2.is_remote()
-                    && h2.reason() == Some(h2::Reason::NO_ERROR));
-        }
-        source = e.source();
-    }
-    false
+    h2_error(error)
+        .is_some_and(|h2| h2.reason() == Some(h2::Reason::REFUSED_STREAM) || graceful_go_away(h2))
 }
 
 fn wrap(resp: Response<Incoming>, lease: Lease, deadline: Option<Instant>) -> Response<ProxyBody> {
@@ -404,12 +403,5 @@ impl Body for ProxyBody {
 /// Whether the upstream reset the stream with CANCEL (the server gave up on the call), which
 /// says nothing about the endpoint's health.
 fn upstream_cancelled(error: &hyper::Error) -> bool {
-    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(error);
-    while let Some(e) = source {
-        if let Some(h2) = e.downcast_ref::<h2::Error>() {
-            return h2.reason() == Some(h2::Reason::CANCEL);
-        }
-        source = e.source();
-    }
-    false
+    h2_error(error).is_some_and(|h2| h2.reason() == Some(h2::Reason::CANCEL))
 }
