@@ -7,12 +7,12 @@ use std::{collections::BTreeMap, net::SocketAddr, time::Duration};
 
 use k8s_openapi::{
     api::{
-        core::v1::{Node, NodeSpec, ObjectReference, Service, ServicePort, ServiceSpec},
-        discovery::v1::{Endpoint, EndpointConditions, EndpointPort, EndpointSlice},
+        core::v1::{Node, NodeSpec, Service, ServicePort, ServiceSpec},
+        discovery::v1::EndpointSlice,
     },
     apimachinery::pkg::{apis::meta::v1::ObjectMeta, util::intstr::IntOrString},
 };
-use skewless_k8s::{Config, Discovery, SERVICE_NAME_LABEL};
+use skewless_k8s::{Config, Discovery};
 use skewless_model::{Metrics, Mode, NodeInfo, ServiceKey, Snapshot, annotations};
 use support::{FakeApi, eventually, wait_for};
 use tokio::{sync::watch, task::JoinHandle};
@@ -52,41 +52,7 @@ fn mk_service(name: &str, annots: &[(&str, &str)]) -> Service {
 }
 
 fn mk_slice(name: &str, service: &str, n: usize) -> EndpointSlice {
-    EndpointSlice {
-        metadata: ObjectMeta {
-            name: Some(name.into()),
-            namespace: Some("ns".into()),
-            labels: Some(BTreeMap::from([(
-                SERVICE_NAME_LABEL.to_owned(),
-                service.to_owned(),
-            )])),
-            ..ObjectMeta::default()
-        },
-        address_type: "IPv4".into(),
-        ports: Some(vec![EndpointPort {
-            name: Some("grpc".into()),
-            port: Some(8080),
-            protocol: Some("TCP".into()),
-            ..EndpointPort::default()
-        }]),
-        endpoints: (1..=n)
-            .map(|i| Endpoint {
-                addresses: vec![format!("10.0.0.{i}")],
-                conditions: Some(EndpointConditions {
-                    ready: Some(true),
-                    serving: Some(true),
-                    terminating: Some(false),
-                }),
-                target_ref: Some(ObjectReference {
-                    kind: Some("Pod".into()),
-                    name: Some(format!("{service}-{i}")),
-                    namespace: Some("ns".into()),
-                    ..ObjectReference::default()
-                }),
-                ..Endpoint::default()
-            })
-            .collect(),
-    }
+    support::ready_slice(name, service, n, "10.0.0.", 8080)
 }
 
 fn mk_node(name: &str, zone: &str) -> Node {

@@ -12,7 +12,6 @@
 mod support;
 
 use std::{
-    collections::BTreeMap,
     net::TcpListener,
     process::{Child, Command, Stdio},
     time::{Duration, Instant},
@@ -23,8 +22,8 @@ use hyper::body::Bytes;
 use hyper_util::rt::TokioIo;
 use k8s_openapi::{
     api::{
-        core::v1::{Node, ObjectReference, Service, ServicePort, ServiceSpec},
-        discovery::v1::{Endpoint, EndpointConditions, EndpointPort, EndpointSlice},
+        core::v1::{Node, Service, ServicePort, ServiceSpec},
+        discovery::v1::EndpointSlice,
     },
     apimachinery::pkg::apis::meta::v1::ObjectMeta,
 };
@@ -71,41 +70,7 @@ fn mk_slice(n: usize) -> EndpointSlice {
 
 /// `n` endpoints `echo-<i>` at 127.0.1.<i>:`port`.
 fn mk_slice_on(n: usize, port: i32) -> EndpointSlice {
-    EndpointSlice {
-        metadata: ObjectMeta {
-            name: Some("echo-abc".into()),
-            namespace: Some("ns".into()),
-            labels: Some(BTreeMap::from([(
-                "kubernetes.io/service-name".to_owned(),
-                "echo".to_owned(),
-            )])),
-            ..ObjectMeta::default()
-        },
-        address_type: "IPv4".into(),
-        ports: Some(vec![EndpointPort {
-            name: Some("grpc".into()),
-            port: Some(port),
-            protocol: Some("TCP".into()),
-            ..EndpointPort::default()
-        }]),
-        endpoints: (1..=n)
-            .map(|i| Endpoint {
-                addresses: vec![format!("127.0.1.{i}")],
-                conditions: Some(EndpointConditions {
-                    ready: Some(true),
-                    serving: Some(true),
-                    terminating: Some(false),
-                }),
-                target_ref: Some(ObjectReference {
-                    kind: Some("Pod".into()),
-                    name: Some(format!("echo-{i}")),
-                    namespace: Some("ns".into()),
-                    ..ObjectReference::default()
-                }),
-                ..Endpoint::default()
-            })
-            .collect(),
-    }
+    support::ready_slice("echo-abc", "echo", n, "127.0.1.", port)
 }
 
 fn mk_node() -> Node {

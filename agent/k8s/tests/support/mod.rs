@@ -35,8 +35,62 @@ use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full, StreamBody, combinators::BoxBody};
 use hyper::body::{Bytes, Frame, Incoming};
 use hyper_util::rt::TokioIo;
+use k8s_openapi::{
+    api::{
+        core::v1::ObjectReference,
+        discovery::v1::{Endpoint, EndpointConditions, EndpointPort, EndpointSlice},
+    },
+    apimachinery::pkg::apis::meta::v1::ObjectMeta,
+};
 use serde_json::{Value, json};
+use skewless_k8s::SERVICE_NAME_LABEL;
 use tokio::{net::TcpListener, sync::watch, task::JoinSet};
+
+/// EndpointSlice `name` in namespace `ns` of Service `service`: `n` ready endpoints, pod
+/// `<service>-<i>` at `<addr_prefix><i>` (i from 1), port `grpc` = `port`.
+pub fn ready_slice(
+    name: &str,
+    service: &str,
+    n: usize,
+    addr_prefix: &str,
+    port: i32,
+) -> EndpointSlice {
+    EndpointSlice {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            namespace: Some("ns".into()),
+            labels: Some(BTreeMap::from([(
+                SERVICE_NAME_LABEL.to_owned(),
+                service.to_owned(),
+            )])),
+            ..ObjectMeta::default()
+        },
+        address_type: "IPv4".into(),
+        ports: Some(vec![EndpointPort {
+            name: Some("grpc".into()),
+            port: Some(port),
+            protocol: Some("TCP".into()),
+            ..EndpointPort::default()
+        }]),
+        endpoints: (1..=n)
+            .map(|i| Endpoint {
+                addresses: vec![format!("{addr_prefix}{i}")],
+                conditions: Some(EndpointConditions {
+                    ready: Some(true),
+                    serving: Some(true),
+                    terminating: Some(false),
+                }),
+                target_ref: Some(ObjectReference {
+                    kind: Some("Pod".into()),
+                    name: Some(format!("{service}-{i}")),
+                    namespace: Some("ns".into()),
+                    ..ObjectReference::default()
+                }),
+                ..Endpoint::default()
+            })
+            .collect(),
+    }
+}
 
 type Body = BoxBody<Bytes, io::Error>;
 
