@@ -385,6 +385,59 @@ fn echo_bed(vip: SocketAddrV4, pods: &[&str]) -> (skewless_testbed::Testbed, std
     (tb, gen_dir)
 }
 
+/// A dual-stack echo Service: its IPv4 VIP `198.19.0.<octet>:50051`, the IPv6 twin the
+/// testbed gives it, and the path its services file goes to.
+struct DualStack {
+    tb: skewless_testbed::Testbed,
+    gen_dir: std::path::PathBuf,
+    vip: SocketAddrV4,
+    vip6: std::net::SocketAddrV6,
+    services: TempPath,
+    /// Both ClusterIPs, as the services file lists them.
+    ips: [String; 2],
+}
+
+fn dual_stack_bed(octet: u8) -> DualStack {
+    let vip = SocketAddrV4::new(std::net::Ipv4Addr::new(198, 19, 0, octet), 50051);
+    let vip6 = std::net::SocketAddrV6::new(skewless_testbed::vip6(*vip.ip()), vip.port(), 0, 0);
+    let (tb, gen_dir) = echo_bed(vip, &ECHO_PODS);
+    let services = TempPath::new(format!("skewless-test-services-{}.yaml", tb.id()));
+    let ips = [vip.ip().to_string(), vip6.ip().to_string()];
+    DualStack {
+        tb,
+        gen_dir,
+        vip,
+        vip6,
+        services,
+        ips,
+    }
+}
+
+/// Starts the agent on `d`'s services file with the testbed's IPv6 balancer address (plus
+/// `extra` flags), attached to the client pod; waits until both families are redirected.
+fn spawn_dual_stack_agent(d: &mut DualStack, extra: &[&str]) {
+    let cgroup = d.tb.pod("client").unwrap().cgroup.display().to_string();
+    let file = d.services.display().to_string();
+    let ip6 = skewless_testbed::BALANCER_IP6.to_string();
+    let mut argv = vec![
+        env!("CARGO_BIN_EXE_skewless"),
+        "agent",
+        "--services-file",
+        &file,
+        "--cgroup",
+        &cgroup,
+        "--balancer-ip6",
+        &ip6,
+        "--admin-addr",
+        ADMIN,
+    ];
+    argv.extend_from_slice(extra);
+    d.tb.spawn(Place::Node(0), &argv).unwrap();
+    wait_until("both families are redirected", || {
+        services_in_status(&d.tb) == 2
+    });
+}
+
 /// Starts the agent on a services file, attached to the client pod; waits for its admin API.
 fn spawn_file_agent(tb: &mut skewless_testbed::Testbed, services: &std::path::Path) -> u32 {
     let cgroup = tb.pod("client").unwrap().cgroup.display().to_string();
@@ -621,42 +674,29 @@ fn sigkill_under_grpc_load_every_call_a_second_later_succeeds() {
 #[test]
 #[ignore = "privileged: needs root and the real kernel; run with `cargo xtask test`"]
 fn agent_balances_grpc_through_an_ipv6_cluster_ip() {
-    use skewless_testbed::{BALANCER_IP6, grpc};
-    let vip = SocketAddrV4::new(std::net::Ipv4Addr::new(198, 19, 0, 33), 50051);
-    let vip6 = std::net::SocketAddrV6::new(skewless_testbed::vip6(*vip.ip()), vip.port(), 0, 0);
-    let (mut tb, gen_dir) = echo_bed(vip, &ECHO_PODS);
-    let target6 = vip6.to_string();
+    use skewless_testbed::grpc;
+    let mut d = dual_stack_bed(33);
+    let target6 = d.vip6.to_string();
 
     // Control: through the IPv6 VIP (ip6 DNAT) the pick_first client is pinned.
-    let pinned = grpc::run_client(&tb, &gen_dir, Place::Pod("client"), &target6, 100, 4).unwrap();
+    let pinned =
+        grpc::run_client(&d.tb, &d.gen_dir, Place::Pod("client"), &target6, 100, 4).unwrap();
     assert_eq!(
         (pinned.ok, pinned.pods.len()),
         (100, 1),
         "without skewless: pinned: {pinned:?}"
     );
 
-    let services = TempPath::new(format!("skewless-test-services-{}.yaml", tb.id()));
-    let ips = [vip.ip().to_string(), vip6.ip().to_string()];
-    write_services_ips(&services, &tb, &ips, vip.port(), "request", &ECHO_PODS);
-    let cgroup = tb.pod("client").unwrap().cgroup.display().to_string();
-    let (file, ip6) = (services.display().to_string(), BALANCER_IP6.to_string());
-    let argv = [
-        env!("CARGO_BIN_EXE_skewless"),
-        "agent",
-        "--services-file",
-        &file,
-        "--cgroup",
-        &cgroup,
-        "--balancer-ip6",
-        &ip6,
-        "--admin-addr",
-        ADMIN,
-    ];
-    tb.spawn(Place::Node(0), &argv).unwrap();
-    wait_until("both families are redirected", || {
-        services_in_status(&tb) == 2
-    });
-    let status = status_json(&tb);
+    write_services_ips(
+        &d.services,
+        &d.tb,
+        &d.ips,
+        d.vip.port(),
+        "request",
+        &ECHO_PODS,
+    );
+    spawn_dual_stack_agent(&mut d, &[]);
+    let status = status_json(&d.tb);
     assert!(
         status["redirects"]
             .as_array()
@@ -666,7 +706,8 @@ fn agent_balances_grpc_through_an_ipv6_cluster_ip() {
         "the IPv6 VIP must be in the redirect map: {status}"
     );
 
-    let balanced = grpc::run_client(&tb, &gen_dir, Place::Pod("client"), &target6, 200, 4).unwrap();
+    let balanced =
+        grpc::run_client(&d.tb, &d.gen_dir, Place::Pod("client"), &target6, 200, 4).unwrap();
     assert_eq!(
         balanced.ok, 200,
         "every call through the IPv6 VIP must succeed: {balanced:?}"
@@ -680,11 +721,14 @@ fn agent_balances_grpc_through_an_ipv6_cluster_ip() {
 #[test]
 #[ignore = "privileged: needs root and the real kernel; run with `cargo xtask test`"]
 fn observe_mode_reports_the_backend_of_a_pinned_ipv6_client() {
-    let vip = SocketAddrV4::new(std::net::Ipv4Addr::new(198, 19, 0, 34), 50051);
-    let vip6 = std::net::SocketAddrV6::new(skewless_testbed::vip6(*vip.ip()), vip.port(), 0, 0);
-    let (mut tb, gen_dir) = echo_bed(vip, &ECHO_PODS);
-    let services = TempPath::new(format!("skewless-test-services-{}.yaml", tb.id()));
-    let ips = [vip.ip().to_string(), vip6.ip().to_string()];
+    let DualStack {
+        mut tb,
+        gen_dir,
+        vip,
+        vip6,
+        services,
+        ips,
+    } = dual_stack_bed(34);
     write_services_full(
         &services,
         &tb,
@@ -719,39 +763,25 @@ fn observe_mode_reports_the_backend_of_a_pinned_ipv6_client() {
 #[ignore = "privileged: needs root and the real kernel; run with `cargo xtask test`"]
 fn ipv6_balancer_listener_serves_pods_and_refuses_other_peers() {
     use skewless_testbed::{BALANCER_IP6, grpc};
-    let vip = SocketAddrV4::new(std::net::Ipv4Addr::new(198, 19, 0, 35), 50051);
-    let vip6 = std::net::SocketAddrV6::new(skewless_testbed::vip6(*vip.ip()), vip.port(), 0, 0);
-    let (mut tb, gen_dir) = echo_bed(vip, &ECHO_PODS);
-    let services = TempPath::new(format!("skewless-test-services-{}.yaml", tb.id()));
-    let ips = [vip.ip().to_string(), vip6.ip().to_string()];
-    write_services_ips(&services, &tb, &ips, vip.port(), "request", &ECHO_PODS);
-    let client = tb.pod("client").unwrap();
-    let cgroup = client.cgroup.display().to_string();
+    let mut d = dual_stack_bed(35);
+    write_services_ips(
+        &d.services,
+        &d.tb,
+        &d.ips,
+        d.vip.port(),
+        "request",
+        &ECHO_PODS,
+    );
+    let client = d.tb.pod("client").unwrap();
     // Only the client pod's networks, IPv4 and IPv6, may use the balancers.
     let o = client.ip.octets();
     let pod_cidr = format!("{}.{}.{}.0/24", o[0], o[1], o[2]);
     let pod_cidr6 = format!("{}/64", client.ip6);
-    let (file, ip6) = (services.display().to_string(), BALANCER_IP6.to_string());
-    let argv = [
-        env!("CARGO_BIN_EXE_skewless"),
-        "agent",
-        "--services-file",
-        &file,
-        "--cgroup",
-        &cgroup,
-        "--balancer-ip6",
-        &ip6,
-        "--pod-cidr",
-        &pod_cidr,
-        "--pod-cidr",
-        &pod_cidr6,
-        "--admin-addr",
-        ADMIN,
-    ];
-    tb.spawn(Place::Node(0), &argv).unwrap();
-    wait_until("both families are redirected", || {
-        services_in_status(&tb) == 2
-    });
+    spawn_dual_stack_agent(&mut d, &["--pod-cidr", &pod_cidr, "--pod-cidr", &pod_cidr6]);
+    // The file is removed (and the testbed torn down) at the end of the test, with `d`.
+    let DualStack {
+        tb, gen_dir, vip6, ..
+    } = d;
     let status = status_json(&tb);
     let listener6 = status["services"]
         .as_array()
