@@ -8,18 +8,16 @@
 //! pod cgroup attached, so the redirect entries it writes are inspected but route nothing,
 //! and every endpoint is a loopback address (nothing listens there; connects are refused).
 
+mod admin_api;
 #[path = "../../k8s/tests/support/mod.rs"]
 mod support;
 
 use std::{
-    net::TcpListener,
-    process::{Child, Command, Stdio},
+    process::{Command, Stdio},
     time::{Duration, Instant},
 };
 
-use http_body_util::{BodyExt as _, Empty};
-use hyper::body::Bytes;
-use hyper_util::rt::TokioIo;
+use admin_api::{AgentProcess, free_admin_addr, get, status};
 use k8s_openapi::{
     api::{
         core::v1::{Node, Service, ServicePort, ServiceSpec},
@@ -83,62 +81,9 @@ fn mk_node() -> Node {
     }
 }
 
-/// The agent process and its temp dir: killed and removed on drop, also when a test fails.
-struct AgentProcess {
-    child: Child,
-    dir: std::path::PathBuf,
-}
-
-impl Drop for AgentProcess {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-async fn get(admin: &str, path: &str) -> Option<Bytes> {
-    let stream = tokio::net::TcpStream::connect(admin).await.ok()?;
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-        .await
-        .ok()?;
-    tokio::spawn(conn);
-    let req = http::Request::get(path)
-        .header("host", admin)
-        .body(Empty::<Bytes>::new())
-        .ok()?;
-    Some(
-        sender
-            .send_request(req)
-            .await
-            .ok()?
-            .into_body()
-            .collect()
-            .await
-            .ok()?
-            .to_bytes(),
-    )
-}
-
-async fn status(admin: &str) -> Option<serde_json::Value> {
-    serde_json::from_slice(&get(admin, "/status").await?).ok()
-}
-
-/// Polls `/status` every 2 ms until `f` holds; returns how long that took.
+/// Polls `/status` until `f` holds (15 s at most); returns how long that took.
 async fn until(admin: &str, what: &str, f: impl Fn(&serde_json::Value) -> bool) -> Duration {
-    let start = Instant::now();
-    loop {
-        if let Some(s) = status(admin).await
-            && f(&s)
-        {
-            return start.elapsed();
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(15),
-            "timed out waiting until {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
+    admin_api::until(admin, what, Duration::from_secs(15), f).await
 }
 
 fn balancer_endpoints(s: &serde_json::Value) -> Option<usize> {
@@ -168,10 +113,7 @@ fn start_agent(api: &FakeApi, name: &str) -> (AgentProcess, String) {
         ),
     )
     .unwrap();
-    let admin = {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().to_string()
-    };
+    let admin = free_admin_addr();
     let child = Command::new(env!("CARGO_BIN_EXE_skewless"))
         .args([
             "agent",

@@ -7,32 +7,15 @@
 //! pod cgroup attached: the redirect entries are inspected but route nothing, and the
 //! endpoints are loopback addresses nothing listens on.
 
+mod admin_api;
+
 use std::{
-    net::TcpListener,
-    path::{Path, PathBuf},
-    process::{Child, Command, Stdio},
-    time::{Duration, Instant},
+    path::Path,
+    process::{Command, Stdio},
+    time::Duration,
 };
 
-use http_body_util::{BodyExt as _, Empty};
-use hyper::body::Bytes;
-use hyper_util::rt::TokioIo;
-
 const VIP: &str = "198.19.0.41:50051";
-
-/// The agent and its temp dir: killed and removed on drop, also when the test fails.
-struct Agent {
-    child: Child,
-    dir: PathBuf,
-}
-
-impl Drop for Agent {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
 
 /// Writes the file the way editors and ConfigMaps do: elsewhere, then renamed over it.
 fn write_services(path: &Path, mode: Option<&str>) {
@@ -45,52 +28,21 @@ fn write_services(path: &Path, mode: Option<&str>) {
     std::fs::rename(&tmp, path).unwrap();
 }
 
-async fn status(admin: &str) -> Option<serde_json::Value> {
-    let stream = tokio::net::TcpStream::connect(admin).await.ok()?;
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-        .await
-        .ok()?;
-    tokio::spawn(conn);
-    let req = http::Request::get("/status")
-        .header("host", admin)
-        .body(Empty::<Bytes>::new())
-        .ok()?;
-    let body = sender
-        .send_request(req)
-        .await
-        .ok()?
-        .into_body()
-        .collect()
-        .await
-        .ok()?
-        .to_bytes();
-    serde_json::from_slice(&body).ok()
-}
-
-/// Whether the redirect map has the VIP, per `/status`; `None` while the agent is not up.
-async fn redirected(admin: &str) -> Option<bool> {
-    let s = status(admin).await?;
-    Some(
-        s["redirects"]
-            .as_array()?
-            .iter()
-            .any(|r| r["service"] == VIP),
-    )
-}
-
-/// Polls `/status` every 2 ms until the redirect is `want`; returns how long that took.
+/// Polls `/status` until the redirect map's having the VIP is `want` (10 s at most); returns
+/// how long that took.
 async fn until_redirected(admin: &str, want: bool) -> Duration {
-    let start = Instant::now();
-    loop {
-        if redirected(admin).await == Some(want) {
-            return start.elapsed();
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(10),
-            "timed out waiting for redirected = {want}"
-        );
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
+    admin_api::until(
+        admin,
+        &format!("redirected = {want}"),
+        Duration::from_secs(10),
+        |s| {
+            s["redirects"]
+                .as_array()
+                .map(|r| r.iter().any(|r| r["service"] == VIP))
+                == Some(want)
+        },
+    )
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -99,10 +51,7 @@ async fn services_file_changes_reach_the_redirect_map_without_waiting_for_the_po
     let dir = std::env::temp_dir().join(format!("skewless-file-test-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("services.yaml");
-    let admin = {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().to_string()
-    };
+    let admin = admin_api::free_admin_addr();
     // The file does not exist yet when the agent starts.
     let child = Command::new(env!("CARGO_BIN_EXE_skewless"))
         .args([
@@ -117,7 +66,7 @@ async fn services_file_changes_reach_the_redirect_map_without_waiting_for_the_po
         .stdin(Stdio::null())
         .spawn()
         .unwrap();
-    let _agent = Agent { child, dir };
+    let _agent = admin_api::AgentProcess { child, dir };
     until_redirected(&admin, false).await;
 
     let mut took: Vec<(&str, Duration)> = Vec::new();
