@@ -58,7 +58,7 @@ pub use endpoint::Endpoint;
 pub use error::BalancerError;
 pub use proxy::ProxyBody;
 pub use stats::{BalancerCounters, EndpointState, EndpointStats};
-pub use workers::{Workers, reuseport_listeners};
+pub use workers::{Served, Workers, reuseport_listeners};
 
 use std::net::SocketAddr;
 

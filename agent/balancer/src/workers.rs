@@ -23,7 +23,11 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use tokio::runtime::Handle;
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, watch};
+use tokio::task::JoinHandle as TaskHandle;
+use tracing::Instrument as _;
+
+use crate::{Balancer, BalancerError, Config, Endpoint};
 
 /// How often every worker proves it still runs its tasks (see [`Workers::stalled`]).
 const TICK: Duration = Duration::from_millis(100);
@@ -138,6 +142,77 @@ impl Drop for Workers {
                 let _ = thread.join();
             }
         }
+    }
+}
+
+/// One Service port served by every worker: see [`Workers::serve`].
+#[derive(Debug)]
+pub struct Served {
+    /// The address all the workers' listeners share.
+    pub addr: SocketAddr,
+    /// One balancer per worker (for stats and reconfiguration).
+    pub balancers: Vec<Arc<Balancer>>,
+    /// The workers' serve tasks; each ends when `stop` turns true and its drain is over, or
+    /// when its accept loop fails (after `on_error` ran).
+    pub tasks: Vec<TaskHandle<()>>,
+}
+
+impl Workers {
+    /// Serves one Service port on every worker: binds [`reuseport_listeners`] on `addr`, and
+    /// on each worker a [`Balancer`] with `config` over `endpoints` accepts the connections
+    /// whose peer `admit` allows, until `stop` turns true (then drains). The listeners are
+    /// listening when this returns. A balancer whose accept loop fails calls `on_error` on
+    /// its worker. Each worker's task runs in a `worker` span under the caller's current span.
+    ///
+    /// # Errors
+    /// When the listeners cannot be bound.
+    pub fn serve(
+        &self,
+        addr: SocketAddr,
+        config: &Config,
+        endpoints: &watch::Receiver<Vec<Endpoint>>,
+        stop: &watch::Receiver<bool>,
+        admit: impl Fn(SocketAddr) -> bool + Clone + Send + 'static,
+        on_error: impl Fn(BalancerError) + Clone + Send + 'static,
+    ) -> io::Result<Served> {
+        let (addr, listeners) = reuseport_listeners(addr, self.len())?;
+        let mut balancers = Vec::with_capacity(listeners.len());
+        let mut tasks = Vec::with_capacity(listeners.len());
+        for (worker, (handle, listener)) in self.handles().zip(listeners).enumerate() {
+            // Constructed inside the worker's runtime so its connection tasks run there too.
+            let balancer = {
+                let _worker = handle.enter();
+                Arc::new(Balancer::new(config.clone(), endpoints.clone()))
+            };
+            let serving = Arc::clone(&balancer);
+            let mut stop = stop.clone();
+            let (admit, on_error) = (admit.clone(), on_error.clone());
+            tasks.push(
+                handle.spawn(
+                    async move {
+                        let shutdown = async move {
+                            let _ = stop.wait_for(|stop| *stop).await;
+                        };
+                        let served = match tokio::net::TcpListener::from_std(listener) {
+                            Ok(listener) => {
+                                serving.serve_admitting(listener, shutdown, admit).await
+                            }
+                            Err(error) => Err(BalancerError::Accept(error)),
+                        };
+                        if let Err(error) = served {
+                            on_error(error);
+                        }
+                    }
+                    .instrument(tracing::info_span!("worker", worker)),
+                ),
+            );
+            balancers.push(balancer);
+        }
+        Ok(Served {
+            addr,
+            balancers,
+            tasks,
+        })
     }
 }
 

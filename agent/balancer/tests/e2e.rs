@@ -1543,3 +1543,51 @@ async fn health_checks_switched_off_while_an_endpoint_reconnects_leave_it_servin
     );
     b.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_serve_one_port_with_a_balancer_each_and_stop_on_request() {
+    let pods = pods(2).await;
+    let workers = skewless_balancer::Workers::start(2, "e2e-worker").expect("workers");
+    let (_tx, rx) = watch::channel(endpoints(&pods));
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let (failed_tx, mut failed) = mpsc::unbounded_channel();
+    let served = workers
+        .serve(
+            "127.0.0.1:0".parse().unwrap(),
+            &Config::default(),
+            &rx,
+            &stop_rx,
+            |_| true,
+            move |error| {
+                let _ = failed_tx.send(error.to_string());
+            },
+        )
+        .expect("serve");
+    assert_eq!(served.balancers.len(), 2, "one balancer per worker");
+    // Separate connections land on either worker (the kernel hashes them): every one of them
+    // is served, and the workers' statistics add up to every call.
+    for _ in 0..8 {
+        let mut c = client(served.addr).await;
+        for _ in 0..5 {
+            c.echo(req(b"w")).await.expect("served by a worker");
+        }
+    }
+    let stats =
+        skewless_balancer::EndpointStats::merge_workers(served.balancers.iter().map(|b| b.stats()));
+    assert_eq!(
+        stats.iter().map(|e| e.requests).sum::<u64>(),
+        40,
+        "{stats:?}"
+    );
+    stop_tx.send(true).unwrap();
+    for task in served.tasks {
+        tokio::time::timeout(Duration::from_secs(10), task)
+            .await
+            .expect("a worker's balancer drains and ends on stop")
+            .expect("task");
+    }
+    assert!(failed.try_recv().is_err(), "no accept loop failed");
+    for p in pods {
+        p.stop().await.expect("stop");
+    }
+}

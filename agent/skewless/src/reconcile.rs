@@ -22,11 +22,11 @@ use std::{
 };
 
 use serde::{Deserialize, Serialize};
-use skewless_balancer::{Balancer, Config, Endpoint, EndpointStats, Workers, reuseport_listeners};
+use skewless_balancer::{Balancer, Config, Endpoint, EndpointStats, Served, Workers};
 use skewless_datapath::Datapath;
 use skewless_model::{Mode, ServiceKey, ServiceState, Snapshot, Tuning};
-use tokio::{net::TcpListener, sync::watch, task::JoinHandle};
-use tracing::{Instrument as _, info, info_span, warn};
+use tokio::{sync::watch, task::JoinHandle};
+use tracing::{info, info_span, warn};
 
 use crate::peers::PeerFilter;
 
@@ -186,51 +186,31 @@ impl Reconciler {
             (SocketAddr::V6(_), Some(ip6)) => IpAddr::V6(ip6),
             (SocketAddr::V6(_), None) => anyhow::bail!("no IPv6 balancer address"),
         };
-        let (listen_addr, listeners) =
-            reuseport_listeners(SocketAddr::new(listen_ip, 0), self.workers.len())?;
         let (tx, rx) = watch::channel(endpoints(&state, port));
         let (stop_tx, stop_rx) = watch::channel(false);
-        let mut balancers = Vec::with_capacity(listeners.len());
-        let mut tasks = Vec::with_capacity(listeners.len());
-        for (worker, (handle, listener)) in self.workers.handles().zip(listeners).enumerate() {
-            // Constructed inside the worker's runtime so its connection tasks run there too.
-            let balancer = {
-                let _worker = handle.enter();
-                Arc::new(Balancer::new(config(&state), rx.clone()))
-            };
-            let serving = Arc::clone(&balancer);
-            let peers = Arc::clone(&self.peers);
-            let datapath = Arc::clone(&self.datapath);
-            let mut stop = stop_rx.clone();
-            let span = info_span!("balancer", service = %state.key, %vip, worker);
-            tasks.push(
-                handle.spawn(
-                    async move {
-                        let shutdown = async move {
-                            let _ = stop.wait_for(|stop| *stop).await;
-                        };
-                        let served = match TcpListener::from_std(listener) {
-                            Ok(listener) => {
-                                serving
-                                    .serve_admitting(listener, shutdown, |p| peers.admit(p))
-                                    .await
-                            }
-                            Err(error) => Err(skewless_balancer::BalancerError::Accept(error)),
-                        };
-                        if let Err(error) = served {
-                            // Never leave a redirect pointing at a listener nobody serves.
-                            warn!(%error, "balancer stopped; removing its redirect");
-                            if let Ok(mut dp) = datapath.lock() {
-                                let _ = remove_redirect(&mut dp, vip);
-                            }
-                        }
+        let peers = Arc::clone(&self.peers);
+        let datapath = Arc::clone(&self.datapath);
+        let Served {
+            addr: listen_addr,
+            balancers,
+            tasks,
+        } = info_span!("balancer", service = %state.key, %vip).in_scope(|| {
+            self.workers.serve(
+                SocketAddr::new(listen_ip, 0),
+                &config(&state),
+                &rx,
+                &stop_rx,
+                move |p| peers.admit(p),
+                move |error| {
+                    // Never leave a redirect pointing at a listener nobody serves.
+                    warn!(%error, "balancer stopped; removing its redirect");
+                    if let Ok(mut dp) = datapath.lock() {
+                        let _ = remove_redirect(&mut dp, vip);
                     }
-                    .instrument(span),
-                ),
-            );
-            balancers.push(balancer);
-        }
-        // Only now, with the accept loop running, may connects be sent here.
+                },
+            )
+        })?;
+        // Only now, with the listeners listening and served, may connects be sent here.
         let redirected = self
             .datapath
             .lock()

@@ -8,7 +8,7 @@ use std::net::SocketAddr;
 
 use anyhow::{Context as _, bail};
 use clap::Parser;
-use skewless_balancer::{Balancer, Config, Endpoint, Workers, reuseport_listeners};
+use skewless_balancer::{Config, Endpoint, Workers};
 
 /// Serve one skewless balancer over a fixed set of endpoints (HTTP/2 cleartext both sides).
 #[derive(Debug, Parser)]
@@ -42,27 +42,23 @@ fn main() -> anyhow::Result<()> {
         threads,
     } = Args::parse();
     let workers = Workers::start(threads, "skewless-proxy").context("worker threads")?;
-    let (bound, listeners) =
-        reuseport_listeners(listen, threads).with_context(|| format!("binding {listen}"))?;
     // The sender stays alive for the life of the process: the endpoint set never changes.
     let (_tx, rx) = tokio::sync::watch::channel(endpoints);
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let mut served = Vec::new();
-    for (handle, listener) in workers.handles().zip(listeners) {
-        let balancer = {
-            let _worker = handle.enter();
-            Balancer::new(Config::default(), rx.clone())
-        };
-        let mut stop = stop_rx.clone();
-        served.push(handle.spawn(async move {
-            let listener = tokio::net::TcpListener::from_std(listener)?;
-            let shutdown = async move {
-                let _ = stop.wait_for(|s| *s).await;
-            };
-            balancer.serve(listener, shutdown).await?;
-            anyhow::Ok(())
-        }));
-    }
+    let (failed_tx, mut failed) = tokio::sync::mpsc::unbounded_channel();
+    let served = workers
+        .serve(
+            listen,
+            &Config::default(),
+            &rx,
+            &stop_rx,
+            |_| true,
+            move |error| {
+                let _ = failed_tx.send(error);
+            },
+        )
+        .with_context(|| format!("binding {listen}"))?;
+    let bound = served.addr;
     tracing::info!(listen = %bound, threads, "skewless-proxy serving");
     // The main thread only waits for Ctrl-C (or SIGTERM, which ends the process).
     let control = tokio::runtime::Builder::new_current_thread()
@@ -70,10 +66,16 @@ fn main() -> anyhow::Result<()> {
         .build()
         .context("runtime")?;
     control.block_on(async {
-        let _ = tokio::signal::ctrl_c().await;
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            Some(error) = failed.recv() => return Err(error).context("serve"),
+        }
         let _ = stop_tx.send(true);
-        for task in served {
-            task.await.context("balancer task")?.context("serve")?;
+        for task in served.tasks {
+            task.await.context("balancer task")?;
+        }
+        if let Ok(error) = failed.try_recv() {
+            return Err(error).context("serve");
         }
         anyhow::Ok(())
     })
