@@ -15,8 +15,8 @@ pub struct Config {
     /// First and largest pause between reconnect attempts to an endpoint that refuses.
     pub reconnect_backoff: (Duration, Duration),
     /// Streams the balancer opens on one upstream connection before it opens another one to
-    /// the same endpoint. hyper does not expose the server's SETTINGS_MAX_CONCURRENT_STREAMS,
-    /// so set this at or below the servers' limit (hyper and tonic: 200 by default).
+    /// the same endpoint. The server's own SETTINGS_MAX_CONCURRENT_STREAMS counts too, when
+    /// lower: a connection is full at the lower of the two.
     pub max_streams_per_connection: u32,
     /// Most connections to one endpoint.
     pub max_connections_per_endpoint: usize,

@@ -23,7 +23,11 @@ pub(crate) enum ForwardError {
     DeadlineExceeded,
     /// The upstream failed the request after it was sent.
     #[error("upstream request failed")]
-    Upstream(#[source] hyper::Error),
+    Upstream(#[source] h2::Error),
+    /// The client reset its stream (or its connection broke) before the reply: nobody to
+    /// answer.
+    #[error("client went away")]
+    ClientGone,
 }
 
 /// Errors of one connection attempt to an endpoint.
@@ -40,5 +44,5 @@ pub(crate) enum ConnectError {
     Silent,
     /// The HTTP/2 handshake failed.
     #[error("http/2 handshake failed")]
-    Handshake(#[source] hyper::Error),
+    Handshake(#[source] h2::Error),
 }

@@ -11,11 +11,9 @@ use std::sync::Weak;
 use std::time::Duration;
 
 use bytes::{Buf as _, BufMut as _, Bytes, BytesMut};
+use h2::client::SendRequest;
 use http::{HeaderValue, Request, header};
-use http_body::Body as _;
-use hyper::client::conn::http2::SendRequest;
 
-use crate::body::UpstreamBody;
 use crate::grpc;
 use crate::picker::SlotId;
 use crate::pool::Pool;
@@ -37,13 +35,13 @@ pub(crate) async fn watch(
     pool: Weak<Pool>,
     id: SlotId,
     generation: u64,
-    mut sender: SendRequest<UpstreamBody>,
+    sender: SendRequest<Bytes>,
     authority: String,
     service: String,
 ) {
     let mut backoff = Duration::from_millis(100);
     loop {
-        match watch_once(&pool, id, generation, &mut sender, &authority, &service).await {
+        match watch_once(&pool, id, generation, &sender, &authority, &service).await {
             Ended::Unimplemented => {
                 tracing::debug!("no health service, treating the endpoint as serving");
                 set(&pool, id, generation, true);
@@ -68,12 +66,12 @@ async fn watch_once(
     pool: &Weak<Pool>,
     id: SlotId,
     generation: u64,
-    sender: &mut SendRequest<UpstreamBody>,
+    sender: &SendRequest<Bytes>,
     authority: &str,
     service: &str,
 ) -> Ended {
-    let Ok(mut req) = Request::post(format!("http://{authority}/grpc.health.v1.Health/Watch"))
-        .body(UpstreamBody::fixed(encode_request(service)))
+    let Ok(mut req) =
+        Request::post(format!("http://{authority}/grpc.health.v1.Health/Watch")).body(())
     else {
         return Ended::Failed;
     };
@@ -83,7 +81,13 @@ async fn watch_once(
     );
     req.headers_mut()
         .insert(header::TE, HeaderValue::from_static("trailers"));
-    let resp = match sender.send_request(req).await {
+    let sent = async {
+        let mut sender = sender.clone().ready().await?;
+        let (resp, mut body) = sender.send_request(req, false)?;
+        body.send_data(encode_request(service), true)?;
+        resp.await
+    };
+    let resp = match sent.await {
         Ok(resp) => resp,
         Err(error) => {
             tracing::debug!(%error, "health watch failed");
@@ -95,26 +99,22 @@ async fn watch_once(
     }
     let mut body = resp.into_body();
     let mut buf = BytesMut::new();
-    while let Some(frame) =
-        std::future::poll_fn(|cx| std::pin::Pin::new(&mut body).poll_frame(cx)).await
-    {
-        let Ok(frame) = frame else {
+    while let Some(data) = body.data().await {
+        let Ok(data) = data else {
             return Ended::Failed;
         };
-        if let Some(trailers) = frame.trailers_ref() {
-            if grpc::status_of(trailers) == Some(UNIMPLEMENTED) {
-                return Ended::Unimplemented;
-            }
-            return Ended::Failed;
+        let _ = body.flow_control().release_capacity(data.len());
+        buf.extend_from_slice(&data);
+        while let Some(message) = next_message(&mut buf) {
+            let serving = decode_status(&message) == Some(SERVING);
+            tracing::debug!(serving, "health status");
+            set(pool, id, generation, serving);
         }
-        if let Ok(data) = frame.into_data() {
-            buf.extend_from_slice(&data);
-            while let Some(message) = next_message(&mut buf) {
-                let serving = decode_status(&message) == Some(SERVING);
-                tracing::debug!(serving, "health status");
-                set(pool, id, generation, serving);
-            }
-        }
+    }
+    if let Ok(Some(trailers)) = body.trailers().await
+        && grpc::status_of(&trailers) == Some(UNIMPLEMENTED)
+    {
+        return Ended::Unimplemented;
     }
     Ended::Failed
 }

@@ -1,37 +1,98 @@
-//! A TCP stream wrapper that reports the first bytes the peer sends.
+//! A TCP stream wrapper that reports two events of an upstream connection: the first bytes the
+//! server sends, and the first GOAWAY frame it sends.
 //!
-//! hyper's HTTP/2 client handshake completes without hearing from the server, so a connection
-//! to a listener that still exists but no longer serves (a pod shutting down, a backlog nobody
-//! accepts) would look usable, and requests written to it would be lost. The connection is
-//! only published once the server has spoken (its SETTINGS frame).
+//! h2's client handshake completes without hearing from the server, so a connection to a
+//! listener that still exists but no longer serves (a pod shutting down, a backlog nobody
+//! accepts) would look usable, and requests written to it would be lost: the connection is only
+//! published once the server has spoken (its SETTINGS frame). And h2 gives no signal when the
+//! server sends GOAWAY (its streams in flight go on; new ones fail), while the balancer wants to
+//! stop using the connection and open its replacement at once. So the wrapper follows the frame
+//! boundaries of what it reads: it looks at each 9-byte frame header and skips the payload,
+//! which is all it takes to see a GOAWAY (type 0x7) go by. Decoding stays h2's.
 
 use std::io;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::sync::oneshot;
+use tokio::sync::{Notify, oneshot};
 
-/// Wraps `T` and fires `first_read` when the first byte arrives.
-pub(crate) struct FirstRead<T> {
-    inner: T,
-    first_read: Option<oneshot::Sender<()>>,
+/// HTTP/2 frame type of GOAWAY (RFC 9113, section 6.8).
+const GOAWAY: u8 = 0x7;
+/// Length of an HTTP/2 frame header.
+const HEADER_LEN: usize = 9;
+
+/// What the wrapper reports, each at most once.
+pub(crate) struct Events {
+    /// The server sent its first bytes.
+    pub(crate) spoke: oneshot::Receiver<()>,
+    /// Notified (once) when the server sends a GOAWAY.
+    pub(crate) go_away: Arc<Notify>,
 }
 
-impl<T> FirstRead<T> {
-    pub(crate) fn new(inner: T) -> (Self, oneshot::Receiver<()>) {
-        let (tx, rx) = oneshot::channel();
+/// Wraps `T` and reports [`Events`] as the server's bytes are read.
+pub(crate) struct Watched<T> {
+    inner: T,
+    spoke: Option<oneshot::Sender<()>>,
+    go_away: Option<Arc<Notify>>,
+    frames: FrameHeaders,
+}
+
+impl<T> Watched<T> {
+    pub(crate) fn new(inner: T) -> (Self, Events) {
+        let (spoke_tx, spoke) = oneshot::channel();
+        let go_away = Arc::new(Notify::new());
         (
             Self {
                 inner,
-                first_read: Some(tx),
+                spoke: Some(spoke_tx),
+                go_away: Some(go_away.clone()),
+                frames: FrameHeaders::default(),
             },
-            rx,
+            Events { spoke, go_away },
         )
     }
 }
 
-impl<T: AsyncRead + Unpin> AsyncRead for FirstRead<T> {
+/// Follows frame boundaries in a server-to-client HTTP/2 byte stream (which, unlike the
+/// client's, has no preface: it starts with a frame).
+#[derive(Debug, Default)]
+struct FrameHeaders {
+    header: [u8; HEADER_LEN],
+    /// Bytes of the current frame header seen so far.
+    have: usize,
+    /// Payload bytes of the current frame still to skip.
+    skip: usize,
+}
+
+impl FrameHeaders {
+    /// Consumes `bytes`; true when a GOAWAY frame header was among them.
+    fn feed(&mut self, mut bytes: &[u8]) -> bool {
+        let mut go_away = false;
+        while !bytes.is_empty() {
+            if self.skip > 0 {
+                let n = self.skip.min(bytes.len());
+                self.skip -= n;
+                bytes = &bytes[n..];
+                continue;
+            }
+            let n = (HEADER_LEN - self.have).min(bytes.len());
+            self.header[self.have..self.have + n].copy_from_slice(&bytes[..n]);
+            self.have += n;
+            bytes = &bytes[n..];
+            if self.have == HEADER_LEN {
+                let [l0, l1, l2, kind, ..] = self.header;
+                self.skip = usize::from(l0) << 16 | usize::from(l1) << 8 | usize::from(l2);
+                go_away |= kind == GOAWAY;
+                self.have = 0;
+            }
+        }
+        go_away
+    }
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for Watched<T> {
     fn poll_read(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -39,17 +100,26 @@ impl<T: AsyncRead + Unpin> AsyncRead for FirstRead<T> {
     ) -> Poll<io::Result<()>> {
         let before = buf.filled().len();
         let res = Pin::new(&mut self.inner).poll_read(cx, buf);
-        if matches!(res, Poll::Ready(Ok(())))
-            && buf.filled().len() > before
-            && let Some(tx) = self.first_read.take()
-        {
-            let _ = tx.send(());
+        let new = &buf.filled()[before..];
+        if matches!(res, Poll::Ready(Ok(()))) && !new.is_empty() {
+            if let Some(tx) = self.spoke.take() {
+                let _ = tx.send(());
+            }
+            if self.go_away.is_some() {
+                let this = &mut *self;
+                if this.frames.feed(new)
+                    && let Some(go_away) = this.go_away.take()
+                {
+                    // Stores a permit if nobody waits yet: the event is not lost.
+                    go_away.notify_one();
+                }
+            }
         }
         res
     }
 }
 
-impl<T: AsyncWrite + Unpin> AsyncWrite for FirstRead<T> {
+impl<T: AsyncWrite + Unpin> AsyncWrite for Watched<T> {
     fn poll_write(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -76,5 +146,58 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for FirstRead<T> {
 
     fn is_write_vectored(&self) -> bool {
         self.inner.is_write_vectored()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn frame(kind: u8, payload: &[u8]) -> Vec<u8> {
+        let len = payload.len();
+        let mut f = vec![
+            (len >> 16) as u8,
+            (len >> 8) as u8,
+            len as u8,
+            kind,
+            0,
+            0,
+            0,
+            0,
+            0,
+        ];
+        f.extend_from_slice(payload);
+        f
+    }
+
+    #[test]
+    fn a_goaway_header_is_seen_across_any_read_boundaries() {
+        // SETTINGS, a DATA frame whose payload looks like a GOAWAY header, then a GOAWAY.
+        let mut stream = frame(0x4, &[0; 6]);
+        stream.extend(frame(0x0, &frame(GOAWAY, &[0; 8])));
+        let before_goaway = stream.len();
+        stream.extend(frame(GOAWAY, &[0; 8]));
+        for chunk in 1..=stream.len() {
+            let mut f = FrameHeaders::default();
+            let mut seen_at = None;
+            for (i, piece) in stream.chunks(chunk).enumerate() {
+                if f.feed(piece) && seen_at.is_none() {
+                    seen_at = Some((i + 1) * chunk);
+                }
+            }
+            let seen_at = seen_at.expect("the GOAWAY is seen");
+            assert!(
+                seen_at >= before_goaway + HEADER_LEN,
+                "chunk {chunk}: seen after {seen_at} bytes, inside the DATA payload"
+            );
+        }
+    }
+
+    #[test]
+    fn payloads_are_skipped_not_parsed() {
+        let mut f = FrameHeaders::default();
+        assert!(!f.feed(&frame(0x0, &[GOAWAY; 100])));
+        assert!(!f.feed(&frame(0x1, &[0; 3])));
+        assert!(f.feed(&frame(GOAWAY, &[0; 8])));
     }
 }

@@ -30,7 +30,6 @@
 //! budget. See `docs/balancer.md` for the design, the wiring and measurements.
 #![forbid(unsafe_code)]
 
-mod body;
 pub mod config;
 pub mod endpoint;
 mod error;
@@ -46,7 +45,7 @@ pub mod workers;
 use std::future::Future;
 use std::sync::Arc;
 
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use bytes::Bytes;
 use rand::SeedableRng as _;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -56,7 +55,6 @@ use tracing::Instrument as _;
 pub use config::{Config, PickerConfig};
 pub use endpoint::Endpoint;
 pub use error::BalancerError;
-pub use proxy::ProxyBody;
 pub use stats::{BalancerCounters, EndpointState, EndpointStats};
 pub use workers::{Served, Workers, reuseport_listeners};
 
@@ -139,7 +137,7 @@ impl Balancer {
     }
 
     /// Serves client connections from `listener` until `shutdown` resolves, then drains: every
-    /// client connection gets a graceful two-phase GOAWAY (hyper sends last-stream-id 2^31-1
+    /// client connection gets a graceful two-phase GOAWAY (last-stream-id 2^31-1
     /// and a PING, then the real last stream id), in-flight requests get up to
     /// [`Config::drain_grace`] to finish, and what is left after that is cut.
     ///
@@ -196,22 +194,33 @@ impl Balancer {
             let jitter = 0.9 + 0.2 * self.pool.random_unit();
             conns.spawn(
                 async move {
-                    // Boxed: hyper keeps the handler's future inside its per-stream task, and
-                    // tokio moves a task's future by value when it spawns and finishes it; a
-                    // pointer is cheaper to move than the ~2.8 KB state machine.
-                    let service = {
-                        let pool = pool.clone();
-                        hyper::service::service_fn(move |req| {
-                            Box::pin(proxy::handle(pool.clone(), req))
-                        })
-                    };
-                    let conn = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
-                        .timer(TokioTimer::new())
+                    let handshake = h2::server::Builder::new()
                         // Fixed windows; see `pool::STREAM_WINDOW`.
-                        .initial_stream_window_size(pool::STREAM_WINDOW)
+                        .initial_window_size(pool::STREAM_WINDOW)
                         .initial_connection_window_size(pool::CONNECTION_WINDOW)
-                        .serve_connection(TokioIo::new(stream), service);
-                    tokio::pin!(conn);
+                        .max_concurrent_streams(MAX_CLIENT_STREAMS)
+                        .max_header_list_size(pool::MAX_HEADER_LIST)
+                        .max_send_buffer_size(pool::MAX_SEND_BUFFER)
+                        .max_local_error_reset_streams(Some(MAX_LOCAL_ERROR_RESETS))
+                        .handshake::<_, Bytes>(stream);
+                    let mut conn = match tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake).await {
+                        Ok(Ok(conn)) => conn,
+                        Ok(Err(error)) => {
+                            tracing::debug!(%error, "client handshake failed");
+                            return;
+                        }
+                        Err(_) => {
+                            tracing::debug!("client sent no HTTP/2 preface in time");
+                            return;
+                        }
+                    };
+                    // Every stream runs on its own task; this one drives the connection.
+                    let spawn_stream = |(req, respond)| {
+                        // Boxed: tokio moves a task's future by value when it spawns and
+                        // finishes it; a pointer is cheaper to move than the call's state
+                        // machine.
+                        tokio::spawn(Box::pin(proxy::handle(pool.clone(), req, respond)));
+                    };
                     // The age counts from the accept, or from the change for a max age set or
                     // changed while the connection is open.
                     let mut since = tokio::time::Instant::now();
@@ -224,12 +233,17 @@ impl Balancer {
                             }
                         };
                         tokio::select! {
-                            res = conn.as_mut() => {
-                                if let Err(error) = res {
-                                    tracing::debug!(%error, "client connection failed");
+                            next = conn.accept() => match next {
+                                Some(Ok(stream)) => {
+                                    spawn_stream(stream);
+                                    continue;
                                 }
-                                return;
-                            }
+                                Some(Err(error)) => {
+                                    tracing::debug!(%error, "client connection failed");
+                                    return;
+                                }
+                                None => return,
+                            },
                             _ = drain.wait_for(|d| *d) => tracing::debug!("draining client connection"),
                             () = aged => tracing::debug!("client connection reached its max age"),
                             Ok(()) = config.changed() => {
@@ -244,15 +258,32 @@ impl Balancer {
                         break;
                     }
                     let grace = pool.config().drain_grace;
-                    // Two-phase GOAWAY: the client stops opening streams on this connection and
-                    // reconnects; streams in flight finish within the grace period.
-                    conn.as_mut().graceful_shutdown();
-                    match tokio::time::timeout(grace, conn).await {
-                        Ok(Err(error)) => {
-                            tracing::debug!(%error, "client connection failed while draining");
+                    // Two-phase GOAWAY (last stream id 2^31-1 and a PING, then the real last
+                    // stream id): the client stops opening streams on this connection and
+                    // reconnects; streams in flight finish within the grace period, and streams
+                    // the client opened before it saw the GOAWAY are still served.
+                    conn.graceful_shutdown();
+                    let drained = tokio::time::timeout(grace, async {
+                        while let Some(next) = conn.accept().await {
+                            match next {
+                                Ok(stream) => spawn_stream(stream),
+                                Err(error) => {
+                                    tracing::debug!(%error, "client connection failed while draining");
+                                    return;
+                                }
+                            }
                         }
-                        Ok(Ok(())) => {}
-                        Err(_) => tracing::debug!("grace period over, closing client connection"),
+                    })
+                    .await;
+                    if drained.is_err() {
+                        tracing::debug!("grace period over, closing client connection");
+                        conn.abrupt_shutdown(h2::Reason::NO_ERROR);
+                        // Flush the final GOAWAY, briefly.
+                        let _ = tokio::time::timeout(
+                            std::time::Duration::from_millis(100),
+                            std::future::poll_fn(|cx| conn.poll_closed(cx)),
+                        )
+                        .await;
                     }
                 }
                 .instrument(tracing::debug_span!("client", %peer)),
@@ -279,6 +310,16 @@ impl Drop for Balancer {
         self.discovery.abort();
     }
 }
+
+/// Most streams one client connection may have open at once. A pinned client sends all its
+/// calls over one connection, so this is its concurrency; what it can make the balancer buffer
+/// is bounded by the connection's flow-control window, not by this.
+const MAX_CLIENT_STREAMS: u32 = 1024;
+/// Streams the balancer may reset for a client's protocol errors before it closes the
+/// connection (h2's guard against reset floods; hyper's default).
+const MAX_LOCAL_ERROR_RESETS: usize = 1024;
+/// How long a new client connection may take to send its HTTP/2 preface and SETTINGS.
+const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Accept errors that concern one connection only (the peer gave up during the handshake).
 fn is_connection_error(error: &std::io::Error) -> bool {

@@ -8,19 +8,18 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
-use hyper::client::conn::http2::SendRequest;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use bytes::Bytes;
+use h2::client::SendRequest;
 use rand::RngCore;
 use tokio::sync::{Notify, watch};
 use tokio::task::AbortHandle;
 use tokio::time::Instant;
 use tracing::Instrument as _;
 
-use crate::body::UpstreamBody;
 use crate::config::Config;
 use crate::endpoint::Endpoint;
 use crate::error::{ConnectError, ForwardError};
-use crate::io::FirstRead;
+use crate::io::Watched;
 use crate::picker::{Outcome, Picker, SlotId};
 use crate::stats::{Counters, EndpointStats};
 
@@ -63,10 +62,13 @@ struct Conn {
 struct Upstream {
     /// Unique per connection, to ignore reports about older ones.
     generation: u64,
-    sender: SendRequest<UpstreamBody>,
-    /// Streams the balancer has open on it. hyper does not expose the peer's
-    /// MAX_CONCURRENT_STREAMS, so the balancer counts its own.
+    sender: SendRequest<Bytes>,
+    /// Streams the balancer has open on it (h2 counts only the streams it has sent, not the
+    /// ones queued behind the server's MAX_CONCURRENT_STREAMS).
     streams: Arc<AtomicU32>,
+    /// Told when the connection is unpublished by someone else than its task (a request found
+    /// it refusing new streams), so the task replaces it.
+    retired: Arc<Notify>,
 }
 
 /// One request's hold on an endpoint: releases the in-flight count when dropped.
@@ -77,7 +79,7 @@ pub(crate) struct Lease {
     probe: bool,
     sample: bool,
     generation: u64,
-    pub(crate) sender: SendRequest<UpstreamBody>,
+    pub(crate) sender: SendRequest<Bytes>,
     streams: Arc<AtomicU32>,
     sent_at: Instant,
     done: bool,
@@ -182,14 +184,22 @@ impl Pool {
         self.changed.notify_waiters();
     }
 
-    /// A new connection to endpoint `id` is usable.
-    fn add_upstream(&self, id: SlotId, generation: u64, sender: SendRequest<UpstreamBody>) {
+    /// A new connection to endpoint `id` is usable; `retired` is told if someone else
+    /// unpublishes it.
+    fn add_upstream(
+        &self,
+        id: SlotId,
+        generation: u64,
+        sender: SendRequest<Bytes>,
+        retired: Arc<Notify>,
+    ) {
         let mut state = self.lock();
         if let Some(conn) = state.conns.get_mut(&id) {
             conn.upstreams.push(Upstream {
                 generation,
                 sender,
                 streams: Arc::new(AtomicU32::new(0)),
+                retired,
             });
             conn.warm = false;
             state.picker.set_ready(id, true);
@@ -213,11 +223,19 @@ impl Pool {
     }
 
     /// This connection takes no new streams (GOAWAY seen, or it ended): stop using it; the
-    /// endpoint is not ready while it has no connection left.
+    /// endpoint is not ready while it has no connection left. The connection's task is told,
+    /// so a connection a request found refusing streams is replaced even if h2 has not
+    /// noticed its end yet.
     pub(crate) fn connection_closed(&self, id: SlotId, generation: u64) {
         let mut state = self.lock();
         if let Some(conn) = state.conns.get_mut(&id) {
-            conn.upstreams.retain(|u| u.generation != generation);
+            if let Some(i) = conn
+                .upstreams
+                .iter()
+                .position(|u| u.generation == generation)
+            {
+                conn.upstreams.swap_remove(i).retired.notify_one();
+            }
             if conn.upstreams.is_empty() {
                 state.picker.set_ready(id, false);
             }
@@ -290,19 +308,19 @@ impl Pool {
                 .upstreams
                 .iter()
                 .min_by_key(|u| u.streams.load(Ordering::Relaxed))
-                .cloned()
         {
             let streams = up.streams.fetch_add(1, Ordering::Relaxed) + 1;
-            if streams > per_conn && conn.upstreams.len() < max_conns {
+            // Full at our own limit or the server's, whichever is lower.
+            let full = per_conn
+                .min(u32::try_from(up.sender.current_max_send_streams()).unwrap_or(u32::MAX));
+            let (generation, sender, streams_cell) =
+                (up.generation, up.sender.clone(), up.streams.clone());
+            if streams > full && conn.upstreams.len() < max_conns {
                 // Every connection is full: ask for another. This request still goes out on
-                // the least busy one (hyper queues it if the server's limit is reached).
+                // the least busy one (h2 queues it if the server's limit is reached).
                 conn.grow.notify_one();
             }
-            let Upstream {
-                generation,
-                sender,
-                streams,
-            } = up;
+            let streams = streams_cell;
             let sample = std::mem::replace(&mut conn.warm, true);
             return Ok(Some(Lease {
                 pool: self.clone(),
@@ -395,38 +413,48 @@ static GENERATION: AtomicU64 = AtomicU64::new(0);
 pub(crate) const STREAM_WINDOW: u32 = 1024 * 1024;
 /// HTTP/2 connection window: what one connection can have buffered across its streams.
 pub(crate) const CONNECTION_WINDOW: u32 = 4 * 1024 * 1024;
+/// Largest header list (headers or trailers) accepted from a peer, as hyper's default: gRPC
+/// metadata is small, and this bounds what one stream's headers can cost.
+pub(crate) const MAX_HEADER_LIST: u32 = 16 * 1024;
+/// Most bytes h2 buffers for sending on one stream (h2's and hyper's default).
+pub(crate) const MAX_SEND_BUFFER: usize = 400 * 1024;
 
-type UpstreamConn = hyper::client::conn::http2::Connection<
-    TokioIo<FirstRead<tokio::net::TcpStream>>,
-    UpstreamBody,
-    TokioExecutor,
->;
+/// A connected, handshaken upstream connection.
+struct Connected {
+    sender: SendRequest<Bytes>,
+    /// Resolves when the connection is over (closed by either side, or failed). It runs on its
+    /// own task, so streams in flight finish however the balancer stops using it: h2 closes it
+    /// once every handle and stream is gone.
+    ended: tokio::task::JoinHandle<()>,
+    /// Notified when the server sends GOAWAY.
+    go_away: Arc<Notify>,
+}
 
-/// Connects and handshakes, and returns once the server has sent its first frame, with the
-/// connection future that must be polled for the connection to make progress.
-async fn connect(
-    addr: SocketAddr,
-    timeout: Duration,
-) -> Result<(SendRequest<UpstreamBody>, UpstreamConn), ConnectError> {
+/// Connects and handshakes, and returns once the server has sent its first frame.
+async fn connect(addr: SocketAddr, timeout: Duration) -> Result<Connected, ConnectError> {
     let attempt = async {
         let tcp = tokio::net::TcpStream::connect(addr)
             .await
             .map_err(ConnectError::Tcp)?;
         // gRPC is latency bound: small messages must not wait for Nagle.
         tcp.set_nodelay(true).map_err(ConnectError::Tcp)?;
-        let (io, spoke) = FirstRead::new(tcp);
-        let (sender, mut conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
-            .timer(TokioTimer::new())
-            // Fixed windows, not hyper's adaptive (BDP) ones: those start small, and h2 sizes
-            // its budget for small DATA frames from the connection window, so gRPC's many small
-            // frames got the connection closed (ENHANCE_YOUR_CALM, too_many_data_frames) under
-            // load. The windows also bound what one connection can buffer.
-            .initial_stream_window_size(STREAM_WINDOW)
+        let (io, events) = Watched::new(tcp);
+        let (sender, conn) = h2::client::Builder::new()
+            // Fixed windows. h2 sizes its budget for small DATA frames from the connection
+            // window, so small adaptive windows got gRPC's many small frames the connection
+            // closed (ENHANCE_YOUR_CALM, too_many_data_frames) under load. The windows also
+            // bound what one connection can buffer.
+            .initial_window_size(STREAM_WINDOW)
             .initial_connection_window_size(CONNECTION_WINDOW)
-            .handshake(TokioIo::new(io))
+            .max_header_list_size(MAX_HEADER_LIST)
+            .max_send_buffer_size(MAX_SEND_BUFFER)
+            .enable_push(false)
+            .handshake::<_, Bytes>(io)
             .await
             .map_err(ConnectError::Handshake)?;
+        let mut conn = Box::pin(conn);
         // Drive the connection until the server has spoken; if it ends first, it never served.
+        let mut spoke = events.spoke;
         tokio::select! {
             res = &mut conn => {
                 return Err(match res {
@@ -434,19 +462,32 @@ async fn connect(
                     Err(error) => ConnectError::Handshake(error),
                 });
             }
-            res = spoke => res.map_err(|_| ConnectError::Silent)?,
+            res = &mut spoke => res.map_err(|_| ConnectError::Silent)?,
         }
-        Ok((sender, conn))
+        let ended = tokio::spawn(
+            async move {
+                match conn.await {
+                    Ok(()) => tracing::debug!("connection closed"),
+                    Err(error) => tracing::debug!(%error, "connection failed"),
+                }
+            }
+            .in_current_span(),
+        );
+        Ok(Connected {
+            sender,
+            ended,
+            go_away: events.go_away,
+        })
     };
     tokio::time::timeout(timeout, attempt)
         .await
         .map_err(|_| ConnectError::Timeout)?
 }
 
-/// Keeps the endpoint's primary HTTP/2 connection up: connects, publishes it, and when it ends
-/// (upstream GOAWAY, close, error) reconnects at once, backing off only when connects fail or
-/// connections die young. Opens extra connections when asked through `grow`; those live until
-/// they end and are not replaced.
+/// Keeps the endpoint's primary HTTP/2 connection up: connects, publishes it, and when it stops
+/// taking streams (upstream GOAWAY, close, error) replaces it at once, backing off only when
+/// connects fail or connections die young. Opens extra connections when asked through `grow`;
+/// those live until they stop taking streams and are not replaced.
 async fn connection_task(pool: Weak<Pool>, id: SlotId, addr: SocketAddr, grow: Arc<Notify>) {
     let Some(mut config) = pool.upgrade().map(|p| p.subscribe_config()) else {
         return;
@@ -465,7 +506,11 @@ async fn connection_task(pool: Weak<Pool>, id: SlotId, addr: SocketAddr, grow: A
             )
         };
         match connect(addr, timeout).await {
-            Ok((sender, conn)) => {
+            Ok(Connected {
+                sender,
+                mut ended,
+                go_away,
+            }) => {
                 let generation = GENERATION.fetch_add(1, Ordering::Relaxed);
                 tracing::debug!(generation, "connected");
                 let Some(p) = pool.upgrade() else { return };
@@ -474,11 +519,12 @@ async fn connection_task(pool: Weak<Pool>, id: SlotId, addr: SocketAddr, grow: A
                 // it serves (also when checks were switched off while it was reconnecting).
                 let mut health_service = config.borrow_and_update().health_service.clone();
                 p.lock().picker.set_serving(id, health_service.is_none());
-                p.add_upstream(id, generation, sender.clone());
+                let retired = Arc::new(Notify::new());
+                p.add_upstream(id, generation, sender.clone(), retired.clone());
                 drop(p);
                 let health_watch = |service: String| {
                     // Aborted when dropped: on a health service change and when this
-                    // connection ends.
+                    // connection is no longer used.
                     AbortOnDrop(tokio::spawn(
                         crate::health::watch(
                             pool.clone(),
@@ -493,17 +539,15 @@ async fn connection_task(pool: Weak<Pool>, id: SlotId, addr: SocketAddr, grow: A
                 };
                 let mut health = health_service.clone().map(health_watch);
                 let started = Instant::now();
-                // Resolves when the connection takes no new streams: after an upstream GOAWAY
-                // the in-flight streams go on in hyper's connection task, so the replacement
-                // connection is made while they finish.
-                tokio::pin!(conn);
                 loop {
                     tokio::select! {
-                        res = &mut conn => {
-                            match res {
-                                Ok(()) => tracing::debug!("connection closed"),
-                                Err(error) => tracing::debug!(?error, "connection failed"),
-                            }
+                        _ = &mut ended => break,
+                        () = go_away.notified() => {
+                            tracing::debug!("upstream sent GOAWAY, replacing the connection");
+                            break;
+                        }
+                        () = retired.notified() => {
+                            tracing::debug!("connection refused a stream, replacing it");
                             break;
                         }
                         () = grow.notified() => {
@@ -537,7 +581,9 @@ async fn connection_task(pool: Weak<Pool>, id: SlotId, addr: SocketAddr, grow: A
                         }
                     }
                 }
+                // Our handles go: h2 closes the connection once its last stream is done.
                 drop(health);
+                drop(sender);
                 let Some(p) = pool.upgrade() else { return };
                 p.connection_closed(id, generation);
                 drop(p);
@@ -557,7 +603,7 @@ async fn connection_task(pool: Weak<Pool>, id: SlotId, addr: SocketAddr, grow: A
     }
 }
 
-/// One extra connection, used until it ends.
+/// One extra connection, used until it stops taking streams.
 async fn extra_connection(pool: Weak<Pool>, id: SlotId, addr: SocketAddr, timeout: Duration) {
     /// Unpublishes the connection however this task ends (closed, aborted).
     struct Unpublish(Weak<Pool>, SlotId, u64);
@@ -568,7 +614,11 @@ async fn extra_connection(pool: Weak<Pool>, id: SlotId, addr: SocketAddr, timeou
             }
         }
     }
-    let (sender, conn) = match connect(addr, timeout).await {
+    let Connected {
+        sender,
+        mut ended,
+        go_away,
+    } = match connect(addr, timeout).await {
         Ok(ok) => ok,
         Err(error) => {
             tracing::debug!(%error, "extra connection failed");
@@ -577,11 +627,14 @@ async fn extra_connection(pool: Weak<Pool>, id: SlotId, addr: SocketAddr, timeou
     };
     let generation = GENERATION.fetch_add(1, Ordering::Relaxed);
     let Some(p) = pool.upgrade() else { return };
-    p.add_upstream(id, generation, sender);
+    let retired = Arc::new(Notify::new());
+    p.add_upstream(id, generation, sender, retired.clone());
     drop(p);
     let _unpublish = Unpublish(pool, id, generation);
-    if let Err(error) = conn.await {
-        tracing::debug!(?error, "extra connection failed");
+    tokio::select! {
+        _ = &mut ended => {}
+        () = go_away.notified() => tracing::debug!("upstream sent GOAWAY to an extra connection"),
+        () = retired.notified() => {}
     }
 }
 

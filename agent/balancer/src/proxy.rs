@@ -1,31 +1,42 @@
-//! Forwards one request: applies the caller's deadline, picks an endpoint, re-dispatches
-//! requests that never reached an upstream, and streams the response back while tracking when
-//! the endpoint's load completes. The one "rescue" that maps failures to gRPC statuses is
-//! [`rescue`].
+//! Forwards one client stream: applies the caller's deadline, picks an endpoint, re-dispatches
+//! requests that never reached an upstream, retries the ones an upstream provably did not
+//! process, and streams both bodies through while tracking when the endpoint's load completes.
+//! The one "rescue" that maps failures to gRPC statuses is [`rescue`].
+//!
+//! Everything of one call runs in one future on the client connection's worker, on h2's
+//! streams directly: the request body is pumped upstream and the response body back in the
+//! same poll, with HTTP/2 flow control end to end (a chunk is only read from one side when the
+//! other side has window for it, and its window is released once it is handed on), so a slow
+//! reader stalls its writer instead of filling the balancer's memory.
 
-use std::convert::Infallible;
+use std::future::{Future as _, poll_fn};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 
 use bytes::Bytes;
-use http::{HeaderMap, Request, Response};
-use http_body::{Body, Frame, SizeHint};
-use hyper::body::Incoming;
-use tokio::time::{Instant, Sleep};
+use h2::server::SendResponse;
+use h2::{Reason, RecvStream, SendStream};
+use http::{HeaderMap, Request, Response, StatusCode, Uri};
+use tokio::time::Instant;
 
-use crate::body::UpstreamBody;
 use crate::error::ForwardError;
 use crate::grpc::{self, Code};
 use crate::picker::{Outcome, SlotId};
 use crate::pool::{Lease, Pool};
 use crate::stats::Counters;
 
-/// Handles one client request; never fails at the HTTP level (failures become gRPC statuses).
+/// Largest request body prefix kept for a replay: a larger body turns the copy off (no
+/// buffering of whole messages) and cannot be retried. A response arriving also turns it off.
+pub(crate) const REPLAY_CAP: usize = 64 * 1024;
+
+/// Handles one client stream until the call is over. Failures become gRPC statuses (or, for
+/// other HTTP/2 traffic, 5xx responses and stream resets).
 pub(crate) async fn handle(
     pool: Arc<Pool>,
-    req: Request<Incoming>,
-) -> Result<Response<ProxyBody>, Infallible> {
+    req: Request<RecvStream>,
+    mut respond: SendResponse<Bytes>,
+) {
     let arrived = Instant::now();
     let deadline = req
         .headers()
@@ -33,37 +44,92 @@ pub(crate) async fn handle(
         .and_then(grpc::parse_timeout)
         .and_then(|t| arrived.checked_add(t));
     let is_grpc = grpc::is_grpc(req.headers());
-    let forwarded = match deadline {
-        Some(deadline) => tokio::time::timeout_at(deadline, forward(&pool, req, Some(deadline)))
-            .await
-            .unwrap_or(Err(ForwardError::DeadlineExceeded)),
-        None => forward(&pool, req, None).await,
+    let (head, body) = req.into_parts();
+    let mut request = RequestPump::new(body);
+    let mut expired = std::pin::pin!(expiry(deadline));
+    let forwarded = tokio::select! {
+        forwarded = forward(&pool, head, &mut request, deadline) => forwarded,
+        () = expired.as_mut() => Err(ForwardError::DeadlineExceeded),
+        _ = poll_fn(|cx| respond.poll_reset(cx)) => Err(ForwardError::ClientGone),
     };
-    Ok(match forwarded {
-        Ok(resp) => resp,
+    let Forwarded { resp, lease } = match forwarded {
+        Ok(forwarded) => forwarded,
+        Err(ForwardError::ClientGone) => {
+            // Dropping the upstream stream resets it: the cancellation goes upstream.
+            tracing::debug!("client cancelled the call before the reply");
+            return;
+        }
         Err(error) => {
             let cell = match error {
                 ForwardError::DeadlineExceeded => &pool.counters.local_deadline_exceeded,
                 ForwardError::Upstream(_) => &pool.counters.upstream_failures,
-                ForwardError::NoEndpoints | ForwardError::NoReadyEndpoint => {
-                    &pool.counters.local_unavailable
-                }
+                ForwardError::NoEndpoints
+                | ForwardError::NoReadyEndpoint
+                | ForwardError::ClientGone => &pool.counters.local_unavailable,
             };
             Counters::bump(cell);
-            rescue(&error, is_grpc)
+            if let Err(error) = respond.send_response(rescue(&error, is_grpc), true) {
+                tracing::debug!(%error, "client went away before the local reply");
+            }
+            return;
         }
+    };
+    let (parts, upstream) = resp.into_parts();
+    let grpc = grpc::is_grpc(&parts.headers);
+    let status = parts.status;
+    // A trailers-only reply carries its status in the headers and ends here.
+    let end = upstream.is_end_stream();
+    let outcome = end.then(|| outcome_of(status, Some(&parts.headers)));
+    let client = match respond.send_response(Response::from_parts(parts, ()), end) {
+        Ok(client) => client,
+        Err(error) => {
+            tracing::debug!(%error, "client went away before the reply");
+            return;
+        }
+    };
+    if let Some(outcome) = outcome {
+        lease.finish(outcome);
+        return;
+    }
+    let mut response = ResponsePump {
+        upstream,
+        client,
+        lease: Some(lease),
+        grpc,
+        status,
+    };
+    poll_fn(|cx| {
+        if expired.as_mut().poll(cx).is_ready() {
+            response.deadline_exceeded();
+            return Poll::Ready(());
+        }
+        // The request body keeps streaming while the response does (client streaming, bidi).
+        if let Poll::Ready(Err(PumpError::Client)) = request.poll_pump(cx) {
+            response.client_gone();
+            return Poll::Ready(());
+        }
+        response.poll_pump(cx)
     })
+    .await;
 }
 
-/// Maps a forwarding failure to the response the client gets.
-fn rescue(error: &ForwardError, is_grpc: bool) -> Response<ProxyBody> {
+/// Resolves when the caller's budget runs out; never without one.
+async fn expiry(deadline: Option<Instant>) {
+    match deadline {
+        Some(deadline) => tokio::time::sleep_until(deadline).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Maps a forwarding failure to the response the client gets: trailers-only with a gRPC
+/// status for gRPC, and the matching HTTP status for anything else.
+fn rescue(error: &ForwardError, is_grpc: bool) -> Response<()> {
     let (code, http_status) = match error {
-        ForwardError::NoEndpoints | ForwardError::NoReadyEndpoint | ForwardError::Upstream(_) => {
-            (Code::Unavailable, http::StatusCode::SERVICE_UNAVAILABLE)
-        }
-        ForwardError::DeadlineExceeded => {
-            (Code::DeadlineExceeded, http::StatusCode::GATEWAY_TIMEOUT)
-        }
+        ForwardError::NoEndpoints
+        | ForwardError::NoReadyEndpoint
+        | ForwardError::Upstream(_)
+        | ForwardError::ClientGone => (Code::Unavailable, StatusCode::SERVICE_UNAVAILABLE),
+        ForwardError::DeadlineExceeded => (Code::DeadlineExceeded, StatusCode::GATEWAY_TIMEOUT),
     };
     tracing::debug!(%error, ?code, "request failed locally");
     // The whole cause chain: the client's only clue to what happened upstream.
@@ -74,23 +140,30 @@ fn rescue(error: &ForwardError, is_grpc: bool) -> Response<ProxyBody> {
         message.push_str(&cause.to_string());
         source = cause.source();
     }
-    let mut resp = grpc::status_response::<ProxyBody>(code, &message);
+    let mut resp = grpc::status_response::<()>(code, &message);
     if !is_grpc {
         *resp.status_mut() = http_status;
     }
     resp
 }
 
+/// An upstream's response head, and the lease it holds on its endpoint.
+struct Forwarded {
+    resp: Response<RecvStream>,
+    lease: Lease,
+}
+
 async fn forward(
     pool: &Arc<Pool>,
-    req: Request<Incoming>,
+    head: http::request::Parts,
+    request: &mut RequestPump,
     deadline: Option<Instant>,
-) -> Result<Response<ProxyBody>, ForwardError> {
+) -> Result<Forwarded, ForwardError> {
     pool.deposit_retry_token();
     let (max_attempts, retryable_method) = {
         // One look at the live config per request (it may be swapped by `reconfigure`).
         let config = pool.config();
-        let path = req.uri().path();
+        let path = head.uri.path();
         (
             config.max_attempts.max(1),
             config
@@ -99,102 +172,115 @@ async fn forward(
                 .any(|m| path == m.as_str() || (m.ends_with('/') && path.starts_with(m.as_str()))),
         )
     };
-    let (parts, body) = req.into_parts();
-    let (body, replay) = UpstreamBody::client(body);
-    // What a retry needs to rebuild the request (extensions are not forwarded anyway).
-    let template = (
-        parts.method.clone(),
-        parts.uri.clone(),
-        parts.version,
-        parts.headers.clone(),
-    );
-    let mut req = Request::from_parts(parts, body);
+    // What every attempt sends (extensions are not forwarded).
+    let mut template = Request::from_parts(head, ());
+    template.extensions_mut().clear();
     let mut tried: Vec<SlotId> = Vec::new();
     let mut attempts = 1u32;
     // Re-dispatching a request that never left the balancer is free (nothing reached a server),
     // but still bounded so a flapping set of connections cannot spin.
     let mut redispatches = 0u32;
-    let mut refused_by: Option<hyper::Error> = None;
+    let mut refused_by: Option<h2::Error> = None;
     loop {
         let mut lease = match pool.acquire(&tried).await {
             Ok(lease) => lease,
             // A retry with nowhere else to go fails with what the upstream said.
             Err(error) => return Err(refused_by.map_or(error, ForwardError::Upstream)),
         };
+        // A fresh handle is ready at once unless its connection stopped taking streams
+        // (upstream GOAWAY, or it failed): then nothing was sent, send it on another one.
+        if let Err(error) = poll_fn(|cx| lease.sender.poll_ready(cx)).await {
+            tracing::debug!(addr = %lease.addr, %error, "connection closed before dispatch, re-dispatching");
+            pool.connection_closed(lease.id, lease.generation());
+            lease.finish(Outcome::Cancelled);
+            redispatches += 1;
+            Counters::bump(&pool.counters.redispatches);
+            if redispatches >= max_attempts * 4 {
+                return Err(ForwardError::NoReadyEndpoint);
+            }
+            continue;
+        }
+        let mut req = upstream_request(&template, lease.addr);
         if let Some(deadline) = deadline {
             let remaining = deadline.saturating_duration_since(Instant::now());
             req.headers_mut()
                 .insert(grpc::GRPC_TIMEOUT, grpc::encode_timeout(remaining));
         }
-        match lease.sender.try_send_request(req).await {
+        let attempt = match lease.sender.send_request(req, request.nothing_to_send()) {
+            Ok((mut response, send)) => {
+                request.attach(send);
+                poll_fn(|cx| {
+                    if let Poll::Ready(r) = Pin::new(&mut response).poll(cx) {
+                        return Poll::Ready(r.map_err(Some));
+                    }
+                    // Stream the request body while the reply is awaited; an upstream failure
+                    // also fails `response`, which tells what happened.
+                    if let Poll::Ready(Err(PumpError::Client)) = request.poll_pump(cx) {
+                        return Poll::Ready(Err(None));
+                    }
+                    Poll::Pending
+                })
+                .await
+            }
+            Err(error) => Err(Some(error)),
+        };
+        let error = match attempt {
             Ok(resp) => {
-                replay.disable();
+                request.keep_no_copy();
                 lease.headers_received();
-                return Ok(wrap(resp, lease, deadline));
+                return Ok(Forwarded { resp, lease });
             }
-            Err(mut error) => {
-                if let Some(unsent) = error.take_message() {
-                    // The connection stopped taking streams (upstream GOAWAY or close) before
-                    // this request was written: send it on another connection.
-                    tracing::debug!(addr = %lease.addr, "connection closed before dispatch, re-dispatching");
-                    pool.connection_closed(lease.id, lease.generation());
-                    lease.finish(Outcome::Cancelled);
-                    req = unsent;
-                    redispatches += 1;
-                    Counters::bump(&pool.counters.redispatches);
-                    if redispatches >= max_attempts * 4 {
-                        return Err(ForwardError::NoReadyEndpoint);
-                    }
-                    continue;
-                }
-                let error = error.into_error();
-                // Configured-retryable (idempotent) methods are retried after any transport
-                // failure, others only when the upstream provably did not process them.
-                let retryable =
-                    attempts < max_attempts && (retryable_method || not_processed(&error));
-                let body = if retryable {
-                    let body = replay.replay(REPLAY_WAIT).await;
-                    if body.is_none() {
-                        tracing::debug!("request body cannot be replayed, not retrying");
-                    }
-                    body
-                } else {
-                    None
-                };
-                let allowed = body.is_some() && pool.withdraw_retry_token();
-                if body.is_some() && !allowed {
-                    Counters::bump(&pool.counters.retries_refused_by_budget);
-                }
-                if let Some(body) = body
-                    && allowed
-                {
-                    Counters::bump(&pool.counters.retries);
-                    tracing::debug!(addr = %lease.addr, %error, "retrying on another endpoint");
-                    tried.push(lease.id);
-                    lease.finish(retried_outcome(&error));
-                    attempts += 1;
-                    let (method, uri, version, headers) = &template;
-                    let mut retry = Request::new(body);
-                    *retry.method_mut() = method.clone();
-                    *retry.uri_mut() = uri.clone();
-                    *retry.version_mut() = *version;
-                    *retry.headers_mut() = headers.clone();
-                    req = retry;
-                    refused_by = Some(error);
-                    continue;
-                }
-                tracing::debug!(addr = %lease.addr, ?error, "upstream failed the request");
-                lease.finish(Outcome::Failure);
-                return Err(ForwardError::Upstream(error));
-            }
+            Err(None) => return Err(ForwardError::ClientGone),
+            Err(Some(error)) => error,
+        };
+        request.detach();
+        // Configured-retryable (idempotent) methods are retried after any transport failure,
+        // others only when the upstream provably did not process them.
+        let retryable = attempts < max_attempts && (retryable_method || not_processed(&error));
+        if retryable && !request.replayable() {
+            tracing::debug!("request body cannot be replayed, not retrying");
         }
+        if retryable && request.replayable() {
+            if pool.withdraw_retry_token() {
+                Counters::bump(&pool.counters.retries);
+                tracing::debug!(addr = %lease.addr, %error, "retrying on another endpoint");
+                tried.push(lease.id);
+                lease.finish(retried_outcome(&error));
+                attempts += 1;
+                refused_by = Some(error);
+                continue;
+            }
+            Counters::bump(&pool.counters.retries_refused_by_budget);
+        }
+        tracing::debug!(addr = %lease.addr, ?error, "upstream failed the request");
+        lease.finish(Outcome::Failure);
+        return Err(ForwardError::Upstream(error));
     }
 }
 
-/// How long a retry waits for hyper to hand the client's body back from the failed attempt
-/// (it drops it on its own task, normally at once; 100 ms was too short on a busy node). The
-/// caller's deadline still bounds the whole call.
-const REPLAY_WAIT: std::time::Duration = std::time::Duration::from_millis(500);
+/// The request one attempt sends: the client's, with an absolute URI as h2 requires (a client
+/// that sent no `:authority` gets the endpoint's address).
+fn upstream_request(template: &Request<()>, endpoint: std::net::SocketAddr) -> Request<()> {
+    let mut req = Request::new(());
+    *req.method_mut() = template.method().clone();
+    *req.version_mut() = template.version();
+    *req.headers_mut() = template.headers().clone();
+    let uri = template.uri();
+    *req.uri_mut() = if uri.scheme().is_some() && uri.authority().is_some() {
+        uri.clone()
+    } else {
+        let mut parts = uri.clone().into_parts();
+        parts.scheme.get_or_insert(http::uri::Scheme::HTTP);
+        if parts.authority.is_none() {
+            parts.authority = endpoint.to_string().parse().ok();
+        }
+        if parts.path_and_query.is_none() {
+            parts.path_and_query = Some(http::uri::PathAndQuery::from_static("/"));
+        }
+        Uri::from_parts(parts).unwrap_or_else(|_| uri.clone())
+    };
+    req
+}
 
 /// What a retried attempt says about its endpoint. A graceful GOAWAY (the server rotating or
 /// shutting down its connection) says nothing: the endpoint stays as it was. Anything else, a
@@ -202,66 +288,28 @@ const REPLAY_WAIT: std::time::Duration = std::time::Duration::from_millis(500);
 /// every stream would look cheap (it answers at once and holds nothing in flight), attract
 /// every first attempt and drain the retry budget, until calls fail; counted as failures, it
 /// is ejected after `failure_threshold` of them like any failing endpoint.
-fn retried_outcome(error: &hyper::Error) -> Outcome {
-    if h2_error(error).is_some_and(graceful_go_away) {
+fn retried_outcome(error: &h2::Error) -> Outcome {
+    if graceful_go_away(error) {
         Outcome::Cancelled
     } else {
         Outcome::Failure
     }
 }
 
-/// The HTTP/2 error under a hyper error, if there is one.
-fn h2_error(error: &hyper::Error) -> Option<&h2::Error> {
-    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(error);
-    while let Some(e) = source {
-        if let Some(h2) = e.downcast_ref::<h2::Error>() {
-            return Some(h2);
-        }
-        source = e.source();
-    }
-    None
-}
-
 /// The stream was cut by the upstream's graceful GOAWAY (NO_ERROR).
 fn graceful_go_away(h2: &h2::Error) -> bool {
-    h2.is_go_away() && h2.is_remote() && h2.reason() == Some(h2::Reason::NO_ERROR)
+    h2.is_go_away() && h2.is_remote() && h2.reason() == Some(Reason::NO_ERROR)
 }
 
 /// Whether the upstream provably did not process the request: it refused the stream
 /// (REFUSED_STREAM), or the stream was cut by a graceful GOAWAY (NO_ERROR). h2 fails a stream
-/// with a remote NO_ERROR GOAWAY when its id is above the GOAWAY's last-stream-id; a graceful
-/// server finishes every stream at or below it before closing.
-fn not_processed(error: &hyper::Error) -> bool {
-    h2_error(error)
-        .is_some_and(|h2| h2.reason() == Some(h2::Reason::REFUSED_STREAM) || graceful_go_away(h2))
+/// with a remote NO_ERROR GOAWAY when its id is above the GOAWAY's last-stream-id (or it was
+/// still queued, never sent); a graceful server finishes every stream at or below it.
+fn not_processed(error: &h2::Error) -> bool {
+    error.reason() == Some(Reason::REFUSED_STREAM) || graceful_go_away(error)
 }
 
-fn wrap(resp: Response<Incoming>, lease: Lease, deadline: Option<Instant>) -> Response<ProxyBody> {
-    let (parts, body) = resp.into_parts();
-    let grpc = grpc::is_grpc(&parts.headers);
-    // A trailers-only reply carries its status in the headers.
-    let outcome_now = if body.is_end_stream() {
-        Some(outcome_of(parts.status, Some(&parts.headers)))
-    } else {
-        None
-    };
-    let kind = match outcome_now {
-        Some(outcome) => {
-            lease.finish(outcome);
-            Kind::Done
-        }
-        None => Kind::Upstream {
-            body,
-            lease: Some(lease),
-            deadline: deadline.map(|d| Box::pin(tokio::time::sleep_until(d))),
-            grpc,
-            status: parts.status,
-        },
-    };
-    Response::from_parts(parts, ProxyBody { kind })
-}
-
-fn outcome_of(status: http::StatusCode, trailers: Option<&HeaderMap>) -> Outcome {
+fn outcome_of(status: StatusCode, trailers: Option<&HeaderMap>) -> Outcome {
     if status.is_server_error() {
         return Outcome::Failure;
     }
@@ -271,137 +319,279 @@ fn outcome_of(status: http::StatusCode, trailers: Option<&HeaderMap>) -> Outcome
     }
 }
 
-/// The response body the client gets: the upstream's body streamed through frame by frame
-/// (never buffered: hyper polls it only when the client's stream has window), or nothing for
-/// a locally generated trailers-only response.
-#[derive(Default)]
-pub struct ProxyBody {
-    kind: Kind,
+/// Why a pump stopped.
+#[derive(Debug)]
+enum PumpError {
+    /// The client's side failed (it reset the stream or the connection broke).
+    Client,
+    /// The upstream's side failed; the attempt's response reports how.
+    Upstream,
 }
 
-#[derive(Default)]
-enum Kind {
-    Upstream {
-        body: Incoming,
-        lease: Option<Lease>,
-        deadline: Option<Pin<Box<Sleep>>>,
-        grpc: bool,
-        status: http::StatusCode,
-    },
-    /// Trailers already sent or nothing to send.
-    #[default]
-    Done,
+/// Waits until `send` has window for at least one more byte beyond what it has buffered, so
+/// at most one chunk per stream waits in the balancer whatever the reader's pace. `Err` when
+/// the stream is gone (reset, connection closed).
+fn poll_window(send: &mut SendStream<Bytes>, cx: &mut Context<'_>) -> Poll<Result<(), ()>> {
+    send.reserve_capacity(1);
+    while send.capacity() == 0 {
+        match ready!(send.poll_capacity(cx)) {
+            Some(Ok(_)) => {}
+            Some(Err(_)) | None => return Poll::Ready(Err(())),
+        }
+    }
+    Poll::Ready(Ok(()))
 }
 
-impl std::fmt::Debug for ProxyBody {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ProxyBody").finish_non_exhaustive()
+/// The client's request body on its way upstream, with a bounded copy of what was sent for a
+/// replay on another endpoint.
+struct RequestPump {
+    client: RecvStream,
+    /// The current attempt's stream; `None` between attempts.
+    upstream: Option<SendStream<Bytes>>,
+    /// What was read from the client so far, while it is small and no reply arrived; `None`
+    /// once the copy is off.
+    copy: Option<Vec<Bytes>>,
+    copied: usize,
+    /// The client's trailers, if it sent any (kept for a replay too).
+    trailers: Option<HeaderMap>,
+    /// The client's body has been read to its end.
+    read_all: bool,
+    /// The end of the body went to the current attempt's stream.
+    done: bool,
+}
+
+impl RequestPump {
+    fn new(client: RecvStream) -> Self {
+        let read_all = client.is_end_stream();
+        Self {
+            client,
+            upstream: None,
+            copy: Some(Vec::new()),
+            copied: 0,
+            trailers: None,
+            read_all,
+            done: false,
+        }
+    }
+
+    /// The request ends with its headers: an attempt sends them with END_STREAM.
+    fn nothing_to_send(&self) -> bool {
+        self.read_all && self.copied == 0 && self.trailers.is_none()
+    }
+
+    /// Starts an attempt on `send`: replays what earlier attempts sent, then goes on with the
+    /// rest of the client's body.
+    fn attach(&mut self, mut send: SendStream<Bytes>) {
+        self.done = self.nothing_to_send();
+        if let Some(copy) = &self.copy {
+            let last = copy.len().saturating_sub(1);
+            for (i, chunk) in copy.iter().enumerate() {
+                let end = i == last && self.read_all && self.trailers.is_none();
+                if send.send_data(chunk.clone(), end).is_err() {
+                    break;
+                }
+                self.done |= end;
+            }
+        }
+        if self.read_all
+            && !self.done
+            && let Some(trailers) = &self.trailers
+        {
+            let _ = send.send_trailers(trailers.clone());
+            self.done = true;
+        }
+        self.upstream = Some(send);
+    }
+
+    /// The attempt failed: stop sending to its stream.
+    fn detach(&mut self) {
+        self.upstream = None;
+    }
+
+    /// Whether a new attempt can send the whole body again.
+    fn replayable(&self) -> bool {
+        self.copy.is_some()
+    }
+
+    /// A reply arrived: the body will not be sent again, stop copying it.
+    fn keep_no_copy(&mut self) {
+        self.copy = None;
+    }
+
+    /// Forwards the client's body to the current attempt: `Ready(Ok)` once it is all sent,
+    /// `Pending` while there is more to come or no attempt to send it to.
+    fn poll_pump(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), PumpError>> {
+        loop {
+            if self.done {
+                return Poll::Ready(Ok(()));
+            }
+            let Some(upstream) = self.upstream.as_mut() else {
+                return Poll::Pending;
+            };
+            if ready!(poll_window(upstream, cx)).is_err() {
+                self.upstream = None;
+                return Poll::Ready(Err(PumpError::Upstream));
+            }
+            match ready!(self.client.poll_data(cx)) {
+                Some(Ok(data)) => {
+                    let len = data.len();
+                    let end = self.client.is_end_stream();
+                    self.read_all = end;
+                    if let Some(copy) = &mut self.copy {
+                        self.copied += len;
+                        if self.copied > REPLAY_CAP {
+                            self.copy = None;
+                        } else {
+                            copy.push(data.clone());
+                        }
+                    }
+                    let sent = upstream.send_data(data, end);
+                    let _ = self.client.flow_control().release_capacity(len);
+                    if sent.is_err() {
+                        self.upstream = None;
+                        return Poll::Ready(Err(PumpError::Upstream));
+                    }
+                    self.done = end;
+                }
+                Some(Err(error)) => {
+                    tracing::debug!(%error, "client request stream failed");
+                    return Poll::Ready(Err(PumpError::Client));
+                }
+                None => {
+                    let trailers = match ready!(self.client.poll_trailers(cx)) {
+                        Ok(trailers) => trailers,
+                        Err(error) => {
+                            tracing::debug!(%error, "client request trailers failed");
+                            return Poll::Ready(Err(PumpError::Client));
+                        }
+                    };
+                    self.read_all = true;
+                    let sent = match &trailers {
+                        Some(t) => upstream.send_trailers(t.clone()),
+                        None => upstream.send_data(Bytes::new(), true),
+                    };
+                    self.trailers = trailers;
+                    if sent.is_err() {
+                        self.upstream = None;
+                        return Poll::Ready(Err(PumpError::Upstream));
+                    }
+                    self.done = true;
+                }
+            }
+        }
     }
 }
 
-impl Body for ProxyBody {
-    type Data = Bytes;
-    type Error = hyper::Error;
+/// The upstream's response body on its way to the client; holds the endpoint's lease until
+/// the response ends.
+struct ResponsePump {
+    upstream: RecvStream,
+    client: SendStream<Bytes>,
+    lease: Option<Lease>,
+    grpc: bool,
+    status: StatusCode,
+}
 
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        let this = self.get_mut();
-        match &mut this.kind {
-            Kind::Done => Poll::Ready(None),
-            Kind::Upstream {
-                body,
-                lease,
-                deadline,
-                grpc,
-                status,
-            } => {
-                if let Some(sleep) = deadline
-                    && sleep.as_mut().poll(cx).is_ready()
-                {
-                    // The budget ran out mid-stream: end it with DEADLINE_EXCEEDED; dropping the
-                    // upstream body resets the upstream stream (cancellation goes upstream).
-                    if let Some(lease) = lease.take() {
-                        lease.finish(Outcome::Cancelled);
+impl ResponsePump {
+    fn finish(&mut self, outcome: Outcome) {
+        if let Some(lease) = self.lease.take() {
+            lease.finish(outcome);
+        }
+    }
+
+    /// The client reset its stream: the caller drops the upstream stream, which resets it.
+    fn client_gone(&mut self) {
+        tracing::debug!("client cancelled the call");
+        self.finish(Outcome::Cancelled);
+    }
+
+    /// The budget ran out mid-stream: end the call with DEADLINE_EXCEEDED; the caller drops the
+    /// upstream stream, which resets it (the cancellation goes upstream).
+    fn deadline_exceeded(&mut self) {
+        self.finish(Outcome::Cancelled);
+        if self.grpc {
+            let _ = self.client.send_trailers(grpc::status_headers(
+                Code::DeadlineExceeded,
+                "skewless: deadline exceeded in the balancer",
+            ));
+        } else {
+            self.client.send_reset(Reason::CANCEL);
+        }
+    }
+
+    /// Forwards the upstream's body and trailers; `Ready` once the response is over.
+    fn poll_pump(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        loop {
+            if let Poll::Ready(reason) = self.client.poll_reset(cx) {
+                tracing::debug!(?reason, "client cancelled the call");
+                self.finish(Outcome::Cancelled);
+                return Poll::Ready(());
+            }
+            if ready!(poll_window(&mut self.client, cx)).is_err() {
+                self.client_gone();
+                return Poll::Ready(());
+            }
+            match ready!(self.upstream.poll_data(cx)) {
+                Some(Ok(data)) => {
+                    let len = data.len();
+                    let end = self.upstream.is_end_stream();
+                    let sent = self.client.send_data(data, end);
+                    let _ = self.upstream.flow_control().release_capacity(len);
+                    if sent.is_err() {
+                        self.client_gone();
+                        return Poll::Ready(());
                     }
-                    let grpc = *grpc;
-                    this.kind = Kind::Done;
-                    return if grpc {
-                        Poll::Ready(Some(Ok(Frame::trailers(grpc::status_headers(
-                            Code::DeadlineExceeded,
-                            "skewless: deadline exceeded in the balancer",
-                        )))))
-                    } else {
-                        Poll::Ready(None)
-                    };
+                    if end {
+                        self.finish(outcome_of(self.status, None));
+                        return Poll::Ready(());
+                    }
                 }
-                match ready!(Pin::new(body).poll_frame(cx)) {
-                    Some(Ok(frame)) => {
-                        if let Some(trailers) = frame.trailers_ref()
-                            && let Some(lease) = lease.take()
-                        {
-                            lease.finish(outcome_of(*status, Some(trailers)));
+                Some(Err(error)) => {
+                    self.upstream_failed(&error);
+                    return Poll::Ready(());
+                }
+                None => {
+                    match ready!(self.upstream.poll_trailers(cx)) {
+                        Ok(Some(trailers)) => {
+                            self.finish(outcome_of(self.status, Some(&trailers)));
+                            let _ = self.client.send_trailers(trailers);
                         }
-                        Poll::Ready(Some(Ok(frame)))
+                        Ok(None) => {
+                            self.finish(outcome_of(self.status, None));
+                            let _ = self.client.send_data(Bytes::new(), true);
+                        }
+                        Err(error) => self.upstream_failed(&error),
                     }
-                    None => {
-                        if let Some(lease) = lease.take() {
-                            lease.finish(outcome_of(*status, None));
-                        }
-                        this.kind = Kind::Done;
-                        Poll::Ready(None)
-                    }
-                    Some(Err(error)) => {
-                        let cancelled = upstream_cancelled(&error);
-                        if let Some(lease) = lease.take() {
-                            lease.finish(if cancelled {
-                                Outcome::Cancelled
-                            } else {
-                                Outcome::Failure
-                            });
-                        }
-                        tracing::debug!(%error, "upstream response stream failed");
-                        if *grpc {
-                            // Headers went out already: end the call with a status in trailers
-                            // rather than a bare reset, so the client sees why.
-                            let code = if cancelled {
-                                Code::Cancelled
-                            } else {
-                                Code::Unavailable
-                            };
-                            this.kind = Kind::Done;
-                            Poll::Ready(Some(Ok(Frame::trailers(grpc::status_headers(
-                                code,
-                                "skewless: upstream stream ended abnormally",
-                            )))))
-                        } else {
-                            this.kind = Kind::Done;
-                            Poll::Ready(Some(Err(error)))
-                        }
-                    }
+                    return Poll::Ready(());
                 }
             }
         }
     }
 
-    fn is_end_stream(&self) -> bool {
-        match &self.kind {
-            Kind::Done => true,
-            Kind::Upstream { body, .. } => body.is_end_stream(),
+    /// The upstream's stream broke after the headers went out. A gRPC call ends with a status
+    /// in trailers rather than a bare reset, so the client sees why; other traffic is reset.
+    fn upstream_failed(&mut self, error: &h2::Error) {
+        // The server gave up on the call (CANCEL): says nothing about the endpoint's health.
+        let cancelled = error.reason() == Some(Reason::CANCEL);
+        self.finish(if cancelled {
+            Outcome::Cancelled
+        } else {
+            Outcome::Failure
+        });
+        tracing::debug!(%error, "upstream response stream failed");
+        if self.grpc {
+            let code = if cancelled {
+                Code::Cancelled
+            } else {
+                Code::Unavailable
+            };
+            let _ = self.client.send_trailers(grpc::status_headers(
+                code,
+                "skewless: upstream stream ended abnormally",
+            ));
+        } else {
+            self.client
+                .send_reset(error.reason().unwrap_or(Reason::INTERNAL_ERROR));
         }
     }
-
-    fn size_hint(&self) -> SizeHint {
-        match &self.kind {
-            Kind::Upstream { body, .. } => body.size_hint(),
-            Kind::Done => SizeHint::with_exact(0),
-        }
-    }
-}
-
-/// Whether the upstream reset the stream with CANCEL (the server gave up on the call), which
-/// says nothing about the endpoint's health.
-fn upstream_cancelled(error: &hyper::Error) -> bool {
-    h2_error(error).is_some_and(|h2| h2.reason() == Some(h2::Reason::CANCEL))
 }
