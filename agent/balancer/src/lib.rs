@@ -225,37 +225,52 @@ impl Balancer {
                     // changed while the connection is open.
                     let mut since = tokio::time::Instant::now();
                     let mut max_age = config.borrow_and_update().max_connection_age;
+                    let mut following_config = true;
                     loop {
-                        let aged = async {
-                            match max_age {
-                                Some(age) => tokio::time::sleep_until(since + age.mul_f64(jitter)).await,
-                                None => std::future::pending().await,
+                        // Armed once per configuration, not once per accepted stream.
+                        let stop = {
+                            let aged = async {
+                                match max_age {
+                                    Some(age) => tokio::time::sleep_until(since + age.mul_f64(jitter)).await,
+                                    None => std::future::pending().await,
+                                }
+                            };
+                            let changed = config.changed();
+                            let draining = drain.wait_for(|d| *d);
+                            tokio::pin!(aged, changed, draining);
+                            loop {
+                                tokio::select! {
+                                    next = conn.accept() => match next {
+                                        Some(Ok(stream)) => spawn_stream(stream),
+                                        Some(Err(error)) => {
+                                            tracing::debug!(%error, "client connection failed");
+                                            return;
+                                        }
+                                        None => return,
+                                    },
+                                    _ = &mut draining => {
+                                        tracing::debug!("draining client connection");
+                                        break true;
+                                    }
+                                    () = &mut aged => {
+                                        tracing::debug!("client connection reached its max age");
+                                        break true;
+                                    }
+                                    res = &mut changed, if following_config => {
+                                        following_config = res.is_ok();
+                                        break false;
+                                    }
+                                }
                             }
                         };
-                        tokio::select! {
-                            next = conn.accept() => match next {
-                                Some(Ok(stream)) => {
-                                    spawn_stream(stream);
-                                    continue;
-                                }
-                                Some(Err(error)) => {
-                                    tracing::debug!(%error, "client connection failed");
-                                    return;
-                                }
-                                None => return,
-                            },
-                            _ = drain.wait_for(|d| *d) => tracing::debug!("draining client connection"),
-                            () = aged => tracing::debug!("client connection reached its max age"),
-                            Ok(()) = config.changed() => {
-                                let age = config.borrow_and_update().max_connection_age;
-                                if age != max_age {
-                                    max_age = age;
-                                    since = tokio::time::Instant::now();
-                                }
-                                continue;
-                            }
+                        if stop {
+                            break;
                         }
-                        break;
+                        let age = config.borrow_and_update().max_connection_age;
+                        if age != max_age {
+                            max_age = age;
+                            since = tokio::time::Instant::now();
+                        }
                     }
                     let grace = pool.config().drain_grace;
                     // Two-phase GOAWAY (last stream id 2^31-1 and a PING, then the real last

@@ -522,16 +522,16 @@ impl ResponsePump {
     /// Forwards the upstream's body and trailers; `Ready` once the response is over.
     fn poll_pump(&mut self, cx: &mut Context<'_>) -> Poll<()> {
         loop {
-            if let Poll::Ready(reason) = self.client.poll_reset(cx) {
-                tracing::debug!(?reason, "client cancelled the call");
-                self.finish(Outcome::Cancelled);
-                return Poll::Ready(());
-            }
+            // A reset by the client also ends the wait for window.
             if ready!(poll_window(&mut self.client, cx)).is_err() {
                 self.client_gone();
                 return Poll::Ready(());
             }
-            match ready!(self.upstream.poll_data(cx)) {
+            let data = self.upstream.poll_data(cx);
+            if data.is_pending() {
+                return self.pending_unless_client_gone(cx);
+            }
+            match ready!(data) {
                 Some(Ok(data)) => {
                     let len = data.len();
                     let end = self.upstream.is_end_stream();
@@ -551,7 +551,11 @@ impl ResponsePump {
                     return Poll::Ready(());
                 }
                 None => {
-                    match ready!(self.upstream.poll_trailers(cx)) {
+                    let trailers = self.upstream.poll_trailers(cx);
+                    if trailers.is_pending() {
+                        return self.pending_unless_client_gone(cx);
+                    }
+                    match ready!(trailers) {
                         Ok(Some(trailers)) => {
                             self.finish(outcome_of(self.status, Some(&trailers)));
                             let _ = self.client.send_trailers(trailers);
@@ -566,6 +570,15 @@ impl ResponsePump {
                 }
             }
         }
+    }
+
+    /// Waiting for the upstream: watch for the client resetting its stream meanwhile.
+    fn pending_unless_client_gone(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        if self.client.poll_reset(cx).is_ready() {
+            self.client_gone();
+            return Poll::Ready(());
+        }
+        Poll::Pending
     }
 
     /// The upstream's stream broke after the headers went out. A gRPC call ends with a status

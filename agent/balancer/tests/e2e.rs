@@ -1030,7 +1030,40 @@ async fn slow_reader_backpressures_the_upstream_instead_of_buffering() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn full_connections_make_the_balancer_open_more_to_the_same_endpoint() {
-    // An upstream that allows 2 streams per connection and answers after 300 ms.
+    // Our own limit: 2 streams per connection (the server allows 2 as well).
+    let config = Config {
+        max_streams_per_connection: 2,
+        max_connections_per_endpoint: 4,
+        ..short_drain()
+    };
+    let n = calls_over_a_narrow_upstream(config, 2).await;
+    assert!(
+        (3..=4).contains(&n),
+        "8 concurrent calls at 2 streams per connection open more connections, at most 4: {n}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_servers_stream_limit_makes_the_balancer_open_more_connections() {
+    // Our limit stays at its default (100): the server's SETTINGS_MAX_CONCURRENT_STREAMS (2)
+    // is what fills a connection.
+    let config = Config {
+        max_connections_per_endpoint: 4,
+        ..short_drain()
+    };
+    assert!(config.max_streams_per_connection > 8);
+    let n = calls_over_a_narrow_upstream(config, 2).await;
+    assert!(
+        (3..=4).contains(&n),
+        "8 concurrent calls to a server allowing 2 streams per connection open more \
+         connections, at most 4: {n}"
+    );
+}
+
+/// Sends 8 concurrent calls through a balancer over one upstream that allows `streams`
+/// streams per connection and answers after 300 ms; every call must succeed. Returns how many
+/// connections the upstream accepted.
+async fn calls_over_a_narrow_upstream(config: Config, streams: u32) -> usize {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let up = listener.local_addr().expect("addr");
     let connections = Arc::new(std::sync::atomic::AtomicUsize::new(0));
@@ -1049,17 +1082,12 @@ async fn full_connections_make_the_balancer_open_more_to_the_same_endpoint() {
                     Ok::<_, Infallible>(resp)
                 });
                 let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
-                    .max_concurrent_streams(2)
+                    .max_concurrent_streams(streams)
                     .serve_connection(TokioIo::new(stream), service)
                     .await;
             });
         }
     });
-    let config = Config {
-        max_streams_per_connection: 2,
-        max_connections_per_endpoint: 4,
-        ..short_drain()
-    };
     let b = balancer(config, vec![Endpoint::new(up, "narrow")]).await;
     let send = raw_client(b.addr).await;
     let mut calls = Vec::new();
@@ -1074,12 +1102,8 @@ async fn full_connections_make_the_balancer_open_more_to_the_same_endpoint() {
         let resp = c.await.expect("task").expect("response");
         assert_eq!(resp.headers()["grpc-status"], "0");
     }
-    let n = connections.load(std::sync::atomic::Ordering::Relaxed);
-    assert!(
-        (3..=4).contains(&n),
-        "8 concurrent calls at 2 streams per connection open more connections, at most 4: {n}"
-    );
     b.stop().await;
+    connections.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
