@@ -242,9 +242,9 @@ impl Pool {
         }
     }
 
-    /// Deposits the retry-budget share of one original request.
-    pub(crate) fn deposit_retry_token(&self) {
-        let config = self.config();
+    /// Deposits the retry-budget share of one original request (`config`: the one the
+    /// request runs under).
+    pub(crate) fn deposit_retry_token(&self, config: &Config) {
         let mut state = self.lock();
         state.retry_tokens = (state.retry_tokens + config.retry_ratio).min(config.retry_burst);
     }
@@ -261,18 +261,24 @@ impl Pool {
     }
 
     /// Picks an endpoint with a ready connection, waiting up to the ready timeout for one when
-    /// the Service has endpoints but none is connected yet.
+    /// the Service has endpoints but none is connected yet (`config`: the one the request runs
+    /// under).
     pub(crate) async fn acquire(
         self: &Arc<Self>,
+        config: &Config,
         exclude: &[SlotId],
     ) -> Result<Lease, ForwardError> {
-        let give_up = Instant::now() + self.config().ready_timeout;
+        // The common case: a ready endpoint at the first look, nothing to wait for.
+        if let Some(lease) = self.try_acquire(config, exclude)? {
+            return Ok(lease);
+        }
+        let give_up = Instant::now() + config.ready_timeout;
         loop {
             let notified = self.changed.notified();
             tokio::pin!(notified);
             // Register before looking, so a change between the look and the wait is not lost.
             notified.as_mut().enable();
-            if let Some(lease) = self.try_acquire(exclude)? {
+            if let Some(lease) = self.try_acquire(config, exclude)? {
                 return Ok(lease);
             }
             if tokio::time::timeout_at(give_up, notified).await.is_err() {
@@ -282,7 +288,11 @@ impl Pool {
     }
 
     /// One look at the pool: a lease, `None` to wait for a change, or an error to give up.
-    fn try_acquire(self: &Arc<Self>, exclude: &[SlotId]) -> Result<Option<Lease>, ForwardError> {
+    fn try_acquire(
+        self: &Arc<Self>,
+        config: &Config,
+        exclude: &[SlotId],
+    ) -> Result<Option<Lease>, ForwardError> {
         let now = Instant::now();
         let mut state = self.lock();
         if state.picker.is_empty() {
@@ -296,13 +306,10 @@ impl Pool {
             }
             return Ok(None);
         };
-        let (per_conn, max_conns) = {
-            let config = self.config.borrow();
-            (
-                config.max_streams_per_connection,
-                config.max_connections_per_endpoint,
-            )
-        };
+        let (per_conn, max_conns) = (
+            config.max_streams_per_connection,
+            config.max_connections_per_endpoint,
+        );
         if let Some(conn) = state.conns.get_mut(&pick.id)
             && let Some(up) = conn
                 .upstreams

@@ -37,12 +37,11 @@ pub(crate) async fn handle(
     req: Request<RecvStream>,
     mut respond: SendResponse<Bytes>,
 ) {
-    let arrived = Instant::now();
     let deadline = req
         .headers()
         .get(grpc::GRPC_TIMEOUT)
         .and_then(grpc::parse_timeout)
-        .and_then(|t| arrived.checked_add(t));
+        .and_then(|t| Instant::now().checked_add(t));
     let is_grpc = grpc::is_grpc(req.headers());
     let (head, body) = req.into_parts();
     let mut request = RequestPump::new(body);
@@ -159,18 +158,16 @@ async fn forward(
     request: &mut RequestPump,
     deadline: Option<Instant>,
 ) -> Result<Forwarded, ForwardError> {
-    pool.deposit_retry_token();
-    let (max_attempts, retryable_method) = {
-        // One look at the live config per request (it may be swapped by `reconfigure`).
-        let config = pool.config();
+    // One look at the live config per request (`reconfigure` may swap it meanwhile).
+    let config = pool.config();
+    pool.deposit_retry_token(&config);
+    let max_attempts = config.max_attempts.max(1);
+    let retryable_method = {
         let path = head.uri.path();
-        (
-            config.max_attempts.max(1),
-            config
-                .retryable_methods
-                .iter()
-                .any(|m| path == m.as_str() || (m.ends_with('/') && path.starts_with(m.as_str()))),
-        )
+        config
+            .retryable_methods
+            .iter()
+            .any(|m| path == m.as_str() || (m.ends_with('/') && path.starts_with(m.as_str())))
     };
     // What every attempt sends (extensions are not forwarded).
     let mut template = Request::from_parts(head, ());
@@ -182,7 +179,7 @@ async fn forward(
     let mut redispatches = 0u32;
     let mut refused_by: Option<h2::Error> = None;
     loop {
-        let mut lease = match pool.acquire(&tried).await {
+        let mut lease = match pool.acquire(&config, &tried).await {
             Ok(lease) => lease,
             // A retry with nowhere else to go fails with what the upstream said.
             Err(error) => return Err(refused_by.map_or(error, ForwardError::Upstream)),
