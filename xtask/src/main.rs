@@ -115,13 +115,15 @@ fn hook_bench() -> Result<()> {
     setup::run(&mut cmd)
 }
 
-/// The side-by-side proxy benchmark: release binaries of the echo pods, the load generator and
-/// skewless-proxy, driven by skewless-bench (which finds the others next to itself), with the
+/// The side-by-side proxy benchmark: `dist` (release + LTO) binaries of the echo pods, the
+/// load generator and skewless-proxy, driven by skewless-bench (which finds the others next to itself), with the
 /// results written to docs/benchmarks.md.
 fn proxy_bench(args: &BenchArgs) -> Result<()> {
     println!("==> bench: skewless-proxy side by side with direct, HAProxy and nginx");
     let mut build = cargo();
-    build.args(["build", "--release", "--quiet"]);
+    // The shipped build (see `[profile.dist]` in Cargo.toml): what users run is what is
+    // measured.
+    build.args(["build", "--profile", "dist", "--quiet"]);
     for p in ["skewless-echo", "skewless-loadgen", "skewless-bench"] {
         build.args(["--package", p]);
     }
@@ -137,7 +139,8 @@ fn proxy_bench(args: &BenchArgs) -> Result<()> {
     let mut cmd = cargo();
     cmd.args([
         "run",
-        "--release",
+        "--profile",
+        "dist",
         "--quiet",
         "--package",
         "skewless-bench",

@@ -713,6 +713,13 @@ fn section(a: &Args, table: &str, targets: &str, open: Option<(&String, &String)
         .unwrap_or_default();
     let date = date.trim();
     let cpus = std::thread::available_parallelism().map_or(0, usize::from);
+    // The cargo profile the binaries were built with (`dist` from `cargo xtask bench`).
+    let profile = a
+        .bin_dir
+        .clone()
+        .or_else(|| std::env::current_exe().ok()?.parent().map(Into::into))
+        .and_then(|d| Some(d.file_name()?.to_string_lossy().into_owned()))
+        .unwrap_or_default();
     let repeated: Vec<String> = a
         .repeat_connections
         .iter()
@@ -743,7 +750,7 @@ fn section(a: &Args, table: &str, targets: &str, open: Option<(&String, &String)
          Run of {date} (`{cmd}`), {cpus} CPUs, everything on 127.0.0.1: 5 `skewless-echo` pods \
          (the 5th delayed by the row's delay), `skewless-loadgen run` ({w} s warm-up, {d} s \
          measured per run), and one proxy at a time, started fresh for its run with {t} worker \
-         threads/processes. `direct-healthy` and `direct-slow` load one pod without a proxy: \
+         threads/processes; our binaries from `target/{profile}`. `direct-healthy` and `direct-slow` load one pod without a proxy: \
          the two outcomes of an L4 coin flip, never averaged; `l4-roundrobin` (HAProxy `mode \
          tcp`) is per-connection balancing, run with more than one connection. Ratios divide by \
          the direct-healthy cell of the same delay and connections. CPU is the proxy's \
