@@ -1615,3 +1615,184 @@ async fn workers_serve_one_port_with_a_balancer_each_and_stop_on_request() {
         p.stop().await.expect("stop");
     }
 }
+
+/// Reads from `tcp` until the balancer closes it (or 5 s pass); returns what it sent.
+async fn read_until_closed(tcp: &mut tokio::net::TcpStream) -> Vec<u8> {
+    use tokio::io::AsyncReadExt as _;
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    let closed = tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            match tcp.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+            }
+        }
+    })
+    .await;
+    assert!(closed.is_ok(), "the balancer closes a broken connection");
+    got
+}
+
+/// Whether `bytes` (a server's side of an HTTP/2 connection) hold a GOAWAY frame with `reason`.
+fn has_go_away(bytes: &[u8], reason: h2::Reason) -> bool {
+    let mut rest = bytes;
+    while rest.len() >= 9 {
+        let len = usize::from(rest[0]) << 16 | usize::from(rest[1]) << 8 | usize::from(rest[2]);
+        let Some(payload) = rest.get(9..9 + len) else {
+            return false;
+        };
+        if rest[3] == 0x7 && payload.len() >= 8 {
+            let code = u32::from_be_bytes([payload[4], payload[5], payload[6], payload[7]]);
+            if code == u32::from(reason) {
+                return true;
+            }
+        }
+        rest = &rest[9 + len..];
+    }
+    false
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broken_client_connections_are_closed_without_disturbing_other_clients() {
+    use tokio::io::AsyncWriteExt as _;
+    let pods = pods(2).await;
+    let b = balancer(Config::default(), endpoints(&pods)).await;
+    let c = client(b.addr).await;
+    // A healthy client keeps calling throughout (bounded: 4 callers, at most 10 s).
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut callers = Vec::new();
+    for _ in 0..4 {
+        let (mut c, stop) = (c.clone(), stop.clone());
+        callers.push(tokio::spawn(async move {
+            let (mut ok, mut failed) = (0u32, Vec::new());
+            let give_up = tokio::time::Instant::now() + Duration::from_secs(10);
+            while !stop.load(std::sync::atomic::Ordering::Relaxed)
+                && tokio::time::Instant::now() < give_up
+            {
+                match c.echo(req(b"ok")).await {
+                    Ok(_) => ok += 1,
+                    Err(status) => failed.push(status),
+                }
+            }
+            (ok, failed)
+        }));
+    }
+
+    // Not HTTP/2 at all: an HTTP/1.1 request instead of the preface.
+    let mut http1 = tokio::net::TcpStream::connect(b.addr)
+        .await
+        .expect("connect");
+    http1
+        .write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .expect("write");
+    read_until_closed(&mut http1).await;
+
+    // The preface, then a frame that breaks the protocol (DATA on stream 0): the balancer
+    // answers GOAWAY(PROTOCOL_ERROR) and closes.
+    let mut violator = tokio::net::TcpStream::connect(b.addr)
+        .await
+        .expect("connect");
+    violator
+        .write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+        .await
+        .expect("preface");
+    violator
+        .write_all(&[0, 0, 0, 0x4, 0, 0, 0, 0, 0]) // empty SETTINGS
+        .await
+        .expect("settings");
+    violator
+        .write_all(&[0, 0, 3, 0x0, 0, 0, 0, 0, 0, b'b', b'a', b'd']) // DATA on stream 0
+        .await
+        .expect("data");
+    let answer = read_until_closed(&mut violator).await;
+    assert!(
+        has_go_away(&answer, h2::Reason::PROTOCOL_ERROR),
+        "GOAWAY(PROTOCOL_ERROR) before the close: {answer:?}"
+    );
+
+    // Random bytes after a valid preface and SETTINGS.
+    let mut noisy = tokio::net::TcpStream::connect(b.addr)
+        .await
+        .expect("connect");
+    noisy
+        .write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+        .await
+        .expect("preface");
+    noisy
+        .write_all(&[0, 0, 0, 0x4, 0, 0, 0, 0, 0])
+        .await
+        .expect("settings");
+    noisy.write_all(&[0xff; 64]).await.expect("garbage");
+    read_until_closed(&mut noisy).await;
+
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut ok = 0;
+    for caller in callers {
+        let (n, failed) = caller.await.expect("caller");
+        assert!(failed.is_empty(), "no healthy call failed: {failed:?}");
+        ok += n;
+    }
+    assert!(ok > 0, "the healthy client's calls went through");
+    // And the balancer still takes new clients.
+    let mut fresh = client(b.addr).await;
+    fresh
+        .echo(req(b"after"))
+        .await
+        .expect("a new client is served");
+    b.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_endpoint_that_does_not_speak_http2_gets_no_calls() {
+    // Accepts TCP and, after 200 ms, answers with bytes that are not HTTP/2 (an HTTP/1.1
+    // server, say). A connection published before the server spoke would take calls for those
+    // 200 ms and fail them when the garbage arrives.
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let garbage = listener.local_addr().expect("addr");
+    let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = accepted.clone();
+    tokio::spawn(async move {
+        use tokio::io::AsyncWriteExt as _;
+        while let Ok((mut stream, _)) = listener.accept().await {
+            count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                let _ = stream
+                    .write_all(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+                    .await;
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            });
+        }
+    });
+    let pods = pods(2).await;
+    let mut eps = endpoints(&pods);
+    eps.push(Endpoint::new(garbage, "not-http2"));
+    let b = balancer(Config::default(), eps).await;
+    let mut c = client(b.addr).await;
+    // Sequential calls for 600 ms (bounded: at most 20,000).
+    let until = tokio::time::Instant::now() + Duration::from_millis(600);
+    let mut n = 0u32;
+    while tokio::time::Instant::now() < until && n < 20_000 {
+        let pod = c
+            .echo(req(&n.to_be_bytes()))
+            .await
+            .unwrap_or_else(|status| panic!("call {n} failed: {status}"))
+            .into_inner()
+            .pod;
+        assert_ne!(pod, "not-http2");
+        n += 1;
+    }
+    assert!(
+        accepted.load(std::sync::atomic::Ordering::Relaxed) > 0,
+        "the balancer tried the endpoint"
+    );
+    let stats = b.balancer.stats();
+    let broken = stats
+        .iter()
+        .find(|s| s.name == "not-http2")
+        .expect("the endpoint is listed");
+    assert_eq!(broken.requests, 0, "no call was sent to it: {broken:?}");
+    b.stop().await;
+}
