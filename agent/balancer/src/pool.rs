@@ -316,18 +316,17 @@ impl Pool {
                 .iter()
                 .min_by_key(|u| u.streams.load(Ordering::Relaxed))
         {
-            let streams = up.streams.fetch_add(1, Ordering::Relaxed) + 1;
+            let open = up.streams.fetch_add(1, Ordering::Relaxed) + 1;
             // Full at our own limit or the server's, whichever is lower.
             let full = per_conn
                 .min(u32::try_from(up.sender.current_max_send_streams()).unwrap_or(u32::MAX));
-            let (generation, sender, streams_cell) =
+            let (generation, sender, streams) =
                 (up.generation, up.sender.clone(), up.streams.clone());
-            if streams > full && conn.upstreams.len() < max_conns {
+            if open > full && conn.upstreams.len() < max_conns {
                 // Every connection is full: ask for another. This request still goes out on
                 // the least busy one (h2 queues it if the server's limit is reached).
                 conn.grow.notify_one();
             }
-            let streams = streams_cell;
             let sample = std::mem::replace(&mut conn.warm, true);
             return Ok(Some(Lease {
                 pool: self.clone(),
