@@ -1616,9 +1616,14 @@ async fn workers_serve_one_port_with_a_balancer_each_and_stop_on_request() {
     }
 }
 
-/// Reads from `tcp` until the balancer closes it (or 5 s pass); returns what it sent.
-async fn read_until_closed(tcp: &mut tokio::net::TcpStream) -> Vec<u8> {
-    use tokio::io::AsyncReadExt as _;
+/// Connects to `addr`, writes `chunks`, and reads until the balancer closes the connection
+/// (asserted within 5 s); returns what the balancer sent.
+async fn exchange(addr: SocketAddr, chunks: &[&[u8]]) -> Vec<u8> {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut tcp = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    for chunk in chunks {
+        tcp.write_all(chunk).await.expect("write");
+    }
     let mut got = Vec::new();
     let mut buf = [0u8; 4096];
     let closed = tokio::time::timeout(Duration::from_secs(5), async {
@@ -1633,6 +1638,10 @@ async fn read_until_closed(tcp: &mut tokio::net::TcpStream) -> Vec<u8> {
     assert!(closed.is_ok(), "the balancer closes a broken connection");
     got
 }
+
+/// The client connection preface, and an empty SETTINGS frame.
+const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+const EMPTY_SETTINGS: &[u8] = &[0, 0, 0, 0x4, 0, 0, 0, 0, 0];
 
 /// Whether `bytes` (a server's side of an HTTP/2 connection) hold a GOAWAY frame with `reason`.
 fn has_go_away(bytes: &[u8], reason: h2::Reason) -> bool {
@@ -1655,7 +1664,6 @@ fn has_go_away(bytes: &[u8], reason: h2::Reason) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn broken_client_connections_are_closed_without_disturbing_other_clients() {
-    use tokio::io::AsyncWriteExt as _;
     let pods = pods(2).await;
     let b = balancer(Config::default(), endpoints(&pods)).await;
     let c = client(b.addr).await;
@@ -1680,53 +1688,20 @@ async fn broken_client_connections_are_closed_without_disturbing_other_clients()
     }
 
     // Not HTTP/2 at all: an HTTP/1.1 request instead of the preface.
-    let mut http1 = tokio::net::TcpStream::connect(b.addr)
-        .await
-        .expect("connect");
-    http1
-        .write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-        .await
-        .expect("write");
-    read_until_closed(&mut http1).await;
-
+    exchange(b.addr, &[b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"]).await;
     // The preface, then a frame that breaks the protocol (DATA on stream 0): the balancer
     // answers GOAWAY(PROTOCOL_ERROR) and closes.
-    let mut violator = tokio::net::TcpStream::connect(b.addr)
-        .await
-        .expect("connect");
-    violator
-        .write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
-        .await
-        .expect("preface");
-    violator
-        .write_all(&[0, 0, 0, 0x4, 0, 0, 0, 0, 0]) // empty SETTINGS
-        .await
-        .expect("settings");
-    violator
-        .write_all(&[0, 0, 3, 0x0, 0, 0, 0, 0, 0, b'b', b'a', b'd']) // DATA on stream 0
-        .await
-        .expect("data");
-    let answer = read_until_closed(&mut violator).await;
+    let data_on_stream_0: &[u8] = &[0, 0, 3, 0x0, 0, 0, 0, 0, 0, b'b', b'a', b'd'];
+    let answer = exchange(b.addr, &[PREFACE, EMPTY_SETTINGS, data_on_stream_0]).await;
     assert!(
         has_go_away(&answer, h2::Reason::PROTOCOL_ERROR),
         "GOAWAY(PROTOCOL_ERROR) before the close: {answer:?}"
     );
-
     // Random bytes after a valid preface and SETTINGS.
-    let mut noisy = tokio::net::TcpStream::connect(b.addr)
-        .await
-        .expect("connect");
-    noisy
-        .write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
-        .await
-        .expect("preface");
-    noisy
-        .write_all(&[0, 0, 0, 0x4, 0, 0, 0, 0, 0])
-        .await
-        .expect("settings");
-    noisy.write_all(&[0xff; 64]).await.expect("garbage");
-    read_until_closed(&mut noisy).await;
+    exchange(b.addr, &[PREFACE, EMPTY_SETTINGS, &[0xff; 64]]).await;
 
+    // The healthy calls go on for a while past the broken connections.
+    tokio::time::sleep(Duration::from_millis(300)).await;
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let mut ok = 0;
     for caller in callers {
