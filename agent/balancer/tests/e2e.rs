@@ -896,21 +896,10 @@ async fn max_connection_age_rotates_client_connections_and_fails_no_call_it_rece
     };
     let b = balancer(config, endpoints(&pods)).await;
     // Count the client connections the balancer accepts: a counting TCP relay in front of it.
-    let relay = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let relay_addr = relay.local_addr().expect("addr");
-    let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let count = accepted.clone();
-    let target = b.addr;
-    tokio::spawn(async move {
-        while let Ok((mut inbound, _)) = relay.accept().await {
-            count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            tokio::spawn(async move {
-                if let Ok(mut outbound) = tokio::net::TcpStream::connect(target).await {
-                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
-                }
-            });
-        }
-    });
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let relay_addr = listener.local_addr().expect("addr");
+    let counted = relay(listener, b.addr);
+    let accepted = counted.accepted.clone();
     let c = client(relay_addr).await;
     let stop_at = tokio::time::Instant::now() + Duration::from_millis(1000);
     let mut tasks = Vec::new();
@@ -1460,21 +1449,10 @@ async fn max_connection_age_set_live_rotates_open_client_connections() {
     let pods = pods(1).await;
     let b = balancer(Config::default(), endpoints(&pods)).await;
     // Count the client connections the balancer accepts: a counting TCP relay in front of it.
-    let relay = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let relay_addr = relay.local_addr().expect("addr");
-    let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let count = accepted.clone();
-    let target = b.addr;
-    tokio::spawn(async move {
-        while let Ok((mut inbound, _)) = relay.accept().await {
-            count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            tokio::spawn(async move {
-                if let Ok(mut outbound) = tokio::net::TcpStream::connect(target).await {
-                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
-                }
-            });
-        }
-    });
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let relay_addr = listener.local_addr().expect("addr");
+    let counted = relay(listener, b.addr);
+    let accepted = counted.accepted.clone();
     let mut c = client(relay_addr).await;
     let calls_for = |c: &mut EchoClient<Channel>, d: Duration| {
         let mut c = c.clone();
@@ -1506,14 +1484,22 @@ async fn max_connection_age_set_live_rotates_open_client_connections() {
     b.stop().await;
 }
 
-/// A TCP relay from `listener` to `target`; dropping the returned set closes the listener and
-/// every relayed connection at once (an endpoint that goes away).
-fn relay(listener: TcpListener, target: SocketAddr) -> tokio::task::JoinSet<()> {
+/// A TCP relay from `listener` to `target` that counts the connections it accepts. Dropping it
+/// closes the listener and every relayed connection at once (an endpoint that goes away).
+struct Relay {
+    _tasks: tokio::task::JoinSet<()>,
+    accepted: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+fn relay(listener: TcpListener, target: SocketAddr) -> Relay {
+    let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = accepted.clone();
     let mut set = tokio::task::JoinSet::new();
     set.spawn(async move {
         // Dropped with this task: aborts every relayed connection.
         let mut conns = tokio::task::JoinSet::new();
         while let Ok((mut inbound, _)) = listener.accept().await {
+            count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             conns.spawn(async move {
                 if let Ok(mut outbound) = tokio::net::TcpStream::connect(target).await {
                     let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
@@ -1521,7 +1507,10 @@ fn relay(listener: TcpListener, target: SocketAddr) -> tokio::task::JoinSet<()> 
             });
         }
     });
-    set
+    Relay {
+        _tasks: set,
+        accepted,
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
