@@ -28,7 +28,7 @@ use crate::stats::Counters;
 
 /// Largest request body prefix kept for a replay: a larger body turns the copy off (no
 /// buffering of whole messages) and cannot be retried. A response arriving also turns it off.
-pub(crate) const REPLAY_CAP: usize = 64 * 1024;
+const REPLAY_CAP: usize = 64 * 1024;
 
 /// Handles one client stream until the call is over. Failures become gRPC statuses (or, for
 /// other HTTP/2 traffic, 5xx responses and stream resets).
