@@ -2,9 +2,9 @@
 //! config, on which ClusterIP:ports, and which endpoints back them.
 //!
 //! Pure logic, no I/O. Sources (Kubernetes watchers in `skewless-k8s`, the local file in
-//! `skewless-config`) convert their objects into [`ServiceInput`] / [`SliceInput`] and feed an
-//! [`Index`]; consumers (the datapath reconciler, the balancer, status) read [`Snapshot`]s from
-//! [`Index::subscribe`].
+//! `skewless-services-file`) convert their objects into [`ServiceInput`] / [`SliceInput`] and
+//! feed an [`Index`]; consumers (the datapath reconciler, the balancer, status) read
+//! [`Snapshot`]s from [`Index::subscribe`].
 //!
 //! Bad input never breaks traffic: a Service whose annotations or spec are invalid keeps its
 //! last good config; the error is logged once, counted in [`Metrics`], and returned as a

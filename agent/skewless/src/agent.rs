@@ -40,7 +40,7 @@ pub struct Args {
     /// future. Never to the hierarchy root.
     #[arg(long, value_name = "DIR")]
     pod_cgroup_root: Option<PathBuf>,
-    /// Services and endpoints from a YAML file (see agent/config/examples/services.yaml),
+    /// Services and endpoints from a YAML file (see agent/services-file/examples/services.yaml),
     /// re-read when it changes. Services in `request` mode get a balancer and a redirect.
     #[arg(long, value_name = "FILE", env = "SKEWLESS_SERVICES_FILE")]
     services_file: Option<PathBuf>,
@@ -169,7 +169,8 @@ pub async fn run(args: Args) -> Result<()> {
 
     let mut synced = None;
     let snapshots = if let Some(path) = services_file {
-        let source = skewless_config::FileSource::new(path, Duration::from_secs(1), model_metrics);
+        let source =
+            skewless_services_file::FileSource::new(path, Duration::from_secs(1), model_metrics);
         let snapshots = source.snapshots();
         tokio::spawn(source.run().instrument(info_span!("services_file")));
         Some(snapshots)

@@ -2,8 +2,8 @@
 
 use std::{net::SocketAddr, path::Path, time::Duration};
 
-use skewless_config::{FileError, FileSource, parse};
 use skewless_model::{Metrics, Mode, ServiceKey, Snapshot};
+use skewless_services_file::{FileError, FileSource, parse};
 use tokio::sync::watch;
 
 const EXAMPLE: &str = include_str!("../examples/services.yaml");
