@@ -19,6 +19,10 @@
 //!   the same for every target.
 #![forbid(unsafe_code)]
 
+mod report;
+
+pub use report::{Mode, OpenReport, Report};
+
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -120,9 +124,10 @@ pub struct OpenStats {
     pub late: u64,
 }
 
-/// What a run measured.
+/// What a run measured, with the full latency histogram; [`Measurement::report`] gives the
+/// [`Report`] that is printed and read back by the benchmark.
 #[derive(Debug)]
-pub struct Report {
+pub struct Measurement {
     /// Latency of every measured successful call, in microseconds (open loop: from its
     /// intended time).
     pub latency_us: Histogram<u64>,
@@ -136,7 +141,7 @@ pub struct Report {
     pub open: Option<OpenStats>,
 }
 
-impl Report {
+impl Measurement {
     /// Successful calls.
     #[must_use]
     pub fn ok(&self) -> u64 {
@@ -182,76 +187,33 @@ impl Report {
         Duration::from_micros(self.latency_us.value_at_quantile(q))
     }
 
-    /// The report as one JSON object (what `skewless-loadgen run --json` prints): `mode`
-    /// (`closed` or `open`), `ok`, `elapsed_s`, `rps`, latency quantiles in microseconds
-    /// (`p50_us`, `p90_us`, `p99_us`, `p999_us`, `max_us`), `pods` (successful calls per pod)
-    /// and `errors` (failed calls by gRPC code); open loop adds `target_rps`, `scheduled`,
-    /// `sent`, `late`, `not_sent` and `unfinished`.
+    /// The run's [`Report`]: counts, quantiles and tallies (what `skewless-loadgen run`
+    /// prints, as text or with `--json` as one JSON object).
     #[must_use]
-    pub fn to_json(&self) -> serde_json::Value {
+    pub fn report(&self) -> Report {
         let us = |q: f64| self.latency_us.value_at_quantile(q);
-        let mut v = serde_json::json!({
-            "mode": if self.open.is_some() { "open" } else { "closed" },
-            "ok": self.ok(),
-            "elapsed_s": self.elapsed.as_secs_f64(),
-            "rps": self.rps(),
-            "p50_us": us(0.5),
-            "p90_us": us(0.9),
-            "p99_us": us(0.99),
-            "p999_us": us(0.999),
-            "max_us": self.latency_us.max(),
-            "pods": self.pods,
-            "errors": self.errors,
-        });
-        if let Some(o) = self.open {
-            v["target_rps"] = o.target_rps.into();
-            v["scheduled"] = o.scheduled.into();
-            v["sent"] = o.sent.into();
-            v["late"] = o.late.into();
-            v["not_sent"] = self.not_sent().into();
-            v["unfinished"] = self.unfinished().into();
+        Report {
+            mode: self.open.map_or(Mode::Closed, |o| {
+                Mode::Open(OpenReport {
+                    target_rps: o.target_rps,
+                    scheduled: o.scheduled,
+                    sent: o.sent,
+                    late: o.late,
+                    not_sent: self.not_sent(),
+                    unfinished: self.unfinished(),
+                })
+            }),
+            ok: self.ok(),
+            elapsed_s: self.elapsed.as_secs_f64(),
+            rps: self.rps(),
+            p50_us: us(0.5),
+            p90_us: us(0.9),
+            p99_us: us(0.99),
+            p999_us: us(0.999),
+            max_us: self.latency_us.max(),
+            pods: self.pods.clone(),
+            errors: self.errors.clone(),
         }
-        v
-    }
-}
-
-impl std::fmt::Display for Report {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let ms = |d: Duration| d.as_secs_f64() * 1e3;
-        writeln!(
-            f,
-            "calls {} in {:.1}s = {:.0} rps; errors {:?}",
-            self.ok(),
-            self.elapsed.as_secs_f64(),
-            self.rps(),
-            self.errors
-        )?;
-        if let Some(o) = self.open {
-            writeln!(
-                f,
-                "open loop: target {:.0} rps, {} due, {} sent ({} late by > {} ms), {} not sent, {} unfinished",
-                o.target_rps,
-                o.scheduled,
-                o.sent,
-                o.late,
-                LATE_AFTER.as_millis(),
-                self.not_sent(),
-                self.unfinished()
-            )?;
-        }
-        writeln!(
-            f,
-            "latency ms: p50 {:.2}  p90 {:.2}  p99 {:.2}  p99.9 {:.2}  max {:.2}",
-            ms(self.quantile(0.5)),
-            ms(self.quantile(0.9)),
-            ms(self.quantile(0.99)),
-            ms(self.quantile(0.999)),
-            ms(Duration::from_micros(self.latency_us.max())),
-        )?;
-        for (pod, n) in &self.pods {
-            writeln!(f, "  {pod}: {n} ({:.3}%)", self.share(pod) * 100.0)?;
-        }
-        Ok(())
     }
 }
 
@@ -422,7 +384,7 @@ async fn open_connection(
 ///
 /// # Errors
 /// When a connection cannot be made, the load is invalid or a task fails.
-pub async fn run(config: &LoadConfig) -> Result<Report, LoadError> {
+pub async fn run(config: &LoadConfig) -> Result<Measurement, LoadError> {
     let LoadConfig {
         target,
         connections,
@@ -491,7 +453,7 @@ pub async fn run(config: &LoadConfig) -> Result<Report, LoadError> {
             }
         }
     }
-    let mut report = Report {
+    let mut report = Measurement {
         latency_us: histogram()?,
         pods: BTreeMap::new(),
         errors: BTreeMap::new(),
@@ -532,14 +494,14 @@ mod tests {
         for us in 1..=1000 {
             latency_us.record(us).unwrap();
         }
-        let report = Report {
+        let report = Measurement {
             latency_us,
             pods: BTreeMap::from([("pod-0".to_owned(), 600), ("pod-1".to_owned(), 400)]),
             errors: BTreeMap::from([("Unavailable".to_owned(), 2)]),
             elapsed: Duration::from_secs(2),
             open: None,
         };
-        let v = report.to_json();
+        let v = serde_json::to_value(report.report()).unwrap();
         assert_eq!(v["mode"], "closed");
         assert_eq!(v["ok"], 1000);
         assert_eq!(v["rps"], 500.0);
@@ -548,6 +510,13 @@ mod tests {
         assert_eq!(v["pods"]["pod-1"], 400);
         assert_eq!(v["errors"]["Unavailable"], 2);
         assert!(v.get("not_sent").is_none(), "closed loop has no schedule");
+        let back: Report = serde_json::from_value(v).unwrap();
+        assert_eq!(
+            back,
+            report.report(),
+            "the JSON reads back as the same report"
+        );
+        assert_eq!(back.open(), None);
     }
 
     #[test]
@@ -556,7 +525,7 @@ mod tests {
         for us in 1..=90 {
             latency_us.record(us).unwrap();
         }
-        let report = Report {
+        let report = Measurement {
             latency_us,
             pods: BTreeMap::from([("pod-0".to_owned(), 90)]),
             errors: BTreeMap::from([("Unavailable".to_owned(), 4)]),
@@ -568,12 +537,38 @@ mod tests {
                 late: 5,
             }),
         };
-        let v = report.to_json();
+        let v = serde_json::to_value(report.report()).unwrap();
         assert_eq!(v["mode"], "open");
         assert_eq!(v["target_rps"], 100.0);
         assert_eq!(v["not_sent"], 3, "100 due, 97 sent");
         assert_eq!(v["unfinished"], 3, "97 sent, 90 ok, 4 failed");
         assert_eq!(v["late"], 5);
+        let back: Report = serde_json::from_str(&v.to_string()).unwrap();
+        assert_eq!(
+            back,
+            report.report(),
+            "the JSON reads back as the same report"
+        );
+        assert_eq!(
+            back.open().map(|o| (o.not_sent, o.unfinished)),
+            Some((3, 3))
+        );
+    }
+
+    #[test]
+    fn a_report_missing_a_field_is_an_error_that_names_it() {
+        let mut v = serde_json::json!({
+            "mode": "open", "ok": 1, "elapsed_s": 1.0, "rps": 1.0, "p50_us": 1, "p90_us": 1,
+            "p99_us": 1, "p999_us": 1, "max_us": 1, "pods": {}, "errors": {},
+            "target_rps": 5.0, "scheduled": 5, "sent": 5, "late": 0, "not_sent": 0,
+        });
+        let err = serde_json::from_value::<Report>(v.clone()).unwrap_err();
+        assert!(err.to_string().contains("unfinished"), "{err}");
+        v["unfinished"] = 0.into();
+        assert!(serde_json::from_value::<Report>(v.clone()).is_ok());
+        v.as_object_mut().unwrap().remove("p99_us");
+        let err = serde_json::from_value::<Report>(v).unwrap_err();
+        assert!(err.to_string().contains("p99_us"), "{err}");
     }
 
     #[test]

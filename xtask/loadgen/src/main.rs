@@ -108,9 +108,9 @@ fn main() -> anyhow::Result<()> {
     match command {
         Command::Run { target, load, json } => {
             let rt = tokio::runtime::Runtime::new().context("runtime")?;
-            let report = rt.block_on(run(&load.config(target)))?;
+            let report = rt.block_on(run(&load.config(target)))?.report();
             if json {
-                println!("{}", report.to_json());
+                println!("{}", serde_json::to_string(&report)?);
             } else {
                 print!("{report}");
             }
@@ -160,7 +160,7 @@ fn main() -> anyhow::Result<()> {
                 .enable_all()
                 .build()
                 .context("load runtime")?;
-            let report = rt.block_on(run(&load.config(target)))?;
+            let report = rt.block_on(run(&load.config(target)))?.report();
             print!("{report}");
             if let (_, Some((_, balancer))) = &keep {
                 for s in balancer.stats() {
