@@ -28,11 +28,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 use clap::Parser;
+use skewless_bench::sampling::{clk_tck, cpu_ticks, peak_rss_kib, tree};
 use skewless_bench::{
     Pod, Row, Summary, bar_chart_svg, haproxy_config, interleave, markdown_table, nginx_config,
-    open_table, open_targets_table, replace_section, stat_cpu_ticks, stat_ppid, status_vm_hwm_kib,
-    summarize, targets_table,
+    open_table, open_targets_table, replace_section, summarize, targets_table,
 };
+use skewless_loadgen::Report;
 
 const PODS: usize = 5;
 const SECTION: &str = "## Proxies side by side";
@@ -179,57 +180,6 @@ impl Drop for Proc {
             }
         }
     }
-}
-
-/// `root` and its descendants.
-fn tree(root: u32) -> Vec<u32> {
-    let mut all: Vec<(u32, u32)> = Vec::new();
-    if let Ok(dir) = std::fs::read_dir("/proc") {
-        for e in dir.flatten() {
-            let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
-                continue;
-            };
-            if let Some(ppid) = std::fs::read_to_string(e.path().join("stat"))
-                .ok()
-                .as_deref()
-                .and_then(stat_ppid)
-            {
-                all.push((pid, ppid));
-            }
-        }
-    }
-    let mut out = vec![root];
-    let mut i = 0;
-    while i < out.len() {
-        let parent = out[i];
-        out.extend(all.iter().filter(|(_, pp)| *pp == parent).map(|(p, _)| *p));
-        i += 1;
-    }
-    out
-}
-
-fn cpu_ticks(pids: &[u32]) -> u64 {
-    pids.iter()
-        .filter_map(|p| std::fs::read_to_string(format!("/proc/{p}/stat")).ok())
-        .filter_map(|s| stat_cpu_ticks(&s))
-        .sum()
-}
-
-fn peak_rss_kib(pids: &[u32]) -> u64 {
-    pids.iter()
-        .filter_map(|p| std::fs::read_to_string(format!("/proc/{p}/status")).ok())
-        .filter_map(|s| status_vm_hwm_kib(&s))
-        .sum()
-}
-
-fn clk_tck() -> f64 {
-    Command::new("getconf")
-        .arg("CLK_TCK")
-        .output()
-        .ok()
-        .and_then(|o| String::from_utf8(o.stdout).ok())
-        .and_then(|s| s.trim().parse().ok())
-        .unwrap_or(100.0)
 }
 
 fn free_addr() -> anyhow::Result<SocketAddr> {
@@ -408,15 +358,15 @@ impl Bench {
                 target.name()
             );
         }
-        let json: serde_json::Value =
-            serde_json::from_str(out.trim()).context("parsing the load generator's JSON")?;
+        let report: Report =
+            serde_json::from_str(out.trim()).context("parsing the load generator's report")?;
         let mut row = Row {
             delay_ms,
             connections,
             target: target.name().to_owned(),
             ..Row::default()
         };
-        row.set_load(&json, &self.pods[PODS - 1].name)?;
+        row.set_load(&report, &self.pods[PODS - 1].name);
         if proxy.is_some() {
             let cores = (t1 - t0) as f64 / self.tck / (i1 - i0).as_secs_f64();
             row.cores_per_krps = Some(cores / (row.rps / 1000.0).max(1e-9));
@@ -567,11 +517,9 @@ fn run(args: Args, bin_dir: PathBuf, work: PathBuf) -> anyhow::Result<()> {
             if these.is_empty() {
                 continue;
             }
-            std::fs::write(
-                dir.join(file),
-                bar_chart_svg(title, unit, &these, value, log),
-            )
-            .with_context(|| format!("writing {file}"))?;
+            let svg = bar_chart_svg(title, unit, &these, value, log)
+                .with_context(|| format!("drawing {file}"))?;
+            std::fs::write(dir.join(file), svg).with_context(|| format!("writing {file}"))?;
         }
         let section = section(
             a,
