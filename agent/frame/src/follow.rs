@@ -1,0 +1,155 @@
+//! Following frame boundaries: incrementally over a byte stream read in arbitrary pieces
+//! ([`Follower`]), or over a complete buffer ([`Frames`]).
+
+use crate::error::FrameError;
+use crate::head::Head;
+use crate::{HEADER_LEN, PREFACE};
+
+/// Follows the frame boundaries of one direction of an HTTP/2 connection, fed in whatever
+/// pieces it is read in: it yields each frame header and skips the payload (which the caller
+/// forwards or ignores). Constant memory: one partial header.
+#[derive(Debug, Clone)]
+pub struct Follower {
+    /// Bytes of the client preface still expected (0 once it has been seen, or when the
+    /// stream is a server's, which starts with a frame).
+    preface_left: u8,
+    header: [u8; HEADER_LEN],
+    have: u8,
+    /// Payload bytes of the current frame still to skip.
+    skip: u32,
+    max_len: u32,
+}
+
+impl Follower {
+    /// For a stream that starts with a frame (a server's side of a connection). Frames longer
+    /// than `max_len` are errors.
+    #[must_use]
+    pub fn new(max_len: u32) -> Self {
+        Self {
+            preface_left: 0,
+            header: [0; HEADER_LEN],
+            have: 0,
+            skip: 0,
+            max_len,
+        }
+    }
+
+    /// For a client's side of a connection: the preface first, then frames.
+    #[must_use]
+    pub fn client(max_len: u32) -> Self {
+        Self {
+            preface_left: PREFACE.len() as u8,
+            ..Self::new(max_len)
+        }
+    }
+
+    /// Changes the largest frame accepted from now on (the receiver's SETTINGS_MAX_FRAME_SIZE).
+    pub fn set_max_len(&mut self, max_len: u32) {
+        self.max_len = max_len;
+    }
+
+    /// Whether the follower is at a frame boundary (no partial header, no payload to skip).
+    #[must_use]
+    pub fn at_boundary(&self) -> bool {
+        self.preface_left == 0 && self.have == 0 && self.skip == 0
+    }
+
+    /// Consumes `input` up to and including the next complete frame header and returns it;
+    /// its payload is skipped as the following input arrives. `None` when `input` ran out
+    /// first (what it held is remembered).
+    ///
+    /// # Errors
+    /// The client preface does not match, or a frame is longer than the maximum. The follower
+    /// is unusable afterwards (the connection is broken).
+    pub fn next_head(&mut self, input: &mut &[u8]) -> Result<Option<Head>, FrameError> {
+        while self.preface_left > 0 {
+            let Some((&b, rest)) = input.split_first() else {
+                return Ok(None);
+            };
+            let at = PREFACE.len() - usize::from(self.preface_left);
+            if b != PREFACE[at] {
+                return Err(FrameError::BadPreface);
+            }
+            *input = rest;
+            self.preface_left -= 1;
+        }
+        if self.skip > 0 {
+            let n = (self.skip as usize).min(input.len());
+            *input = &input[n..];
+            // n <= skip, which is a u32.
+            self.skip -= n as u32;
+            if self.skip > 0 {
+                return Ok(None);
+            }
+        }
+        let have = usize::from(self.have);
+        let n = (HEADER_LEN - have).min(input.len());
+        self.header[have..have + n].copy_from_slice(&input[..n]);
+        *input = &input[n..];
+        self.have += n as u8;
+        if usize::from(self.have) < HEADER_LEN {
+            return Ok(None);
+        }
+        self.have = 0;
+        let head = Head::decode(&self.header);
+        if head.len > self.max_len {
+            return Err(FrameError::TooLarge {
+                kind: head.kind,
+                len: head.len,
+                max: self.max_len,
+            });
+        }
+        self.skip = head.len;
+        Ok(Some(head))
+    }
+}
+
+/// The complete frames at the front of a buffer, each with its payload; stops at the first
+/// incomplete one ([`Frames::rest`]) or at the first error.
+#[derive(Debug, Clone)]
+pub struct Frames<'a> {
+    rest: &'a [u8],
+    max_len: u32,
+    failed: bool,
+}
+
+impl<'a> Frames<'a> {
+    /// Frames in `buf` (which starts at a frame boundary) of at most `max_len` bytes each.
+    #[must_use]
+    pub fn new(buf: &'a [u8], max_len: u32) -> Self {
+        Self {
+            rest: buf,
+            max_len,
+            failed: false,
+        }
+    }
+
+    /// What follows the frames yielded so far.
+    #[must_use]
+    pub fn rest(&self) -> &'a [u8] {
+        self.rest
+    }
+}
+
+impl<'a> Iterator for Frames<'a> {
+    type Item = Result<(Head, &'a [u8]), FrameError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.failed {
+            return None;
+        }
+        let header: &[u8; HEADER_LEN] = self.rest.get(..HEADER_LEN)?.try_into().ok()?;
+        let head = Head::decode(header);
+        if head.len > self.max_len {
+            self.failed = true;
+            return Some(Err(FrameError::TooLarge {
+                kind: head.kind,
+                len: head.len,
+                max: self.max_len,
+            }));
+        }
+        let payload = self.rest.get(HEADER_LEN..head.frame_len())?;
+        self.rest = &self.rest[head.frame_len()..];
+        Some(Ok((head, payload)))
+    }
+}
