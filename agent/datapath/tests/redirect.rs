@@ -257,28 +257,50 @@ fn connect_to_listed_native_ipv6_vip_port_is_redirected_and_nothing_else_is() {
         "with a stale heartbeat the IPv6 VIP must reach the pods: {stale:?}"
     );
     assert!(dp.counters().unwrap().stale_heartbeat >= 20);
-    dp.beat().unwrap();
+    // From here on the heartbeat is kept fresh, as the agent keeps it: a probe starts a process
+    // in the pod, which on a busy machine takes longer than the hooks' 750 ms limit, and a stale
+    // heartbeat would make the plain-L4 checks below pass whatever the map says.
+    let resumed = beating(&mut dp, || bed.probe("client", vip6, 10).unwrap());
     assert!(
-        bed.probe("client", vip6, 10).unwrap().only("balancer"),
-        "a fresh heartbeat resumes the IPv6 redirect"
+        resumed.only("balancer"),
+        "a fresh heartbeat resumes the IPv6 redirect: {resumed:?}"
     );
 
     // Disabling by removal and detaching both restore plain L4.
     dp.remove_redirect6(vip6).unwrap();
-    let removed = bed.probe("client", vip6, 30).unwrap();
+    let removed = beating(&mut dp, || bed.probe("client", vip6, 30).unwrap());
     assert!(
         removed.all_servers(),
         "after removing the entry the IPv6 VIP must reach the pods: {removed:?}"
     );
     dp.set_redirect6(vip6, IdentBed::balancer6()).unwrap();
-    // The heartbeat was last written before the 30 probes above, which can take longer than
-    // its 750 ms on a busy machine: beat again so this probe tests the entry, not the clock.
-    dp.beat().unwrap();
-    assert!(bed.probe("client", vip6, 10).unwrap().only("balancer"));
+    let readded = beating(&mut dp, || bed.probe("client", vip6, 10).unwrap());
+    assert!(
+        readded.only("balancer"),
+        "the re-added entry redirects again: {readded:?}"
+    );
     dp.detach(attachment).unwrap();
-    let detached = bed.probe("client", vip6, 30).unwrap();
+    let detached = beating(&mut dp, || bed.probe("client", vip6, 30).unwrap());
     assert!(
         detached.all_servers(),
         "after detach the IPv6 VIP must reach the pods: {detached:?}"
     );
+}
+
+/// Runs `f` while a thread writes the heartbeat every 100 ms (the agent writes it every 200 ms).
+fn beating<T>(dp: &mut Datapath, f: impl FnOnce() -> T) -> T {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let dp = std::sync::Mutex::new(dp);
+    let done = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            while !done.load(Ordering::Relaxed) {
+                dp.lock().unwrap().beat().unwrap();
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+        });
+        let out = f();
+        done.store(true, Ordering::Relaxed);
+        out
+    })
 }
