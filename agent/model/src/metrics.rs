@@ -1,12 +1,9 @@
-//! Counters the model updates; the admin crate registers them with its registry.
+//! Counters the model updates; `skewless-admin` registers them under their names.
 
-use prometheus_client::{
-    metrics::{counter::Counter, family::Family},
-    registry::Registry,
-};
+use prometheus_client::metrics::{counter::Counter, family::Family};
 
 /// Label set: one `reason` label with a bounded set of values ([`crate::ConfigError::reason`]).
-type ReasonLabels = [(&'static str, &'static str); 1];
+pub type ReasonLabels = [(&'static str, &'static str); 1];
 
 /// Metrics of the model. Clones share the same counters.
 #[derive(Clone, Debug, Default)]
@@ -16,24 +13,19 @@ pub struct Metrics {
 }
 
 /// Label set: `source` is `kubernetes` or `file`.
-type SourceLabels = [(&'static str, &'static str); 1];
+pub type SourceLabels = [(&'static str, &'static str); 1];
 
 impl Metrics {
-    /// Creates the metrics and registers them under `registry` (prefix it with `skewless`).
+    /// The rejection counters, to register (`skewless-admin` names the family).
     #[must_use]
-    pub fn register(registry: &mut Registry) -> Self {
-        let m = Self::default();
-        registry.register(
-            "service_config_rejected",
-            "Service configs rejected (bad skewless.io annotation or unsupported Service), each distinct error counted once; the Service keeps its last good config.",
-            m.rejected.clone(),
-        );
-        registry.register(
-            "source_errors",
-            "Failures to read Services and endpoints from a source (a failed watch, an unreadable or invalid file); the last good state stays in effect.",
-            m.source_errors.clone(),
-        );
-        m
+    pub fn rejected_family(&self) -> Family<ReasonLabels, Counter> {
+        self.rejected.clone()
+    }
+
+    /// The source failure counters, to register (`skewless-admin` names the family).
+    #[must_use]
+    pub fn source_errors_family(&self) -> Family<SourceLabels, Counter> {
+        self.source_errors.clone()
     }
 
     pub(crate) fn rejected(&self, reason: &'static str) {

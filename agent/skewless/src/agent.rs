@@ -151,8 +151,8 @@ pub async fn run(args: Args) -> Result<()> {
     tokio::spawn(
         heartbeat(Arc::clone(&datapath), Arc::clone(&workers)).instrument(info_span!("heartbeat")),
     );
-    let mut registry = prometheus_client::registry::Registry::with_prefix("skewless");
-    let model_metrics = skewless_model::Metrics::register(&mut registry);
+    let model_metrics = skewless_model::Metrics::default();
+    let metrics = skewless_admin::collector::Metrics::new(&model_metrics);
     if pod_cidrs.is_empty() && !kubernetes {
         tracing::warn!(
             "no --pod-cidr: the balancers admit connections from any peer that reaches them"
@@ -237,7 +237,7 @@ pub async fn run(args: Args) -> Result<()> {
         node_name,
         Arc::clone(&datapath),
         Arc::clone(&reconciler),
-        registry,
+        metrics,
         synced,
         observed,
     ));

@@ -6,6 +6,7 @@ mod agent;
 mod observer;
 mod peers;
 mod reconcile;
+mod status;
 
 use clap::{Parser, Subcommand};
 
@@ -25,7 +26,7 @@ enum Cmd {
     /// Services, and serve the admin API.
     Agent(agent::Args),
     /// Print what the agent on this node is doing (queries its admin API).
-    Status(admin::StatusArgs),
+    Status(status::StatusArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -43,7 +44,7 @@ fn main() -> anyhow::Result<()> {
         .build()?;
     match cmd {
         Cmd::Agent(args) => rt.block_on(agent::run(args)),
-        Cmd::Status(args) => rt.block_on(admin::status(args)),
+        Cmd::Status(args) => rt.block_on(status::status(args)),
     }
 }
 

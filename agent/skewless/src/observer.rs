@@ -14,7 +14,7 @@ use std::{
     time::Duration,
 };
 
-use serde::{Deserialize, Serialize};
+use skewless_admin::json::{ObservedBackend, ObservedService};
 use skewless_datapath::{
     Datapath,
     conntrack::{self, Attributed, Conntrack},
@@ -26,31 +26,6 @@ use tracing::{debug, warn};
 
 /// How often connections are sampled.
 pub const INTERVAL: Duration = Duration::from_secs(2);
-
-/// One observed Service port, as `/status` and `/metrics` show it.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct ObservedService {
-    pub service: String,
-    pub mode: String,
-    pub vip: String,
-    pub ready_backends: usize,
-    pub backends_receiving: usize,
-    pub largest_share: f64,
-    /// Largest share / fair share: 1.0 is even; the number of ready backends means everything
-    /// lands on one.
-    pub skew: f64,
-    pub unresolved: usize,
-    pub backends: Vec<ObservedBackend>,
-}
-
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct ObservedBackend {
-    pub backend: String,
-    pub open_connections: usize,
-    pub share: f64,
-    pub sent_per_sec: f64,
-    pub received_per_sec: f64,
-}
 
 /// Samples forever; the latest reports are published in `out`.
 pub async fn run(

@@ -21,7 +21,7 @@ use std::{
     sync::{Arc, Mutex},
 };
 
-use serde::{Deserialize, Serialize};
+use skewless_admin::json::{EndpointStatus, ServiceStatus};
 use skewless_balancer::{Balancer, Config, Endpoint, EndpointStats, Served, Workers};
 use skewless_datapath::Datapath;
 use skewless_model::{Mode, ServiceKey, ServiceState, Snapshot, Tuning};
@@ -29,28 +29,6 @@ use tokio::{sync::watch, task::JoinHandle};
 use tracing::{info, info_span, warn};
 
 use crate::peers::PeerFilter;
-
-/// What one redirected Service port looks like in `/status`.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct ServiceStatus {
-    pub service: String,
-    pub mode: String,
-    pub vip: String,
-    pub listener: String,
-    pub ready_endpoints: usize,
-    pub endpoints: Vec<EndpointStatus>,
-}
-
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct EndpointStatus {
-    pub name: String,
-    pub addr: String,
-    pub state: String,
-    pub requests: u64,
-    pub failures: u64,
-    pub share: f64,
-    pub latency_ms: Option<f64>,
-}
 
 struct Running {
     service: ServiceKey,

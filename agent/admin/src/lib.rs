@@ -1,0 +1,20 @@
+//! What the agent's admin API says, apart from how it is served.
+//!
+//! - [`names`]: every metric family `/metrics` exports (name, type, labels, help), in one
+//!   place, so the collector, the dashboard lint and the rule tests agree on them.
+//! - [`json`]: the `/status` document, shared by the agent (which serves it) and
+//!   `skewless status` (which reads it).
+//! - [`collector`]: turns one [`collector::Scrape`] (plain numbers gathered at scrape time from
+//!   the balancers, the kernel counters and the observer) into OpenMetrics families.
+//! - [`render`]: the `skewless status` text.
+//!
+//! Pure logic, no I/O: the HTTP server and client live in the `skewless` binary. This crate
+//! must not depend on the datapath or the balancer; the binary converts their numbers into
+//! the plain types here.
+
+#![forbid(unsafe_code)]
+
+pub mod collector;
+pub mod json;
+pub mod names;
+pub mod render;

@@ -1,0 +1,250 @@
+//! Every metric family the agent exports: the one place their names live.
+//!
+//! Names are given without the `skewless_` prefix ([`PREFIX`], added by the registry) and
+//! without the suffixes the encoder adds (`_total` for counters, `_bucket`/`_sum`/`_count`
+//! for histograms, `_info` for info metrics); [`Family::series`] gives the names as a scrape
+//! shows them. The dashboard lint and the rule tests check every name they reference against
+//! [`ALL`].
+//!
+//! Help texts are sentences without their final period: prometheus-client's
+//! `Registry::register` adds it, and the collector adds it the same way ([`Family::help`]).
+
+use prometheus_client::metrics::MetricType;
+
+/// The prefix of every exported name.
+pub const PREFIX: &str = "skewless";
+
+/// A metric family's type, as the encoder writes it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Counter,
+    Gauge,
+}
+
+impl Kind {
+    #[must_use]
+    pub fn metric_type(self) -> MetricType {
+        match self {
+            Self::Counter => MetricType::Counter,
+            Self::Gauge => MetricType::Gauge,
+        }
+    }
+}
+
+/// One exported metric family.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Family {
+    /// Without prefix and type suffix.
+    pub name: &'static str,
+    pub kind: Kind,
+    /// The label names every sample carries, in order.
+    pub labels: &'static [&'static str],
+    /// A sentence without its final period (the encoder path adds it).
+    help: &'static str,
+}
+
+impl Family {
+    const fn new(
+        name: &'static str,
+        kind: Kind,
+        labels: &'static [&'static str],
+        help: &'static str,
+    ) -> Self {
+        Self {
+            name,
+            kind,
+            labels,
+            help,
+        }
+    }
+
+    /// The help text for `Registry::register`, which appends the final period itself.
+    #[must_use]
+    pub fn help_for_registry(&self) -> &'static str {
+        self.help
+    }
+
+    /// The help text as it is encoded: the sentence with its final period.
+    #[must_use]
+    pub fn help(&self) -> String {
+        format!("{}.", self.help)
+    }
+
+    /// The sample names a scrape shows for this family, prefix included.
+    #[must_use]
+    pub fn series(&self) -> Vec<String> {
+        let base = format!("{PREFIX}_{}", self.name);
+        match self.kind {
+            Kind::Counter => vec![format!("{base}_total")],
+            Kind::Gauge => vec![base],
+        }
+    }
+}
+
+const SERVICE: &[&str] = &["service", "vip"];
+const BACKEND: &[&str] = &["service", "vip", "backend"];
+
+pub const CONNECT_SEEN: Family = Family::new(
+    "connect_seen",
+    Kind::Counter,
+    &[],
+    "connect() calls (IPv4 and IPv6) seen by the hooks in attached pod cgroups",
+);
+pub const CONNECT_REDIRECTED: Family = Family::new(
+    "connect_redirected",
+    Kind::Counter,
+    &[],
+    "connect() calls rewritten to a node balancer listener (IPv4 and IPv6)",
+);
+pub const BALANCER_REFUSED: Family = Family::new(
+    "balancer_refused",
+    Kind::Counter,
+    &[],
+    "Connections to a balancer closed at once because the peer is not one of this node's pods",
+);
+pub const STALE_HEARTBEAT: Family = Family::new(
+    "stale_heartbeat",
+    Kind::Counter,
+    &[],
+    "connect() calls to a redirected Service sent direct because the agent's heartbeat was stale (fail open)",
+);
+pub const ORIGDST_UPDATE_FAILED: Family = Family::new(
+    "origdst_update_failed",
+    Kind::Counter,
+    &[],
+    "Redirected sockets whose original destination could not be recorded for getpeername",
+);
+pub const OBSERVED_CONNECTIONS: Family = Family::new(
+    "observed_connections",
+    Kind::Counter,
+    &[],
+    "Pod TCP connections recorded by the sock_ops hook (IPv4 and IPv6)",
+);
+pub const OBSERVED_RECORD_FAILED: Family = Family::new(
+    "observed_record_failed",
+    Kind::Counter,
+    &[],
+    "Pod TCP connections the hooks could not record or keep current (map update or callback setup failed); they go unobserved, never blocked",
+);
+pub const BACKEND_REQUESTS: Family = Family::new(
+    "backend_requests",
+    Kind::Counter,
+    BACKEND,
+    "Requests the balancer sent to a backend (probes included)",
+);
+pub const BACKEND_FAILURES: Family = Family::new(
+    "backend_failures",
+    Kind::Counter,
+    BACKEND,
+    "Requests that failed on a backend",
+);
+pub const BACKEND_SHARE: Family = Family::new(
+    "backend_share",
+    Kind::Gauge,
+    BACKEND,
+    "A backend's fraction of the requests its Service port's balancer sent (0..1)",
+);
+pub const SERVICE_READY_BACKENDS: Family = Family::new(
+    "service_ready_backends",
+    Kind::Gauge,
+    SERVICE,
+    "Ready backends of a redirected Service port, from the model",
+);
+pub const OBSERVED_SKEW: Family = Family::new(
+    "observed_skew",
+    Kind::Gauge,
+    SERVICE,
+    "Largest backend share / fair share of an observed Service's pod connections (1 = even; the number of ready backends = all on one)",
+);
+pub const OBSERVED_BACKENDS_RECEIVING: Family = Family::new(
+    "observed_backends_receiving",
+    Kind::Gauge,
+    SERVICE,
+    "Backends of an observed Service that this node's pods send traffic to",
+);
+pub const OBSERVED_BACKEND_SHARE: Family = Family::new(
+    "observed_backend_share",
+    Kind::Gauge,
+    BACKEND,
+    "A backend's share of an observed Service's traffic from this node's pods (bytes, or open connections when idle)",
+);
+pub const OBSERVED_BACKEND_CONNECTIONS: Family = Family::new(
+    "observed_backend_connections",
+    Kind::Gauge,
+    BACKEND,
+    "Open connections from this node's pods pinned to a backend of an observed Service",
+);
+pub const SERVICE_CONFIG_REJECTED: Family = Family::new(
+    "service_config_rejected",
+    Kind::Counter,
+    &["reason"],
+    "Service configs rejected (bad skewless.io annotation or unsupported Service), each distinct error counted once; the Service keeps its last good config",
+);
+pub const SOURCE_ERRORS: Family = Family::new(
+    "source_errors",
+    Kind::Counter,
+    &["source"],
+    "Failures to read Services and endpoints from a source (a failed watch, an unreadable or invalid file); the last good state stays in effect",
+);
+
+/// Every family, in the order a scrape shows them.
+pub const ALL: &[Family] = &[
+    SERVICE_CONFIG_REJECTED,
+    SOURCE_ERRORS,
+    CONNECT_SEEN,
+    CONNECT_REDIRECTED,
+    BALANCER_REFUSED,
+    STALE_HEARTBEAT,
+    ORIGDST_UPDATE_FAILED,
+    OBSERVED_CONNECTIONS,
+    OBSERVED_RECORD_FAILED,
+    BACKEND_REQUESTS,
+    BACKEND_FAILURES,
+    BACKEND_SHARE,
+    SERVICE_READY_BACKENDS,
+    OBSERVED_SKEW,
+    OBSERVED_BACKENDS_RECEIVING,
+    OBSERVED_BACKEND_SHARE,
+    OBSERVED_BACKEND_CONNECTIONS,
+];
+
+/// Every sample name a scrape can show, prefix and suffixes included.
+#[must_use]
+pub fn all_series() -> Vec<String> {
+    ALL.iter().flat_map(Family::series).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_unique_and_follow_the_naming_guide() {
+        let mut seen = std::collections::HashSet::new();
+        for f in ALL {
+            assert!(seen.insert(f.name), "{} is listed twice", f.name);
+            assert!(
+                f.name
+                    .chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_'),
+                "{}: snake_case only",
+                f.name
+            );
+            assert!(
+                !f.name.ends_with("_total") && !f.name.ends_with("_count"),
+                "{}: the encoder adds the type suffix",
+                f.name
+            );
+            assert!(
+                !f.help.ends_with('.'),
+                "{}: the help text's final period is added when it is encoded",
+                f.name
+            );
+            assert!(
+                f.help.starts_with(|c: char| c.is_uppercase()) || f.help.starts_with("connect()"),
+                "{}: the help text is a sentence",
+                f.name
+            );
+        }
+    }
+}
