@@ -13,7 +13,8 @@ use anyhow::{Context as _, Result, bail, ensure};
 
 /// Debian packages: the eBPF toolchain (rustc-web with its prebuilt `core` for
 /// bpfel-unknown-none, and its clippy for linting the programs), the network tools the testbed
-/// drives, and the peers the benchmark compares against.
+/// drives, the peers the benchmark compares against, and Prometheus (server and promtool) for
+/// the rule tests and the scrape tests.
 const DEBIAN_PACKAGES: &[&str] = &[
     "rustc-web",
     "cargo-web",
@@ -26,6 +27,7 @@ const DEBIAN_PACKAGES: &[&str] = &[
     "procps",
     "haproxy",
     "nginx-light",
+    "prometheus",
 ];
 
 /// bpf-linker version that links objects from Debian's rustc-web (see EBPF-TOOLCHAIN.md).
