@@ -15,13 +15,9 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
+use skewless_frame::{Follower, Kind};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::{Notify, oneshot};
-
-/// HTTP/2 frame type of GOAWAY (RFC 9113, section 6.8).
-const GOAWAY: u8 = 0x7;
-/// Length of an HTTP/2 frame header.
-const HEADER_LEN: usize = 9;
 
 /// What the wrapper reports, each at most once.
 pub(crate) struct Events {
@@ -57,36 +53,22 @@ impl<T> Watched<T> {
 
 /// Follows frame boundaries in a server-to-client HTTP/2 byte stream (which, unlike the
 /// client's, has no preface: it starts with a frame).
-#[derive(Debug, Default)]
-struct FrameHeaders {
-    header: [u8; HEADER_LEN],
-    /// Bytes of the current frame header seen so far.
-    have: usize,
-    /// Payload bytes of the current frame still to skip.
-    skip: usize,
+#[derive(Debug)]
+struct FrameHeaders(Follower);
+
+impl Default for FrameHeaders {
+    fn default() -> Self {
+        // Frame sizes are h2's to check: the follower accepts any.
+        Self(Follower::new(skewless_frame::MAX_MAX_FRAME_SIZE))
+    }
 }
 
 impl FrameHeaders {
     /// Consumes `bytes`; true when a GOAWAY frame header was among them.
     fn feed(&mut self, mut bytes: &[u8]) -> bool {
         let mut go_away = false;
-        while !bytes.is_empty() {
-            if self.skip > 0 {
-                let n = self.skip.min(bytes.len());
-                self.skip -= n;
-                bytes = &bytes[n..];
-                continue;
-            }
-            let n = (HEADER_LEN - self.have).min(bytes.len());
-            self.header[self.have..self.have + n].copy_from_slice(&bytes[..n]);
-            self.have += n;
-            bytes = &bytes[n..];
-            if self.have == HEADER_LEN {
-                let [l0, l1, l2, kind, ..] = self.header;
-                self.skip = usize::from(l0) << 16 | usize::from(l1) << 8 | usize::from(l2);
-                go_away |= kind == GOAWAY;
-                self.have = 0;
-            }
+        while let Ok(Some(head)) = self.0.next_head(&mut bytes) {
+            go_away |= head.kind == Kind::GoAway;
         }
         go_away
     }
@@ -152,6 +134,9 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Watched<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use skewless_frame::HEADER_LEN;
+
+    const GOAWAY: u8 = 0x7;
 
     fn frame(kind: u8, payload: &[u8]) -> Vec<u8> {
         let len = payload.len();
