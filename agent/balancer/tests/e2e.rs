@@ -17,6 +17,9 @@ use skewless_balancer::{Balancer, Config, Endpoint};
 use skewless_echo::SpawnedEcho;
 use skewless_echo::pb::EchoRequest;
 use skewless_echo::pb::echo_client::EchoClient;
+use skewless_frame::{
+    ErrorCode, Frames, GoAway, Head, Kind, MAX_MAX_FRAME_SIZE, PREFACE, Settings,
+};
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot, watch};
 use tonic::Code;
@@ -1628,27 +1631,20 @@ async fn exchange(addr: SocketAddr, chunks: &[&[u8]]) -> Vec<u8> {
     got
 }
 
-/// The client connection preface, and an empty SETTINGS frame.
-const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
-const EMPTY_SETTINGS: &[u8] = &[0, 0, 0, 0x4, 0, 0, 0, 0, 0];
+/// An empty SETTINGS frame, the first frame after the client preface.
+fn empty_settings() -> Vec<u8> {
+    let mut f = Vec::new();
+    Settings::encode(false, &[], &mut f);
+    f
+}
 
 /// Whether `bytes` (a server's side of an HTTP/2 connection) hold a GOAWAY frame with `reason`.
 fn has_go_away(bytes: &[u8], reason: h2::Reason) -> bool {
-    let mut rest = bytes;
-    while rest.len() >= 9 {
-        let len = usize::from(rest[0]) << 16 | usize::from(rest[1]) << 8 | usize::from(rest[2]);
-        let Some(payload) = rest.get(9..9 + len) else {
-            return false;
-        };
-        if rest[3] == 0x7 && payload.len() >= 8 {
-            let code = u32::from_be_bytes([payload[4], payload[5], payload[6], payload[7]]);
-            if code == u32::from(reason) {
-                return true;
-            }
-        }
-        rest = &rest[9 + len..];
-    }
-    false
+    Frames::new(bytes, MAX_MAX_FRAME_SIZE)
+        .map_while(Result::ok)
+        .filter(|(head, _)| head.kind == Kind::GoAway)
+        .filter_map(|(head, payload)| GoAway::decode(&head, payload).ok())
+        .any(|g| g.error_code == ErrorCode(u32::from(reason)))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1680,14 +1676,16 @@ async fn broken_client_connections_are_closed_without_disturbing_other_clients()
     exchange(b.addr, &[b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"]).await;
     // The preface, then a frame that breaks the protocol (DATA on stream 0): the balancer
     // answers GOAWAY(PROTOCOL_ERROR) and closes.
-    let data_on_stream_0: &[u8] = &[0, 0, 3, 0x0, 0, 0, 0, 0, 0, b'b', b'a', b'd'];
-    let answer = exchange(b.addr, &[PREFACE, EMPTY_SETTINGS, data_on_stream_0]).await;
+    let mut data_on_stream_0 = Head::new(Kind::Data, 0, 0, 3).encode().to_vec();
+    data_on_stream_0.extend_from_slice(b"bad");
+    let settings = empty_settings();
+    let answer = exchange(b.addr, &[PREFACE, &settings, &data_on_stream_0]).await;
     assert!(
         has_go_away(&answer, h2::Reason::PROTOCOL_ERROR),
         "GOAWAY(PROTOCOL_ERROR) before the close: {answer:?}"
     );
     // Random bytes after a valid preface and SETTINGS.
-    exchange(b.addr, &[PREFACE, EMPTY_SETTINGS, &[0xff; 64]]).await;
+    exchange(b.addr, &[PREFACE, &settings, &[0xff; 64]]).await;
 
     // The healthy calls go on for a while past the broken connections.
     tokio::time::sleep(Duration::from_millis(300)).await;
