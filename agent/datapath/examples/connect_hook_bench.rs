@@ -54,7 +54,7 @@ fn measure(bed: &IdentBed, dp: &mut Datapath, addr: std::net::SocketAddrV4) -> H
         .tb
         .command(
             Place::Pod("client"),
-            &["python3", "-c", scripts::STEP_CONNECT, &host, &port],
+            &["python3", scripts::STEP_CONNECT, &host, &port],
         )
         .unwrap();
     let mut child = cmd

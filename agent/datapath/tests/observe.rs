@@ -51,7 +51,6 @@ fn echo_bed() -> Testbed {
             Place::Pod(s),
             &[
                 "python3",
-                "-c",
                 scripts::ECHO_IDENT_SERVER,
                 s,
                 // Dual-stack: one socket answers the IPv4 and the IPv6 cases.
@@ -120,7 +119,7 @@ fn talk(tb: &Testbed, to: SocketAddr, n: usize, bytes: usize) -> Vec<Talked> {
     let out = tb
         .run(
             Place::Pod("client"),
-            &["python3", "-c", scripts::ECHO_TALK, &host, &port, &n_s, &b],
+            &["python3", scripts::ECHO_TALK, &host, &port, &n_s, &b],
         )
         .expect("talk script runs");
     let lines: Vec<Talked> = String::from_utf8_lossy(&out.stdout)
@@ -334,15 +333,7 @@ fn one_long_lived_connection_is_flagged_as_pinned() {
     let mut child = tb
         .command(
             Place::Pod("client"),
-            &[
-                "python3",
-                "-c",
-                scripts::ECHO_STREAM,
-                &host,
-                &port,
-                "4",
-                "2048",
-            ],
+            &["python3", scripts::ECHO_STREAM, &host, &port, "4", "2048"],
         )
         .unwrap()
         .stdin(Stdio::null())
@@ -400,14 +391,7 @@ fn stream_bed() -> Testbed {
     let port = STREAM_PORT.to_string();
     tb.spawn(
         Place::Pod(SERVERS[0]),
-        &[
-            "python3",
-            "-c",
-            scripts::STREAM_SERVER,
-            SERVERS[0],
-            "::",
-            &port,
-        ],
+        &["python3", scripts::STREAM_SERVER, SERVERS[0], "::", &port],
     )
     .unwrap();
     tb.wait_for_tcp(Place::Node(0), stream_server(&tb), Duration::from_secs(10))
@@ -445,7 +429,7 @@ fn start_download(tb: &Testbed, secs: &str) -> Download {
     let mut child = tb
         .command(
             Place::Pod("client"),
-            &["python3", "-c", scripts::DOWNLOAD, &host, &port, secs],
+            &["python3", scripts::DOWNLOAD, &host, &port, secs],
         )
         .unwrap()
         .stdin(Stdio::null())

@@ -3,7 +3,7 @@
 
 use std::{net::SocketAddrV4, time::Duration};
 
-use skewless_testbed::{Place, fixtures::IdentBed};
+use skewless_testbed::{Place, fixtures::IdentBed, scripts};
 
 const ADMIN: &str = "127.0.0.1:9990";
 
@@ -572,7 +572,14 @@ fn observe_mode_flags_a_pinned_pick_first_client_within_ten_seconds() {
 /// One unlabelled metric's value from the agent's /metrics.
 fn metric(tb: &skewless_testbed::Testbed, name: &str) -> f64 {
     let out = tb
-        .run(Place::Node(0), &["python3", "-c", METRICS_FETCH, ADMIN])
+        .run(
+            Place::Node(0),
+            &[
+                "python3",
+                scripts::HTTP_GET,
+                &format!("http://{ADMIN}/metrics"),
+            ],
+        )
         .unwrap();
     let metrics = String::from_utf8_lossy(&out.stdout);
     metrics
@@ -840,9 +847,3 @@ fn ipv6_balancer_listener_serves_pods_and_refuses_other_peers() {
         served.ok, outsider.ok
     );
 }
-
-/// `python3 -c METRICS_FETCH HOST:PORT`: prints the agent's `/metrics` page.
-const METRICS_FETCH: &str = r#"
-import sys, urllib.request
-print(urllib.request.urlopen("http://%s/metrics" % sys.argv[1], timeout=5).read().decode())
-"#;

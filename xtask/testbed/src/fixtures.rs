@@ -54,41 +54,19 @@ impl IdentBed {
         for s in servers {
             tb.spawn(
                 Place::Pod(s),
-                &[
-                    "python3",
-                    "-c",
-                    scripts::IDENT_SERVER,
-                    s,
-                    "::",
-                    &port,
-                    &other,
-                ],
+                &["python3", scripts::IDENT_SERVER, s, "::", &port, &other],
             )?;
         }
         let balancer = SocketAddrV4::new(BALANCER_IP, Self::BALANCER_PORT);
         let (ip, bport) = (BALANCER_IP.to_string(), Self::BALANCER_PORT.to_string());
         tb.spawn(
             Place::Node(0),
-            &[
-                "python3",
-                "-c",
-                scripts::IDENT_SERVER,
-                "balancer",
-                &ip,
-                &bport,
-            ],
+            &["python3", scripts::IDENT_SERVER, "balancer", &ip, &bport],
         )?;
         let ip6 = BALANCER_IP6.to_string();
         tb.spawn(
             Place::Node(0),
-            &[
-                "python3",
-                "-c",
-                scripts::IDENT_SERVER,
-                "balancer",
-                &ip6,
-                &bport,
-            ],
+            &["python3", scripts::IDENT_SERVER, "balancer", &ip6, &bport],
         )?;
         let timeout = Duration::from_secs(10);
         for s in servers {
@@ -160,14 +138,14 @@ impl IdentBed {
         let (host, port) = (addr.ip().to_string(), addr.port().to_string());
         let out = self.tb.run(
             Place::Pod(pod),
-            &["python3", "-c", scripts::UDP_PEER, &host, &port],
+            &["python3", scripts::UDP_PEER, &host, &port],
         )?;
         Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
     }
 
     fn probe_host(&self, pod: &str, host: &str, port: u16, n: usize) -> Result<Tally> {
         let (port, count) = (port.to_string(), n.to_string());
-        let argv = ["python3", "-c", scripts::PROBE, host, &port, &count];
+        let argv = ["python3", scripts::PROBE, host, &port, &count];
         let out = self.tb.run(Place::Pod(pod), &argv)?;
         let mut tally = Tally::default();
         for line in String::from_utf8_lossy(&out.stdout).lines() {

@@ -9,7 +9,7 @@ use std::{
 
 use tracing::debug;
 
-use crate::{Error, Place, Result, Testbed};
+use crate::{Error, Place, Result, Testbed, scripts};
 
 impl Testbed {
     /// A command that runs `argv` in `place` (network namespace, and the pod's cgroup for
@@ -136,13 +136,9 @@ impl Testbed {
     ) -> Result<()> {
         let addr = addr.into();
         let deadline = Instant::now() + timeout;
-        let script = format!(
-            "import socket\ns=socket.create_connection(('{}',{}),timeout=0.5)\ns.close()",
-            addr.ip(),
-            addr.port()
-        );
+        let (host, port) = (addr.ip().to_string(), addr.port().to_string());
         loop {
-            let mut cmd = self.command(place, &["python3", "-c", &script])?;
+            let mut cmd = self.command(place, &["python3", scripts::TCP_CHECK, &host, &port])?;
             if cmd
                 .stdout(Stdio::null())
                 .stderr(Stdio::null())
