@@ -18,7 +18,7 @@ use skewless_testbed::{
     grpc::{self, ClientReport},
 };
 
-use crate::{cargo, setup, workspace_root};
+use crate::workspace_root;
 
 const VIP: Ipv4Addr = Ipv4Addr::new(198, 19, 0, 10);
 const PORT: u16 = 50051;
@@ -47,8 +47,7 @@ pub fn run(args: &Args) -> Result<()> {
         calls,
         clients,
     } = args;
-    println!("==> demo: building the agent");
-    setup::run(cargo().args(["build", "--quiet", "--package", "skewless"]))?;
+    crate::build("demo: building the agent", &["--package", "skewless"])?;
     let agent_bin = target_dir().join("debug/skewless");
     let gen_dir = grpc::generate_stubs()?;
     let servers: Vec<String> = (0..pods).map(|i| format!("echo-{i}")).collect();

@@ -103,6 +103,16 @@ fn hook_bench() -> Result<()> {
         );
     }
     println!("==> bench: connect4 hook run time (kernel BPF stats, one sample per connect)");
+    build(
+        "bench: building the hook benchmark",
+        &[
+            "--release",
+            "--package",
+            "skewless-datapath",
+            "--example",
+            "connect_hook_bench",
+        ],
+    )?;
     let mut cmd = cargo();
     cmd.args([
         "run",
@@ -120,14 +130,21 @@ fn hook_bench() -> Result<()> {
 /// results written to docs/benchmarks.md.
 fn proxy_bench(args: &BenchArgs) -> Result<()> {
     println!("==> bench: skewless-proxy side by side with direct, HAProxy and nginx");
-    let mut build = cargo();
     // The shipped build (see `[profile.dist]` in Cargo.toml): what users run is what is
     // measured.
-    build.args(["build", "--profile", "dist", "--quiet"]);
-    for p in ["skewless-echo", "skewless-loadgen", "skewless-bench"] {
-        build.args(["--package", p]);
-    }
-    setup::run(&mut build)?;
+    build(
+        "bench: building the echo pods, the load generator and skewless-proxy",
+        &[
+            "--profile",
+            "dist",
+            "--package",
+            "skewless-echo",
+            "--package",
+            "skewless-loadgen",
+            "--package",
+            "skewless-bench",
+        ],
+    )?;
     let mut shown = String::from("cargo xtask bench");
     if args.proxies_only {
         shown.push_str(" --proxies-only");
@@ -154,6 +171,18 @@ fn proxy_bench(args: &BenchArgs) -> Result<()> {
     .arg(shown)
     .args(&args.bench_args);
     setup::run(&mut cmd)
+}
+
+/// `cargo build ARGS` with cargo's own progress visible (its progress bar on a terminal, a
+/// `Compiling <crate>` line per crate otherwise), so a first build that takes minutes on a
+/// fresh machine shows that it is working. What runs the result afterwards may be `--quiet`:
+/// by then there is nothing left to build.
+pub(crate) fn build(what: &str, args: &[&str]) -> Result<()> {
+    println!("==> {what} (cargo's progress follows; a first build takes a few minutes)");
+    let started = Instant::now();
+    setup::run(cargo().arg("build").args(args))?;
+    println!("==> {what}: done in {:.0?}", started.elapsed());
+    Ok(())
 }
 
 pub(crate) fn workspace_root() -> PathBuf {
