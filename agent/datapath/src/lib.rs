@@ -80,6 +80,11 @@ pub enum Error {
     RedirectMapFull { addr: SocketAddrV4, capacity: u32 },
     #[error("IPv6 redirect map is full ({capacity} Service addresses); {addr} is not redirected")]
     Redirect6MapFull { addr: SocketAddrV6, capacity: u32 },
+    #[error("{service} cannot be redirected to {target}, an address of the other family")]
+    FamilyMismatch {
+        service: SocketAddr,
+        target: SocketAddr,
+    },
 }
 
 /// A handle to one cgroup attachment; pass it back to [`Datapath::detach`].

@@ -21,7 +21,7 @@ use tracing::{Instrument as _, info, info_span};
 use crate::{
     admin, observer,
     peers::{Cidr, PeerFilter},
-    reconcile::Reconciler,
+    reconcile::{Reconciler, Redirector},
 };
 
 /// The node-local address the balancers listen on: a /32 on the node's `lo`, reachable from
@@ -159,8 +159,10 @@ pub async fn run(args: Args) -> Result<()> {
         );
     }
     let peers = Arc::new(PeerFilter::new(pod_cidrs.clone()));
+    // The reconciler sees the datapath as a `Redirector` only.
+    let redirector: Arc<Mutex<dyn Redirector>> = datapath.clone();
     let reconciler = Arc::new(tokio::sync::Mutex::new(Reconciler::new(
-        Arc::clone(&datapath),
+        redirector,
         Arc::clone(&workers),
         balancer_ip,
         balancer_ip6,

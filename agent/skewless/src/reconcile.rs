@@ -23,7 +23,7 @@ use std::{
 
 use skewless_admin::json::{EndpointStatus, ServiceStatus};
 use skewless_balancer::{Balancer, Config, Endpoint, EndpointStats, Served, Workers};
-use skewless_datapath::Datapath;
+use skewless_datapath::{Datapath, Error};
 use skewless_model::{Mode, ServiceKey, ServiceState, Snapshot, Tuning};
 use tokio::{sync::watch, task::JoinHandle};
 use tracing::{info, info_span, warn};
@@ -46,7 +46,7 @@ struct Running {
 
 /// Owns the balancers and the redirect entries derived from the model.
 pub struct Reconciler {
-    datapath: Arc<Mutex<Datapath>>,
+    datapath: Arc<Mutex<dyn Redirector>>,
     workers: Arc<Workers>,
     balancer_ip: Ipv4Addr,
     balancer_ip6: Option<Ipv6Addr>,
@@ -57,7 +57,7 @@ pub struct Reconciler {
 
 impl Reconciler {
     pub fn new(
-        datapath: Arc<Mutex<Datapath>>,
+        datapath: Arc<Mutex<dyn Redirector>>,
         workers: Arc<Workers>,
         balancer_ip: Ipv4Addr,
         balancer_ip6: Option<Ipv6Addr>,
@@ -183,7 +183,7 @@ impl Reconciler {
                     // Never leave a redirect pointing at a listener nobody serves.
                     warn!(%error, "balancer stopped; removing its redirect");
                     if let Ok(mut dp) = datapath.lock() {
-                        let _ = remove_redirect(&mut dp, vip);
+                        let _ = dp.remove_redirect(vip);
                     }
                 },
             )
@@ -193,7 +193,7 @@ impl Reconciler {
             .datapath
             .lock()
             .map_err(|_| anyhow::anyhow!("datapath lock poisoned"))
-            .and_then(|mut dp| set_redirect(&mut dp, vip, listen_addr));
+            .and_then(|mut dp| Ok(dp.set_redirect(vip, listen_addr)?));
         if let Err(error) = redirected {
             for task in &tasks {
                 task.abort();
@@ -217,7 +217,7 @@ impl Reconciler {
     fn stop(&self, vip: SocketAddr, r: Running) -> Vec<JoinHandle<()>> {
         match self.datapath.lock() {
             Ok(mut dp) => {
-                if let Err(error) = remove_redirect(&mut dp, vip) {
+                if let Err(error) = dp.remove_redirect(vip) {
                     warn!(%vip, %error, "removing redirect");
                 }
             }
@@ -273,20 +273,38 @@ impl Reconciler {
     }
 }
 
-/// Writes the redirect entry of the VIP's family.
-fn set_redirect(dp: &mut Datapath, vip: SocketAddr, listener: SocketAddr) -> anyhow::Result<()> {
-    match (vip, listener) {
-        (SocketAddr::V4(v), SocketAddr::V4(l)) => dp.set_redirect(v, l)?,
-        (SocketAddr::V6(v), SocketAddr::V6(l)) => dp.set_redirect6(v, l)?,
-        _ => anyhow::bail!("{vip} and its listener {listener} are of different families"),
-    }
-    Ok(())
+/// The datapath as the reconciler uses it: redirect entries per Service address. The agent's
+/// is the kernel's [`Datapath`]; the unit tests use a recording fake, so the reconciler's
+/// orderings ("listener before redirect", "redirect removed before drain") and its failure
+/// handling are tested without privileges.
+pub trait Redirector: Send {
+    /// Makes the next connect() to `service` go to `target` (same address family).
+    ///
+    /// # Errors
+    /// When the entry cannot be written (full map, families differ); nothing is redirected.
+    fn set_redirect(&mut self, service: SocketAddr, target: SocketAddr) -> Result<(), Error>;
+
+    /// Stops redirecting `service`; removing one that is not redirected is not an error.
+    ///
+    /// # Errors
+    /// When the entry cannot be removed; it stays in effect.
+    fn remove_redirect(&mut self, service: SocketAddr) -> Result<(), Error>;
 }
 
-fn remove_redirect(dp: &mut Datapath, vip: SocketAddr) -> Result<(), skewless_datapath::Error> {
-    match vip {
-        SocketAddr::V4(v) => dp.remove_redirect(v),
-        SocketAddr::V6(v) => dp.remove_redirect6(v),
+impl Redirector for Datapath {
+    fn set_redirect(&mut self, service: SocketAddr, target: SocketAddr) -> Result<(), Error> {
+        match (service, target) {
+            (SocketAddr::V4(s), SocketAddr::V4(t)) => Datapath::set_redirect(self, s, t),
+            (SocketAddr::V6(s), SocketAddr::V6(t)) => self.set_redirect6(s, t),
+            _ => Err(Error::FamilyMismatch { service, target }),
+        }
+    }
+
+    fn remove_redirect(&mut self, service: SocketAddr) -> Result<(), Error> {
+        match service {
+            SocketAddr::V4(s) => Datapath::remove_redirect(self, s),
+            SocketAddr::V6(s) => self.remove_redirect6(s),
+        }
     }
 }
 
@@ -330,3 +348,6 @@ fn config(state: &ServiceState) -> Config {
         ..Config::default()
     }
 }
+
+#[cfg(test)]
+mod tests;
