@@ -118,14 +118,22 @@ impl Reconciler {
             })
             .map(|(vip, _)| *vip)
             .collect();
+        // A redirect that cannot be removed keeps its balancer serving (never a redirect to a
+        // listener that stopped); the next apply tries again.
+        let mut kept = HashSet::new();
         for vip in gone {
-            if let Some(r) = self.running.remove(&vip) {
-                // The drain runs on in the background; the handle is not needed.
-                drop(self.stop(vip, r));
+            if !self.remove_redirect(vip) {
+                kept.insert(vip);
+            } else if let Some(r) = self.running.remove(&vip) {
+                // The drain runs on in the background; the handles are not needed.
+                drop(drain(vip, r));
             }
         }
 
         for (vip, (state, port)) in wanted {
+            if kept.contains(&vip) {
+                continue;
+            }
             if let Some(r) = self.running.get_mut(&vip) {
                 if !Arc::ptr_eq(&r.state, &state) {
                     if r.state.tuning != state.tuning {
@@ -212,28 +220,33 @@ impl Reconciler {
         })
     }
 
-    /// Removes the redirect first (new connects go plain L4), then lets the balancer drain its
-    /// client connections in the background.
-    fn stop(&self, vip: SocketAddr, r: Running) -> Vec<JoinHandle<()>> {
+    /// Removes the redirect of `vip`, so new connects go plain L4; whether it is gone.
+    fn remove_redirect(&self, vip: SocketAddr) -> bool {
         match self.datapath.lock() {
-            Ok(mut dp) => {
-                if let Err(error) = dp.remove_redirect(vip) {
-                    warn!(%vip, %error, "removing redirect");
+            Ok(mut dp) => match dp.remove_redirect(vip) {
+                Ok(()) => true,
+                Err(error) => {
+                    warn!(%vip, %error, "cannot remove the redirect; its balancer keeps serving");
+                    false
                 }
+            },
+            Err(_) => {
+                warn!(%vip, "datapath lock poisoned; redirect left in place");
+                false
             }
-            Err(_) => warn!(%vip, "datapath lock poisoned; redirect left in place"),
         }
-        info!(%vip, service = %r.service, "no longer redirected; draining the balancer");
-        let _ = r.stop.send(true);
-        r.tasks
     }
 
     /// Removes every redirect, then drains every balancer (bounded by its drain grace).
     pub async fn shutdown(&mut self) {
         let all = std::mem::take(&mut self.running);
+        // A redirect that cannot be removed goes when the process exits and its links close.
         let tasks: Vec<JoinHandle<()>> = all
             .into_iter()
-            .flat_map(|(vip, r)| self.stop(vip, r))
+            .flat_map(|(vip, r)| {
+                self.remove_redirect(vip);
+                drain(vip, r)
+            })
             .collect();
         for task in tasks {
             let _ = task.await;
@@ -271,6 +284,13 @@ impl Reconciler {
             warn!(service = %key, "{message}");
         }
     }
+}
+
+/// Lets the balancer of `vip`, whose redirect is gone, drain its client connections.
+fn drain(vip: SocketAddr, r: Running) -> Vec<JoinHandle<()>> {
+    info!(%vip, service = %r.service, "no longer redirected; draining the balancer");
+    let _ = r.stop.send(true);
+    r.tasks
 }
 
 /// The datapath as the reconciler uses it: redirect entries per Service address. The agent's

@@ -386,6 +386,49 @@ async fn a_redirect_the_datapath_refuses_leaves_the_service_plain_l4_and_is_retr
 }
 
 #[tokio::test]
+async fn a_redirect_that_cannot_be_removed_keeps_its_balancer_serving_until_it_is() {
+    let mut bed = Bed::new();
+    bed.apply(&mk_service("echo", "198.19.0.10", "request"))
+        .await;
+    let listener = bed.listener(vip());
+    bed.watch_drains();
+    bed.take_log();
+    bed.fake().fail_removes = 1;
+
+    bed.delete("echo").await;
+
+    assert_eq!(
+        bed.fake().redirects,
+        BTreeMap::from([(vip(), listener)]),
+        "the removal failed: the redirect is still in effect"
+    );
+    assert!(
+        bed.reconciler
+            .running
+            .get(&vip())
+            .is_some_and(|r| !*r.stop.borrow()),
+        "so its balancer must stay and not drain"
+    );
+    assert!(answers_http2(listener), "and keeps serving");
+
+    // The next apply tries again.
+    bed.reconcile().await;
+    assert_eq!(
+        bed.take_log(),
+        vec![
+            Op::Remove {
+                vip: vip(),
+                draining: Some(false)
+            };
+            2
+        ]
+    );
+    assert!(bed.fake().redirects.is_empty());
+    assert!(bed.reconciler.status().is_empty());
+    wait_until_closed(listener).await;
+}
+
+#[tokio::test]
 async fn a_balancer_that_stopped_is_restarted_behind_a_fresh_redirect() {
     let mut bed = Bed::new();
     bed.apply(&mk_service("echo", "198.19.0.10", "request"))
