@@ -6,7 +6,7 @@
 //! Run with `cargo xtask test` (as root).
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, HashSet},
     io::{BufRead as _, BufReader},
     net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4},
     process::Stdio,
@@ -15,7 +15,7 @@ use std::{
 
 use skewless_datapath::{
     Datapath,
-    conntrack::{Attributed, Conntrack, Via, attribute},
+    conntrack::{Attributed, Conntrack, Resolver, Via, attribute},
 };
 use skewless_observe::{Sample, ServiceSpec, Snapshot, aggregate};
 use skewless_testbed::{Place, Testbed, scripts};
@@ -140,13 +140,24 @@ fn talk(tb: &Testbed, to: SocketAddr, n: usize, bytes: usize) -> Vec<Talked> {
     lines
 }
 
-/// Dumps the recorded connections and resolves them in the node's network namespace.
+/// Dumps the recorded connections and resolves them in the node's network namespace, as the
+/// agent does (one conntrack GET per connection to a VIP), and checks the answer against a
+/// dump of the whole table.
 fn observe(tb: &Testbed, dp: &Datapath) -> Vec<Attributed> {
     let conns = dp.connections();
-    let table = Conntrack::in_netns(format!("/run/netns/{}", tb.node(0).netns))
-        .dump()
-        .expect("conntrack dump in the node netns");
-    attribute(&conns, &table)
+    let ct = Conntrack::in_netns(format!("/run/netns/{}", tb.node(0).netns));
+    let vips: HashSet<SocketAddr> = [vip(Family::V4), vip(Family::V6)].into();
+    let mut resolver = Resolver::new(ct.open().expect("conntrack socket in the node netns"));
+    let resolved = resolver
+        .attribute(&conns, &vips)
+        .expect("conntrack lookups in the node netns");
+    let table = ct.dump().expect("conntrack dump in the node netns");
+    assert_eq!(
+        resolved,
+        attribute(&conns, &table),
+        "per-connection lookups and the full dump must attribute alike"
+    );
+    resolved
 }
 
 fn snapshot(at: Duration, attributed: &[Attributed]) -> Snapshot {

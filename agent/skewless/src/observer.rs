@@ -2,13 +2,15 @@
 //! results: the agent's view of the problem, for Services that are not balanced by it.
 //!
 //! Every 2 s: dump the sock_ops connection records, resolve each one's backend (conntrack in
-//! this node's namespace under DNAT, the socket's own peer under socket-level balancing),
-//! and aggregate per Service and backend. Redirected connections are left out (they go to the
+//! this node's namespace under DNAT, asked over netlink once per connection to a Service VIP;
+//! the socket's own peer under socket-level balancing), and aggregate per Service and
+//! backend. Redirected connections are left out (they go to the
 //! balancer by design, and the balancer's own counters show where their requests went), so
 //! for a `request`-mode Service this shows the connections it does not balance: those opened
 //! before it opted in, still pinned.
 
 use std::{
+    collections::HashSet,
     net::SocketAddr,
     sync::{Arc, Mutex},
     time::Duration,
@@ -17,7 +19,7 @@ use std::{
 use skewless_admin::json::{ObservedBackend, ObservedService};
 use skewless_datapath::{
     Datapath,
-    conntrack::{self, Attributed, Conntrack},
+    conntrack::{self, Attributed, Conntrack, Resolver},
 };
 use skewless_model::{Mode, ServiceKey, Snapshot as Model};
 use skewless_observe::{ServiceReport, ServiceSpec, Snapshot, aggregate};
@@ -35,6 +37,9 @@ pub async fn run(
 ) {
     let mut previous: Option<Snapshot> = None;
     let started = tokio::time::Instant::now();
+    // Kept across cycles: it remembers every socket's answer, so a cycle only asks conntrack
+    // about the connections opened since the last one.
+    let mut resolver: Option<Resolver> = None;
     let mut conntrack_failed = false;
     let mut tick = tokio::time::interval(INTERVAL);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -51,23 +56,40 @@ pub async fn run(
             Ok(dp) => dp.connections(),
             Err(_) => return,
         };
-        // Running the conntrack tool blocks; keep it off the balancers' threads.
-        let table = tokio::task::spawn_blocking(|| Conntrack::here().dump()).await;
-        let table = match table {
-            Ok(Ok(t)) => {
+        let vips: HashSet<SocketAddr> = specs.iter().map(|s| s.addr).collect();
+        // Netlink round trips block; keep them off the async threads.
+        let mut taken = resolver.take();
+        let done = tokio::task::spawn_blocking(move || {
+            let result = match &mut taken {
+                Some(r) => r.attribute(&conns, &vips),
+                None => Conntrack::here().open().and_then(|session| {
+                    taken
+                        .insert(Resolver::new(session))
+                        .attribute(&conns, &vips)
+                }),
+            };
+            (
+                result.map_err(|e| (e, conntrack::attribute(&conns, &Default::default()))),
+                taken,
+            )
+        })
+        .await;
+        let Ok((result, kept)) = done else { continue };
+        let attributed = match result {
+            Ok(a) => {
                 conntrack_failed = false;
-                t
+                resolver = kept;
+                a
             }
-            Ok(Err(error)) => {
+            Err((error, unresolved)) => {
                 if !conntrack_failed {
                     warn!(%error, "reading conntrack; DNAT connections stay unresolved");
                     conntrack_failed = true;
                 }
-                conntrack::NatTable::default()
+                // A socket whose answers may be out of step: start afresh next cycle.
+                unresolved
             }
-            Err(_) => continue,
         };
-        let attributed = conntrack::attribute(&conns, &table);
         let current = snapshot(started.elapsed(), &attributed);
         // `aggregate` reports the Services in the order of `specs`.
         let reports = aggregate(&specs, previous.as_ref(), &current);
@@ -79,7 +101,7 @@ pub async fn run(
             .map(|(r, (key, mode))| publish(key, *mode, r))
             .collect();
         debug!(
-            connections = conns.len(),
+            connections = attributed.len(),
             services = published.len(),
             "observed"
         );
