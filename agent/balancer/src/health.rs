@@ -6,8 +6,10 @@
 //!
 //! The two messages involved are encoded and decoded by hand (one field each) rather than
 //! pulling protobuf code generation into the balancer.
+//!
+//! The watch reports through a callback and knows nothing of who listens: request mode's pool
+//! and connection mode's backends both use it.
 
-use std::sync::Weak;
 use std::time::Duration;
 
 use bytes::{Buf as _, BufMut as _, Bytes, BytesMut};
@@ -15,8 +17,6 @@ use h2::client::SendRequest;
 use http::{HeaderValue, Request, header};
 
 use crate::grpc;
-use crate::picker::SlotId;
-use crate::pool::Pool;
 
 const SERVING: u64 = 1;
 const UNIMPLEMENTED: u32 = 12;
@@ -30,25 +30,24 @@ enum Ended {
 }
 
 /// Watches `service` on the endpoint's connection for as long as the connection lives (the
-/// caller aborts this task when the connection ends).
+/// caller aborts this task when the connection ends), calling `report` with every status:
+/// `true` for SERVING (or no health service at all), `false` for anything else.
 pub(crate) async fn watch(
-    pool: Weak<Pool>,
-    id: SlotId,
-    generation: u64,
+    mut report: impl FnMut(bool),
     sender: SendRequest<Bytes>,
     authority: String,
     service: String,
 ) {
     let mut backoff = Duration::from_millis(100);
     loop {
-        match watch_once(&pool, id, generation, &sender, &authority, &service).await {
+        match watch_once(&mut report, &sender, &authority, &service).await {
             Ended::Unimplemented => {
                 tracing::debug!("no health service, treating the endpoint as serving");
-                set(&pool, id, generation, true);
+                report(true);
                 return;
             }
             Ended::Failed => {
-                set(&pool, id, generation, false);
+                report(false);
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(Duration::from_secs(5));
             }
@@ -56,16 +55,8 @@ pub(crate) async fn watch(
     }
 }
 
-fn set(pool: &Weak<Pool>, id: SlotId, generation: u64, serving: bool) {
-    if let Some(p) = pool.upgrade() {
-        p.set_serving(id, generation, serving);
-    }
-}
-
 async fn watch_once(
-    pool: &Weak<Pool>,
-    id: SlotId,
-    generation: u64,
+    report: &mut impl FnMut(bool),
     sender: &SendRequest<Bytes>,
     authority: &str,
     service: &str,
@@ -108,7 +99,7 @@ async fn watch_once(
         while let Some(message) = next_message(&mut buf) {
             let serving = decode_status(&message) == Some(SERVING);
             tracing::debug!(serving, "health status");
-            set(pool, id, generation, serving);
+            report(serving);
         }
     }
     if let Ok(Some(trailers)) = body.trailers().await

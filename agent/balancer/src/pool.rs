@@ -531,16 +531,15 @@ async fn connection_task(pool: Weak<Pool>, id: SlotId, addr: SocketAddr, grow: A
                 let health_watch = |service: String| {
                     // Aborted when dropped: on a health service change and when this
                     // connection is no longer used.
+                    let pool = pool.clone();
+                    let report = move |serving| {
+                        if let Some(p) = pool.upgrade() {
+                            p.set_serving(id, generation, serving);
+                        }
+                    };
                     AbortOnDrop(tokio::spawn(
-                        crate::health::watch(
-                            pool.clone(),
-                            id,
-                            generation,
-                            sender.clone(),
-                            addr.to_string(),
-                            service,
-                        )
-                        .in_current_span(),
+                        crate::health::watch(report, sender.clone(), addr.to_string(), service)
+                            .in_current_span(),
                     ))
                 };
                 let mut health = health_service.clone().map(health_watch);
