@@ -32,6 +32,7 @@
 
 pub mod config;
 pub mod endpoint;
+pub mod endpoints;
 mod error;
 pub mod grpc;
 mod health;

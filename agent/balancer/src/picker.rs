@@ -37,25 +37,20 @@
 //! The picker is plain, synchronous state: time and randomness are passed in, so tests drive it
 //! deterministically with a virtual clock and a seeded RNG.
 
-use std::net::SocketAddr;
 use std::time::Duration;
 
 use rand::Rng;
 use tokio::time::Instant;
 
 use crate::config::PickerConfig;
+use crate::endpoints::{EndpointId, EndpointSet, Entry};
 use crate::stats::{EndpointState, EndpointStats};
-
-/// Identifies one endpoint for the lifetime of the balancer (an endpoint that is removed and
-/// added again gets a new id, so late completions of the old one are ignored).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct SlotId(pub u64);
 
 /// The result of a pick.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Pick {
     /// The chosen endpoint.
-    pub id: SlotId,
+    pub id: EndpointId,
     /// Whether this request is a probe of a degraded or ejected endpoint.
     pub probe: bool,
 }
@@ -71,34 +66,36 @@ pub enum Outcome {
     Cancelled,
 }
 
+/// Whether an endpoint that is not ejected takes its share or only probes.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Rotation {
+    Active,
+    Degraded { good_probes: u32 },
+}
+
+/// Where an endpoint stands for the picker: its rotation, unless passive health ejected it.
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Health {
     Active,
     Degraded { good_probes: u32 },
-    Ejected { until: Instant },
+    Ejected,
 }
 
+/// The picker's state of one endpoint: load, latency estimates and rotation. It lives in the
+/// endpoint set's per-endpoint value (see [`EndpointSet`]), which gives the picker the
+/// endpoint's readiness, active health and passive ejection.
 #[derive(Debug)]
-struct Slot {
-    id: SlotId,
-    addr: SocketAddr,
-    name: String,
-    ready: bool,
-    /// What active health checking says (true when it is off).
-    serving: bool,
+pub struct Slot {
     /// Peak-EWMA latency in nanoseconds and when it was last updated.
     ewma: Option<(f64, Instant)>,
     /// Plain (not peak) EWMA of the latency, for the degraded reference.
     mean: Option<(f64, Instant)>,
     in_flight: u32,
-    health: Health,
+    rotation: Rotation,
     /// Latency samples in a row above the degraded threshold.
     slow_samples: u32,
     /// When the current run of slow samples started.
     slow_since: Option<Instant>,
-    consecutive_failures: u32,
-    /// Ejections in a row, for the backoff; reset by a success while active.
-    ejections: u32,
     probe_in_flight: bool,
     next_probe_at: Instant,
     requests: u64,
@@ -106,29 +103,66 @@ struct Slot {
     probes: u64,
 }
 
-/// Per-request endpoint choice over a set of endpoints. See the module docs.
+impl Slot {
+    /// A new endpoint's state: active, with no latency known yet.
+    #[must_use]
+    pub fn new(now: Instant) -> Self {
+        Self {
+            ewma: None,
+            mean: None,
+            in_flight: 0,
+            rotation: Rotation::Active,
+            slow_samples: 0,
+            slow_since: None,
+            probe_in_flight: false,
+            next_probe_at: now,
+            requests: 0,
+            failures: 0,
+            probes: 0,
+        }
+    }
+}
+
+impl AsRef<Slot> for Slot {
+    fn as_ref(&self) -> &Slot {
+        self
+    }
+}
+
+impl AsMut<Slot> for Slot {
+    fn as_mut(&mut self) -> &mut Slot {
+        self
+    }
+}
+
+fn slot<S: AsRef<Slot>>(e: &Entry<S>) -> &Slot {
+    e.value.as_ref()
+}
+
+fn health<S: AsRef<Slot>>(e: &Entry<S>) -> Health {
+    if e.ejection.is_ejected() {
+        return Health::Ejected;
+    }
+    match slot(e).rotation {
+        Rotation::Active => Health::Active,
+        Rotation::Degraded { good_probes } => Health::Degraded { good_probes },
+    }
+}
+
+/// Per-request endpoint choice over an endpoint set. See the module docs.
 #[derive(Debug)]
 pub struct Picker<R> {
     config: PickerConfig,
-    slots: Vec<Slot>,
     cursor: usize,
     rng: R,
     total_requests: u64,
 }
 
-impl Slot {
-    /// Has a connection and is not reported unhealthy: may carry requests.
-    fn usable(&self) -> bool {
-        self.ready && self.serving
-    }
-}
-
 impl<R: Rng> Picker<R> {
-    /// An empty picker.
+    /// A picker; the endpoints are the set each call is given.
     pub fn new(config: PickerConfig, rng: R) -> Self {
         Self {
             config,
-            slots: Vec::new(),
             cursor: 0,
             rng,
             total_requests: 0,
@@ -141,81 +175,10 @@ impl<R: Rng> Picker<R> {
         self.config = config;
     }
 
-    /// Adds an endpoint; it is not pickable until [`Picker::set_ready`].
-    pub fn insert(&mut self, id: SlotId, addr: SocketAddr, name: String, now: Instant) {
-        self.slots.push(Slot {
-            id,
-            addr,
-            name,
-            ready: false,
-            serving: true,
-            ewma: None,
-            mean: None,
-            in_flight: 0,
-            health: Health::Active,
-            slow_samples: 0,
-            slow_since: None,
-            consecutive_failures: 0,
-            ejections: 0,
-            probe_in_flight: false,
-            next_probe_at: now,
-            requests: 0,
-            failures: 0,
-            probes: 0,
-        });
-    }
-
-    /// Removes an endpoint; its in-flight requests finish without touching the picker.
-    pub fn remove(&mut self, id: SlotId) {
-        self.slots.retain(|s| s.id != id);
-    }
-
-    /// Marks whether the endpoint has a usable connection.
-    pub fn set_ready(&mut self, id: SlotId, ready: bool) {
-        if let Some(s) = self.slot_mut(id) {
-            s.ready = ready;
-        }
-    }
-
-    /// Marks whether the endpoint's active health check says it is serving.
-    pub fn set_serving(&mut self, id: SlotId, serving: bool) {
-        if let Some(s) = self.slot_mut(id) {
-            s.serving = serving;
-        }
-    }
-
     /// A uniform number in [0, 1) from the picker's RNG (shared so one seed makes a whole
     /// balancer deterministic).
     pub fn random_unit(&mut self) -> f64 {
         self.rng.random::<f64>()
-    }
-
-    /// Number of endpoints, ready or not.
-    #[must_use]
-    pub fn len(&self) -> usize {
-        self.slots.len()
-    }
-
-    /// Whether there is no endpoint at all.
-    #[must_use]
-    pub fn is_empty(&self) -> bool {
-        self.slots.is_empty()
-    }
-
-    /// Whether every endpoint is in `exclude`.
-    #[must_use]
-    pub fn all_excluded(&self, exclude: &[SlotId]) -> bool {
-        self.slots.iter().all(|s| exclude.contains(&s.id))
-    }
-
-    /// Whether any endpoint is ready.
-    #[must_use]
-    pub fn any_ready(&self) -> bool {
-        self.slots.iter().any(|s| s.usable())
-    }
-
-    fn slot_mut(&mut self, id: SlotId) -> Option<&mut Slot> {
-        self.slots.iter_mut().find(|s| s.id == id)
     }
 
     fn floor_ns(&self) -> f64 {
@@ -241,21 +204,28 @@ impl<R: Rng> Picker<R> {
         self.latency_ns(s, now) * f64::from(s.in_flight + 1)
     }
 
-    /// Chooses the endpoint for one request, skipping `exclude` (endpoints a retry already
-    /// tried), and counts it in flight. `None` when no endpoint is ready.
-    pub fn pick(&mut self, now: Instant, exclude: &[SlotId]) -> Option<Pick> {
-        self.expire_ejections(now);
-        let pick = self
-            .due_probe(now, exclude)
-            .map(|id| Pick { id, probe: true })
-            .or_else(|| self.p2c(exclude, now).map(|id| Pick { id, probe: false }))
-            .or_else(|| {
-                self.fallback(exclude, now)
-                    .map(|id| Pick { id, probe: false })
-            })?;
+    /// Chooses the endpoint of `set` for one request, skipping `exclude` (endpoints a retry
+    /// already tried), and counts it in flight. `None` when no endpoint is ready.
+    pub fn pick<S: AsRef<Slot> + AsMut<Slot>>(
+        &mut self,
+        set: &mut EndpointSet<S>,
+        now: Instant,
+        exclude: &[EndpointId],
+    ) -> Option<Pick> {
+        self.expire_ejections(set, now);
+        let pick = match self.due_probe(set, now, exclude) {
+            Some(id) => Pick { id, probe: true },
+            None => match self.p2c(set, exclude, now) {
+                Some(id) => Pick { id, probe: false },
+                None => Pick {
+                    id: self.fallback(set, exclude, now)?,
+                    probe: false,
+                },
+            },
+        };
         self.total_requests += 1;
         let interval = self.config.probe_interval;
-        let s = self.slot_mut(pick.id)?;
+        let s = set.get_mut(pick.id)?.value.as_mut();
         s.in_flight += 1;
         s.requests += 1;
         if pick.probe {
@@ -267,42 +237,49 @@ impl<R: Rng> Picker<R> {
         Some(pick)
     }
 
-    fn expire_ejections(&mut self, now: Instant) {
-        for s in &mut self.slots {
-            if let Health::Ejected { until } = s.health
-                && until <= now
-            {
-                tracing::debug!(addr = %s.addr, name = %s.name, "ejection over, probing");
-                s.health = Health::Degraded { good_probes: 0 };
+    fn expire_ejections<S: AsMut<Slot>>(&self, set: &mut EndpointSet<S>, now: Instant) {
+        for e in set {
+            let (endpoint, ejection, value) = e.split_mut();
+            if ejection.expire(now) {
+                tracing::debug!(addr = %endpoint.addr, name = %endpoint.name, "ejection over, probing");
+                let s = value.as_mut();
+                s.rotation = Rotation::Degraded { good_probes: 0 };
                 s.next_probe_at = now;
             }
         }
     }
 
-    fn due_probe(&self, now: Instant, exclude: &[SlotId]) -> Option<SlotId> {
-        self.slots
-            .iter()
-            .find(|s| {
-                s.usable()
-                    && matches!(s.health, Health::Degraded { .. })
+    fn due_probe<S: AsRef<Slot>>(
+        &self,
+        set: &EndpointSet<S>,
+        now: Instant,
+        exclude: &[EndpointId],
+    ) -> Option<EndpointId> {
+        set.iter()
+            .find(|e| {
+                let s = slot(e);
+                e.usable()
+                    && matches!(health(e), Health::Degraded { .. })
                     && !s.probe_in_flight
                     && s.next_probe_at <= now
-                    && !exclude.contains(&s.id)
+                    && !exclude.contains(&e.id())
             })
-            .map(|s| s.id)
+            .map(Entry::id)
     }
 
-    fn p2c(&mut self, exclude: &[SlotId], now: Instant) -> Option<SlotId> {
-        let active: Vec<usize> = self
-            .slots
+    fn p2c<S: AsRef<Slot>>(
+        &mut self,
+        set: &EndpointSet<S>,
+        exclude: &[EndpointId],
+        now: Instant,
+    ) -> Option<EndpointId> {
+        let active: Vec<&Entry<S>> = set
             .iter()
-            .enumerate()
-            .filter(|(_, s)| s.usable() && s.health == Health::Active && !exclude.contains(&s.id))
-            .map(|(i, _)| i)
+            .filter(|e| e.usable() && health(e) == Health::Active && !exclude.contains(&e.id()))
             .collect();
         match active.len() {
             0 => None,
-            1 => Some(self.slots[active[0]].id),
+            1 => Some(active[0].id()),
             n => {
                 let rr = self.cursor % n;
                 self.cursor = self.cursor.wrapping_add(1);
@@ -310,11 +287,11 @@ impl<R: Rng> Picker<R> {
                 if other >= rr {
                     other += 1;
                 }
-                let (a, b) = (&self.slots[active[rr]], &self.slots[active[other]]);
-                if self.cost(b, now) * self.config.tie_ratio < self.cost(a, now) {
-                    Some(b.id)
+                let (a, b) = (active[rr], active[other]);
+                if self.cost(slot(b), now) * self.config.tie_ratio < self.cost(slot(a), now) {
+                    Some(b.id())
                 } else {
-                    Some(a.id)
+                    Some(a.id())
                 }
             }
         }
@@ -322,30 +299,33 @@ impl<R: Rng> Picker<R> {
 
     /// Nothing active is ready: rather than fail, use the cheapest ready endpoint, degraded or
     /// even ejected (fail open; a retry elsewhere is not possible anyway).
-    fn fallback(&self, exclude: &[SlotId], now: Instant) -> Option<SlotId> {
-        self.slots
-            .iter()
-            .filter(|s| s.usable() && !exclude.contains(&s.id))
+    fn fallback<S: AsRef<Slot>>(
+        &self,
+        set: &EndpointSet<S>,
+        exclude: &[EndpointId],
+        now: Instant,
+    ) -> Option<EndpointId> {
+        set.iter()
+            .filter(|e| e.usable() && !exclude.contains(&e.id()))
             .min_by(|a, b| {
-                let rank = |s: &Slot| u8::from(matches!(s.health, Health::Ejected { .. }));
+                let rank = |e: &Entry<S>| u8::from(health(e) == Health::Ejected);
                 rank(a)
                     .cmp(&rank(b))
-                    .then(self.cost(a, now).total_cmp(&self.cost(b, now)))
+                    .then(self.cost(slot(a), now).total_cmp(&self.cost(slot(b), now)))
             })
-            .map(|s| s.id)
+            .map(Entry::id)
     }
 
     /// Median of the mean latencies of the ready, non-ejected endpoints (the lower median, so
     /// with two endpoints the faster one is the reference). Means, not the peak estimates: under
     /// load every endpoint's peaks are inflated by queueing, and a reference made of peaks lets
     /// a slow endpoint pass as normal.
-    fn reference_ns(&self) -> Option<f64> {
+    fn reference_ns<S: AsRef<Slot>>(&self, set: &EndpointSet<S>) -> Option<f64> {
         let floor = self.floor_ns();
-        let mut v: Vec<f64> = self
-            .slots
+        let mut v: Vec<f64> = set
             .iter()
-            .filter(|s| s.usable() && !matches!(s.health, Health::Ejected { .. }))
-            .map(|s| s.mean.map_or(floor, |(m, _)| m.max(floor)))
+            .filter(|e| e.usable() && health(e) != Health::Ejected)
+            .map(|e| slot(e).mean.map_or(floor, |(m, _)| m.max(floor)))
             .collect();
         if v.is_empty() {
             return None;
@@ -354,8 +334,8 @@ impl<R: Rng> Picker<R> {
         Some(v[(v.len() - 1) / 2])
     }
 
-    fn threshold_ns(&self) -> Option<f64> {
-        let r = self.reference_ns()?;
+    fn threshold_ns<S: AsRef<Slot>>(&self, set: &EndpointSet<S>) -> Option<f64> {
+        let r = self.reference_ns(set)?;
         Some(
             (r * self.config.degraded_ratio)
                 .max(r + self.config.degraded_min_gap.as_nanos() as f64),
@@ -363,12 +343,16 @@ impl<R: Rng> Picker<R> {
     }
 
     /// Median latency estimate of the usable, active endpoints other than `id`.
-    fn median_active_latency_ns(&self, id: SlotId, now: Instant) -> Option<f64> {
-        let mut v: Vec<f64> = self
-            .slots
+    fn median_active_latency_ns<S: AsRef<Slot>>(
+        &self,
+        set: &EndpointSet<S>,
+        id: EndpointId,
+        now: Instant,
+    ) -> Option<f64> {
+        let mut v: Vec<f64> = set
             .iter()
-            .filter(|s| s.id != id && s.usable() && s.health == Health::Active)
-            .map(|s| self.latency_ns(s, now))
+            .filter(|e| e.id() != id && e.usable() && health(e) == Health::Active)
+            .map(|e| self.latency_ns(slot(e), now))
             .collect();
         if v.is_empty() {
             return None;
@@ -379,20 +363,28 @@ impl<R: Rng> Picker<R> {
 
     /// Whether one more endpoint may leave the rotation: at least half of the ready endpoints
     /// must stay in it.
-    fn may_take_out(&self) -> bool {
-        let ready = self.slots.iter().filter(|s| s.usable()).count();
-        let out = self
-            .slots
+    fn may_take_out<S: AsRef<Slot>>(set: &EndpointSet<S>) -> bool {
+        let ready = set.iter().filter(|e| e.usable()).count();
+        let out = set
             .iter()
-            .filter(|s| s.usable() && s.health != Health::Active)
+            .filter(|e| e.usable() && health(e) != Health::Active)
             .count();
         out < ready / 2
     }
 
     /// Records a latency sample (response headers arrived `rtt` after the request was sent).
-    pub fn observe_latency(&mut self, id: SlotId, probe: bool, rtt: Duration, now: Instant) {
+    pub fn observe_latency<S: AsRef<Slot> + AsMut<Slot>>(
+        &mut self,
+        set: &mut EndpointSet<S>,
+        id: EndpointId,
+        probe: bool,
+        rtt: Duration,
+        now: Instant,
+    ) {
         let decay = self.config.decay.as_nanos() as f64;
-        let Some(s) = self.slot_mut(id) else { return };
+        let Some(e) = set.get_mut(id) else { return };
+        let health = health(e);
+        let s = e.value.as_mut();
         let rtt_ns = rtt.as_nanos() as f64;
         s.ewma = Some(match s.ewma {
             // Peak: a sample above the estimate replaces it at once, so a pod that slows down
@@ -413,15 +405,14 @@ impl<R: Rng> Picker<R> {
             }
             None => (rtt_ns, now),
         });
-        let health = s.health;
-        let Some(threshold) = self.threshold_ns() else {
+        let Some(threshold) = self.threshold_ns(set) else {
             return;
         };
         // Only for a probe, which may bring the endpoint back: what a typical peer costs now.
         let peers_ns = (probe && matches!(health, Health::Degraded { .. }))
-            .then(|| self.median_active_latency_ns(id, now))
+            .then(|| self.median_active_latency_ns(set, id, now))
             .flatten();
-        let may_take_out = self.may_take_out();
+        let may_take_out = Self::may_take_out(set);
         let (recovery_probes, degraded_samples, degraded_after, interval, floor) = (
             self.config.recovery_probes,
             self.config.degraded_samples,
@@ -429,7 +420,9 @@ impl<R: Rng> Picker<R> {
             self.config.probe_interval,
             self.floor_ns(),
         );
-        let Some(s) = self.slot_mut(id) else { return };
+        let Some(e) = set.get_mut(id) else { return };
+        let (endpoint, _, value) = e.split_mut();
+        let s = value.as_mut();
         let slow = rtt_ns.max(floor) > threshold;
         if slow {
             s.slow_samples += 1;
@@ -451,11 +444,11 @@ impl<R: Rng> Picker<R> {
                 if s.slow_samples >= degraded_samples && slow_for >= degraded_after && may_take_out
                 {
                     tracing::info!(
-                        addr = %s.addr, name = %s.name,
+                        addr = %endpoint.addr, name = %endpoint.name,
                         latency_ms = rtt_ns / 1e6, threshold_ms = threshold / 1e6,
                         "endpoint degraded"
                     );
-                    s.health = Health::Degraded { good_probes: 0 };
+                    s.rotation = Rotation::Degraded { good_probes: 0 };
                     s.next_probe_at = now + interval;
                 }
             }
@@ -463,8 +456,8 @@ impl<R: Rng> Picker<R> {
                 if !slow {
                     let good_probes = good_probes + 1;
                     if good_probes >= recovery_probes {
-                        tracing::info!(addr = %s.addr, name = %s.name, "endpoint recovered");
-                        s.health = Health::Active;
+                        tracing::info!(addr = %endpoint.addr, name = %endpoint.name, "endpoint recovered");
+                        s.rotation = Rotation::Active;
                         // Start over from what the probes saw, not the stale peak; but no
                         // cheaper than the median active peer: a probe is one request on an
                         // idle endpoint, its peers' estimates carry the load's peaks, and a
@@ -472,26 +465,36 @@ impl<R: Rng> Picker<R> {
                         s.ewma = Some((peers_ns.map_or(rtt_ns, |p| p.max(rtt_ns)), now));
                         s.mean = Some((rtt_ns, now));
                     } else {
-                        s.health = Health::Degraded { good_probes };
+                        s.rotation = Rotation::Degraded { good_probes };
                     }
                 } else {
-                    s.health = Health::Degraded { good_probes: 0 };
+                    s.rotation = Rotation::Degraded { good_probes: 0 };
                 }
             }
-            Health::Degraded { .. } | Health::Ejected { .. } => {}
+            Health::Degraded { .. } | Health::Ejected => {}
         }
     }
 
     /// Ends a request picked by [`Picker::pick`]: releases its in-flight count and records its
     /// outcome for passive health.
-    pub fn complete(&mut self, id: SlotId, probe: bool, outcome: Outcome, now: Instant) {
-        let may_take_out = self.may_take_out();
+    pub fn complete<S: AsRef<Slot> + AsMut<Slot>>(
+        &mut self,
+        set: &mut EndpointSet<S>,
+        id: EndpointId,
+        probe: bool,
+        outcome: Outcome,
+        now: Instant,
+    ) {
+        let may_take_out = Self::may_take_out(set);
         let (threshold, interval, backoff) = (
             self.config.failure_threshold,
             self.config.probe_interval,
             self.config.ejection_backoff,
         );
-        let Some(s) = self.slot_mut(id) else { return };
+        let Some(e) = set.get_mut(id) else { return };
+        let health = health(e);
+        let (endpoint, ejection, value) = e.split_mut();
+        let s = value.as_mut();
         s.in_flight = s.in_flight.saturating_sub(1);
         if probe {
             s.probe_in_flight = false;
@@ -499,63 +502,58 @@ impl<R: Rng> Picker<R> {
         }
         match outcome {
             Outcome::Cancelled => {}
-            Outcome::Success => {
-                s.consecutive_failures = 0;
-                if s.health == Health::Active {
-                    s.ejections = 0;
-                }
-            }
+            Outcome::Success => ejection.record_success(health == Health::Active),
             Outcome::Failure => {
                 s.failures += 1;
-                s.consecutive_failures += 1;
-                if let Health::Degraded { .. } = s.health {
-                    s.health = Health::Degraded { good_probes: 0 };
+                if let Health::Degraded { .. } = health {
+                    s.rotation = Rotation::Degraded { good_probes: 0 };
                 }
                 // A failed probe after an ejection ejects again at once; otherwise it takes
                 // `failure_threshold` failures in a row.
                 let probing_after_ejection =
-                    probe && s.ejections > 0 && matches!(s.health, Health::Degraded { .. });
-                let eject = (s.consecutive_failures >= threshold || probing_after_ejection)
-                    && !matches!(s.health, Health::Ejected { .. })
-                    && (may_take_out || s.health != Health::Active);
-                if eject {
-                    let exp = s.ejections.min(16);
-                    let time = backoff.0.saturating_mul(1 << exp).min(backoff.1);
+                    probe && ejection.was_ejected() && matches!(health, Health::Degraded { .. });
+                let failures = ejection.consecutive_failures() + 1;
+                if let Some(time) = ejection.record_failure(
+                    now,
+                    threshold,
+                    backoff,
+                    probing_after_ejection,
+                    may_take_out || health != Health::Active,
+                ) {
                     tracing::info!(
-                        addr = %s.addr, name = %s.name,
-                        failures = s.consecutive_failures, ejection_ms = time.as_millis(),
+                        addr = %endpoint.addr, name = %endpoint.name,
+                        failures, ejection_ms = time.as_millis(),
                         "endpoint ejected"
                     );
-                    s.health = Health::Ejected { until: now + time };
-                    s.ejections += 1;
-                    s.consecutive_failures = 0;
                 }
             }
         }
     }
 
-    /// Per-endpoint statistics.
+    /// Per-endpoint statistics of `set`.
     #[must_use]
-    pub fn stats(&self) -> Vec<EndpointStats> {
+    pub fn stats<S: AsRef<Slot>>(&self, set: &EndpointSet<S>) -> Vec<EndpointStats> {
         let total = self.total_requests.max(1) as f64;
-        self.slots
-            .iter()
-            .map(|s| EndpointStats {
-                addr: s.addr,
-                name: s.name.clone(),
-                state: match (s.ready, s.health) {
-                    (false, _) => EndpointState::Connecting,
-                    (true, _) if !s.serving => EndpointState::NotServing,
-                    (true, Health::Active) => EndpointState::Active,
-                    (true, Health::Degraded { .. }) => EndpointState::Degraded,
-                    (true, Health::Ejected { .. }) => EndpointState::Ejected,
-                },
-                requests: s.requests,
-                failures: s.failures,
-                probes: s.probes,
-                in_flight: s.in_flight,
-                share: s.requests as f64 / total,
-                latency: s.ewma.map(|(v, _)| Duration::from_nanos(v as u64)),
+        set.iter()
+            .map(|e| {
+                let s = slot(e);
+                EndpointStats {
+                    addr: e.endpoint().addr,
+                    name: e.endpoint().name.clone(),
+                    state: match (e.ready(), health(e)) {
+                        (false, _) => EndpointState::Connecting,
+                        (true, _) if !e.serving() => EndpointState::NotServing,
+                        (true, Health::Active) => EndpointState::Active,
+                        (true, Health::Degraded { .. }) => EndpointState::Degraded,
+                        (true, Health::Ejected) => EndpointState::Ejected,
+                    },
+                    requests: s.requests,
+                    failures: s.failures,
+                    probes: s.probes,
+                    in_flight: s.in_flight,
+                    share: s.requests as f64 / total,
+                    latency: s.ewma.map(|(v, _)| Duration::from_nanos(v as u64)),
+                }
             })
             .collect()
     }
@@ -572,7 +570,59 @@ mod tests {
     use rand::SeedableRng as _;
     use rand::rngs::SmallRng;
 
+    use std::net::SocketAddr;
+
     use super::*;
+    use crate::endpoint::Endpoint;
+    use crate::endpoints::EndpointId as SlotId;
+
+    /// The picker with the endpoint set it picks from, as the pool holds them, under the
+    /// picker's former interface (the tests predate the endpoint set).
+    struct Picker<R> {
+        picker: super::Picker<R>,
+        set: EndpointSet<Slot>,
+    }
+
+    impl<R: Rng> Picker<R> {
+        fn new(config: PickerConfig, rng: R) -> Self {
+            Self {
+                picker: super::Picker::new(config, rng),
+                set: EndpointSet::new(),
+            }
+        }
+
+        fn insert(&mut self, id: SlotId, addr: SocketAddr, name: String, now: Instant) {
+            let mut listed: Vec<Endpoint> = self.set.iter().map(|e| e.endpoint().clone()).collect();
+            listed.push(Endpoint::new(addr, name));
+            let mut added = None;
+            self.set.update(&listed, |id, _| {
+                added = Some(id);
+                Slot::new(now)
+            });
+            assert_eq!(added, Some(id), "ids are handed out in order");
+        }
+
+        fn set_ready(&mut self, id: SlotId, ready: bool) {
+            self.set.set_ready(id, ready);
+        }
+
+        fn pick(&mut self, now: Instant, exclude: &[SlotId]) -> Option<Pick> {
+            self.picker.pick(&mut self.set, now, exclude)
+        }
+
+        fn observe_latency(&mut self, id: SlotId, probe: bool, rtt: Duration, now: Instant) {
+            self.picker
+                .observe_latency(&mut self.set, id, probe, rtt, now);
+        }
+
+        fn complete(&mut self, id: SlotId, probe: bool, outcome: Outcome, now: Instant) {
+            self.picker.complete(&mut self.set, id, probe, outcome, now);
+        }
+
+        fn stats(&self) -> Vec<EndpointStats> {
+            self.picker.stats(&self.set)
+        }
+    }
 
     fn ms(n: u64) -> Duration {
         Duration::from_millis(n)

@@ -1,8 +1,7 @@
-//! The endpoint pool of one Service: one HTTP/2 connection per endpoint, kept up by a task per
-//! endpoint, and the picker that chooses among them. The pool state sits behind one mutex whose
+//! The endpoint pool of one Service: the endpoint set, one HTTP/2 connection per endpoint kept
+//! up by a task per endpoint, and the picker that chooses among them. The pool state sits behind one mutex whose
 //! critical sections are a few comparisons long (a pick, a completion), never across an await.
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
@@ -18,9 +17,10 @@ use tracing::Instrument as _;
 
 use crate::config::Config;
 use crate::endpoint::Endpoint;
+use crate::endpoints::{EndpointId, EndpointSet};
 use crate::error::{ConnectError, ForwardError};
 use crate::io::Watched;
-use crate::picker::{Outcome, Picker, SlotId};
+use crate::picker::{Outcome, Picker, Slot};
 use crate::stats::{Counters, EndpointStats};
 
 type Rng = Box<dyn RngCore + Send>;
@@ -33,18 +33,17 @@ pub(crate) struct Pool {
     state: Mutex<State>,
     /// Woken whenever an endpoint becomes ready or the endpoint set changes.
     changed: Notify,
-    next_id: AtomicU64,
     pub(crate) counters: Counters,
 }
 
 struct State {
     picker: Picker<Rng>,
-    conns: HashMap<SlotId, Conn>,
+    endpoints: EndpointSet<Member>,
     retry_tokens: f64,
 }
 
-struct Conn {
-    endpoint: Endpoint,
+/// The pool's state of one endpoint, made when the endpoint is added.
+struct Member {
     /// The endpoint's usable connections: the primary one, plus extra ones opened while every
     /// connection carries `max_streams_per_connection` streams.
     upstreams: Vec<Upstream>,
@@ -55,6 +54,20 @@ struct Conn {
     /// sample of the endpoint's latency.
     warm: bool,
     task: AbortHandle,
+    /// The picker's load and latency estimate.
+    slot: Slot,
+}
+
+impl AsRef<Slot> for Member {
+    fn as_ref(&self) -> &Slot {
+        &self.slot
+    }
+}
+
+impl AsMut<Slot> for Member {
+    fn as_mut(&mut self) -> &mut Slot {
+        &mut self.slot
+    }
 }
 
 /// One HTTP/2 connection to an endpoint.
@@ -74,7 +87,7 @@ struct Upstream {
 /// One request's hold on an endpoint: releases the in-flight count when dropped.
 pub(crate) struct Lease {
     pool: Arc<Pool>,
-    pub(crate) id: SlotId,
+    pub(crate) id: EndpointId,
     pub(crate) addr: SocketAddr,
     probe: bool,
     sample: bool,
@@ -90,12 +103,11 @@ impl Pool {
         Arc::new(Self {
             state: Mutex::new(State {
                 picker: Picker::new(config.picker.clone(), rng),
-                conns: HashMap::new(),
+                endpoints: EndpointSet::new(),
                 retry_tokens: config.retry_burst,
             }),
             config: watch::Sender::new(Arc::new(config)),
             changed: Notify::new(),
-            next_id: AtomicU64::new(0),
             counters: Counters::default(),
         })
     }
@@ -135,7 +147,8 @@ impl Pool {
     }
 
     pub(crate) fn stats(&self) -> Vec<EndpointStats> {
-        self.lock().picker.stats()
+        let state = self.lock();
+        state.picker.stats(&state.endpoints)
     }
 
     /// Applies a new endpoint set: starts connecting to new endpoints, drops removed ones
@@ -143,44 +156,25 @@ impl Pool {
     pub(crate) fn update(self: &Arc<Self>, endpoints: &[Endpoint]) {
         let now = Instant::now();
         let mut state = self.lock();
-        let removed: Vec<SlotId> = state
-            .conns
-            .iter()
-            .filter(|(_, c)| !endpoints.iter().any(|e| e.addr == c.endpoint.addr))
-            .map(|(id, _)| *id)
-            .collect();
-        for id in removed {
-            if let Some(conn) = state.conns.remove(&id) {
-                tracing::debug!(addr = %conn.endpoint.addr, name = %conn.endpoint.name, "endpoint removed");
-                conn.task.abort();
-            }
-            state.picker.remove(id);
-        }
-        for ep in endpoints {
-            if state.conns.values().any(|c| c.endpoint.addr == ep.addr) {
-                continue;
-            }
-            let id = SlotId(self.next_id.fetch_add(1, Ordering::Relaxed));
-            tracing::debug!(addr = %ep.addr, name = %ep.name, "endpoint added");
-            state.picker.insert(id, ep.addr, ep.name.clone(), now);
+        let removed = state.endpoints.update(endpoints, |id, ep| {
             let span = tracing::debug_span!("endpoint", addr = %ep.addr, name = %ep.name);
             let grow = Arc::new(Notify::new());
             let task = tokio::spawn(
                 connection_task(Arc::downgrade(self), id, ep.addr, grow.clone()).instrument(span),
             )
             .abort_handle();
-            state.conns.insert(
-                id,
-                Conn {
-                    endpoint: ep.clone(),
-                    upstreams: Vec::new(),
-                    grow,
-                    warm: false,
-                    task,
-                },
-            );
-        }
+            Member {
+                upstreams: Vec::new(),
+                grow,
+                warm: false,
+                task,
+                slot: Slot::new(now),
+            }
+        });
         drop(state);
+        for entry in removed {
+            entry.value.task.abort();
+        }
         self.changed.notify_waiters();
     }
 
@@ -188,33 +182,37 @@ impl Pool {
     /// unpublishes it.
     fn add_upstream(
         &self,
-        id: SlotId,
+        id: EndpointId,
         generation: u64,
         sender: SendRequest<Bytes>,
         retired: Arc<Notify>,
     ) {
         let mut state = self.lock();
-        if let Some(conn) = state.conns.get_mut(&id) {
-            conn.upstreams.push(Upstream {
+        if let Some(entry) = state.endpoints.get_mut(id) {
+            entry.value.upstreams.push(Upstream {
                 generation,
                 sender,
                 streams: Arc::new(AtomicU32::new(0)),
                 retired,
             });
-            conn.warm = false;
-            state.picker.set_ready(id, true);
+            entry.value.warm = false;
+            state.endpoints.set_ready(id, true);
         }
         drop(state);
         self.changed.notify_waiters();
     }
 
     /// The active health check of connection `generation` reports `serving`.
-    pub(crate) fn set_serving(&self, id: SlotId, generation: u64, serving: bool) {
+    pub(crate) fn set_serving(&self, id: EndpointId, generation: u64, serving: bool) {
         let mut state = self.lock();
-        if let Some(conn) = state.conns.get(&id)
-            && conn.upstreams.iter().any(|u| u.generation == generation)
+        if let Some(entry) = state.endpoints.get(id)
+            && entry
+                .value
+                .upstreams
+                .iter()
+                .any(|u| u.generation == generation)
         {
-            state.picker.set_serving(id, serving);
+            state.endpoints.set_serving(id, serving);
         }
         drop(state);
         if serving {
@@ -226,18 +224,15 @@ impl Pool {
     /// endpoint is not ready while it has no connection left. The connection's task is told,
     /// so a connection a request found refusing streams is replaced even if h2 has not
     /// noticed its end yet.
-    pub(crate) fn connection_closed(&self, id: SlotId, generation: u64) {
+    pub(crate) fn connection_closed(&self, id: EndpointId, generation: u64) {
         let mut state = self.lock();
-        if let Some(conn) = state.conns.get_mut(&id) {
-            if let Some(i) = conn
-                .upstreams
-                .iter()
-                .position(|u| u.generation == generation)
-            {
-                conn.upstreams.swap_remove(i).retired.notify_one();
+        if let Some(entry) = state.endpoints.get_mut(id) {
+            let upstreams = &mut entry.value.upstreams;
+            if let Some(i) = upstreams.iter().position(|u| u.generation == generation) {
+                upstreams.swap_remove(i).retired.notify_one();
             }
-            if conn.upstreams.is_empty() {
-                state.picker.set_ready(id, false);
+            if upstreams.is_empty() {
+                state.endpoints.set_ready(id, false);
             }
         }
     }
@@ -266,7 +261,7 @@ impl Pool {
     pub(crate) async fn acquire(
         self: &Arc<Self>,
         config: &Config,
-        exclude: &[SlotId],
+        exclude: &[EndpointId],
     ) -> Result<Lease, ForwardError> {
         // The common case: a ready endpoint at the first look, nothing to wait for.
         if let Some(lease) = self.try_acquire(config, exclude)? {
@@ -291,17 +286,20 @@ impl Pool {
     fn try_acquire(
         self: &Arc<Self>,
         config: &Config,
-        exclude: &[SlotId],
+        exclude: &[EndpointId],
     ) -> Result<Option<Lease>, ForwardError> {
         let now = Instant::now();
         let mut state = self.lock();
-        if state.picker.is_empty() {
+        let State {
+            picker, endpoints, ..
+        } = &mut *state;
+        if endpoints.is_empty() {
             return Err(ForwardError::NoEndpoints);
         }
-        let Some(pick) = state.picker.pick(now, exclude) else {
+        let Some(pick) = picker.pick(endpoints, now, exclude) else {
             // Every endpoint was excluded: a retry has nowhere to go. Otherwise wait for one
             // that is still connecting (right after startup or a reconnect).
-            if state.picker.all_excluded(exclude) {
+            if endpoints.all_excluded(exclude) {
                 return Err(ForwardError::NoReadyEndpoint);
             }
             return Ok(None);
@@ -310,8 +308,9 @@ impl Pool {
             config.max_streams_per_connection,
             config.max_connections_per_endpoint,
         );
-        if let Some(conn) = state.conns.get_mut(&pick.id)
-            && let Some(up) = conn
+        if let Some(entry) = endpoints.get_mut(pick.id)
+            && let Some(up) = entry
+                .value
                 .upstreams
                 .iter()
                 .min_by_key(|u| u.streams.load(Ordering::Relaxed))
@@ -322,16 +321,17 @@ impl Pool {
                 .min(u32::try_from(up.sender.current_max_send_streams()).unwrap_or(u32::MAX));
             let (generation, sender, streams) =
                 (up.generation, up.sender.clone(), up.streams.clone());
-            if open > full && conn.upstreams.len() < max_conns {
+            let member = &mut entry.value;
+            if open > full && member.upstreams.len() < max_conns {
                 // Every connection is full: ask for another. This request still goes out on
                 // the least busy one (h2 queues it if the server's limit is reached).
-                conn.grow.notify_one();
+                member.grow.notify_one();
             }
-            let sample = std::mem::replace(&mut conn.warm, true);
+            let sample = std::mem::replace(&mut member.warm, true);
             return Ok(Some(Lease {
                 pool: self.clone(),
                 id: pick.id,
-                addr: conn.endpoint.addr,
+                addr: entry.endpoint().addr,
                 probe: pick.probe,
                 sample,
                 generation,
@@ -343,10 +343,8 @@ impl Pool {
         }
         // Ready in the picker but no sender: cannot happen (both change together); undo the
         // pick and treat the endpoint as not ready.
-        state
-            .picker
-            .complete(pick.id, pick.probe, Outcome::Cancelled, now);
-        state.picker.set_ready(pick.id, false);
+        picker.complete(endpoints, pick.id, pick.probe, Outcome::Cancelled, now);
+        endpoints.set_ready(pick.id, false);
         Ok(None)
     }
 }
@@ -357,8 +355,8 @@ impl Drop for Pool {
             .state
             .get_mut()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        for conn in state.conns.values() {
-            conn.task.abort();
+        for entry in &state.endpoints {
+            entry.value.task.abort();
         }
     }
 }
@@ -375,10 +373,11 @@ impl Lease {
         }
         let now = Instant::now();
         let rtt = now.saturating_duration_since(self.sent_at);
-        self.pool
-            .lock()
-            .picker
-            .observe_latency(self.id, self.probe, rtt, now);
+        let mut state = self.pool.lock();
+        let State {
+            picker, endpoints, ..
+        } = &mut *state;
+        picker.observe_latency(endpoints, self.id, self.probe, rtt, now);
     }
 
     /// The request is over: release its in-flight count with its outcome.
@@ -391,10 +390,11 @@ impl Lease {
             return;
         }
         self.streams.fetch_sub(1, Ordering::Relaxed);
-        self.pool
-            .lock()
-            .picker
-            .complete(self.id, self.probe, outcome, Instant::now());
+        let mut state = self.pool.lock();
+        let State {
+            picker, endpoints, ..
+        } = &mut *state;
+        picker.complete(endpoints, self.id, self.probe, outcome, Instant::now());
     }
 }
 
@@ -494,7 +494,7 @@ async fn connect(addr: SocketAddr, timeout: Duration) -> Result<Connected, Conne
 /// taking streams (upstream GOAWAY, close, error) replaces it at once, backing off only when
 /// connects fail or connections die young. Opens extra connections when asked through `grow`;
 /// those live until they stop taking streams and are not replaced.
-async fn connection_task(pool: Weak<Pool>, id: SlotId, addr: SocketAddr, grow: Arc<Notify>) {
+async fn connection_task(pool: Weak<Pool>, id: EndpointId, addr: SocketAddr, grow: Arc<Notify>) {
     let Some(mut config) = pool.upgrade().map(|p| p.subscribe_config()) else {
         return;
     };
@@ -524,7 +524,7 @@ async fn connection_task(pool: Weak<Pool>, id: SlotId, addr: SocketAddr, grow: A
                 // SERVING (A17: a new connection starts out not known to be healthy); without,
                 // it serves (also when checks were switched off while it was reconnecting).
                 let mut health_service = config.borrow_and_update().health_service.clone();
-                p.lock().picker.set_serving(id, health_service.is_none());
+                p.lock().endpoints.set_serving(id, health_service.is_none());
                 let retired = Arc::new(Notify::new());
                 p.add_upstream(id, generation, sender.clone(), retired.clone());
                 drop(p);
@@ -609,9 +609,9 @@ async fn connection_task(pool: Weak<Pool>, id: SlotId, addr: SocketAddr, grow: A
 }
 
 /// One extra connection, used until it stops taking streams.
-async fn extra_connection(pool: Weak<Pool>, id: SlotId, addr: SocketAddr, timeout: Duration) {
+async fn extra_connection(pool: Weak<Pool>, id: EndpointId, addr: SocketAddr, timeout: Duration) {
     /// Unpublishes the connection however this task ends (closed, aborted).
-    struct Unpublish(Weak<Pool>, SlotId, u64);
+    struct Unpublish(Weak<Pool>, EndpointId, u64);
     impl Drop for Unpublish {
         fn drop(&mut self) {
             if let Some(p) = self.0.upgrade() {

@@ -20,9 +20,10 @@ use h2::{Reason, RecvStream, SendStream};
 use http::{HeaderMap, Request, Response, StatusCode, Uri};
 use tokio::time::Instant;
 
+use crate::endpoints::EndpointId;
 use crate::error::ForwardError;
 use crate::grpc::{self, Code};
-use crate::picker::{Outcome, SlotId};
+use crate::picker::Outcome;
 use crate::pool::{Lease, Pool};
 use crate::stats::Counters;
 
@@ -172,7 +173,7 @@ async fn forward(
     // What every attempt sends (extensions are not forwarded).
     let mut template = Request::from_parts(head, ());
     template.extensions_mut().clear();
-    let mut tried: Vec<SlotId> = Vec::new();
+    let mut tried: Vec<EndpointId> = Vec::new();
     let mut attempts = 1u32;
     // Re-dispatching a request that never left the balancer is free (nothing reached a server),
     // but still bounded so a flapping set of connections cannot spin.

@@ -1,0 +1,382 @@
+//! The endpoint set of one Service's balancer, whichever the mode: which endpoints exist (each
+//! with an id for the balancer's lifetime, following the endpoint watch), whether each may take
+//! traffic (connected, active health, passive ejection), and a value `T` per endpoint that the
+//! owner creates when the endpoint is added.
+//!
+//! Request mode keeps its upstream connections and the picker's latency estimate in `T`;
+//! connection mode keeps its backend's load there. Anything that needs a per-endpoint handle
+//! (metrics, for instance) creates it in the same place, once per endpoint, so nothing is
+//! looked up by label per call.
+//!
+//! Plain synchronous state: the owner holds it under its own lock and passes time in.
+
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::endpoint::Endpoint;
+
+/// Identifies one endpoint for the lifetime of its balancer: an endpoint that is removed and
+/// added again gets a new id, so late reports about the old one are ignored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct EndpointId(pub u64);
+
+/// One endpoint of the set.
+#[derive(Debug)]
+pub struct Entry<T> {
+    id: EndpointId,
+    endpoint: Endpoint,
+    /// Has a usable connection (request mode: an HTTP/2 connection that has spoken).
+    ready: bool,
+    /// What active health checking says (true when it is off).
+    serving: bool,
+    /// Passive health: failures in a row and ejections.
+    pub ejection: Ejection,
+    /// The owner's per-endpoint state, created when the endpoint was added.
+    pub value: T,
+}
+
+impl<T> Entry<T> {
+    /// The endpoint's id.
+    #[must_use]
+    pub fn id(&self) -> EndpointId {
+        self.id
+    }
+
+    /// The endpoint (address and name) as the watch published it.
+    #[must_use]
+    pub fn endpoint(&self) -> &Endpoint {
+        &self.endpoint
+    }
+
+    /// Whether the endpoint has a usable connection.
+    #[must_use]
+    pub fn ready(&self) -> bool {
+        self.ready
+    }
+
+    /// Whether active health checking reports it serving (always, when checking is off).
+    #[must_use]
+    pub fn serving(&self) -> bool {
+        self.serving
+    }
+
+    /// The endpoint, its passive health and the owner's value at once, for an owner that
+    /// updates its value and its ejection state while it logs the endpoint.
+    pub fn split_mut(&mut self) -> (&Endpoint, &mut Ejection, &mut T) {
+        (&self.endpoint, &mut self.ejection, &mut self.value)
+    }
+
+    /// Connected and not reported unhealthy: may carry traffic (passive ejection aside, which
+    /// each mode weighs itself).
+    #[must_use]
+    pub fn usable(&self) -> bool {
+        self.ready && self.serving
+    }
+}
+
+/// The endpoints of one balancer, in the order they were added.
+#[derive(Debug)]
+pub struct EndpointSet<T> {
+    entries: Vec<Entry<T>>,
+    next_id: u64,
+}
+
+impl<T> Default for EndpointSet<T> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<T> EndpointSet<T> {
+    /// An empty set.
+    #[must_use]
+    pub fn new() -> Self {
+        Self {
+            entries: Vec::new(),
+            next_id: 0,
+        }
+    }
+
+    /// Brings the set in line with `endpoints` (the watch's current list): entries whose
+    /// address is no longer listed are removed and returned, so the owner can tear down what
+    /// their value holds; listed addresses without an entry get one, not ready and serving,
+    /// with the value `add` makes for it. Entries that stay keep their id and state.
+    pub fn update(
+        &mut self,
+        endpoints: &[Endpoint],
+        mut add: impl FnMut(EndpointId, &Endpoint) -> T,
+    ) -> Vec<Entry<T>> {
+        let mut removed = Vec::new();
+        let mut i = 0;
+        while i < self.entries.len() {
+            if endpoints
+                .iter()
+                .any(|e| e.addr == self.entries[i].endpoint.addr)
+            {
+                i += 1;
+            } else {
+                let entry = self.entries.remove(i);
+                tracing::debug!(addr = %entry.endpoint.addr, name = %entry.endpoint.name, "endpoint removed");
+                removed.push(entry);
+            }
+        }
+        for ep in endpoints {
+            if self.entries.iter().any(|e| e.endpoint.addr == ep.addr) {
+                continue;
+            }
+            let id = EndpointId(self.next_id);
+            self.next_id += 1;
+            tracing::debug!(addr = %ep.addr, name = %ep.name, "endpoint added");
+            let value = add(id, ep);
+            self.entries.push(Entry {
+                id,
+                endpoint: ep.clone(),
+                ready: false,
+                serving: true,
+                ejection: Ejection::default(),
+                value,
+            });
+        }
+        removed
+    }
+
+    /// Number of endpoints, ready or not.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether there is no endpoint at all.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// The entry of `id`, if it is still in the set.
+    #[must_use]
+    pub fn get(&self, id: EndpointId) -> Option<&Entry<T>> {
+        self.entries.iter().find(|e| e.id == id)
+    }
+
+    /// The entry of `id`, if it is still in the set.
+    pub fn get_mut(&mut self, id: EndpointId) -> Option<&mut Entry<T>> {
+        self.entries.iter_mut().find(|e| e.id == id)
+    }
+
+    /// The entries, in the order they were added.
+    pub fn iter(&self) -> std::slice::Iter<'_, Entry<T>> {
+        self.entries.iter()
+    }
+
+    /// The entries, in the order they were added.
+    pub fn iter_mut(&mut self) -> std::slice::IterMut<'_, Entry<T>> {
+        self.entries.iter_mut()
+    }
+
+    /// Marks whether the endpoint has a usable connection.
+    pub fn set_ready(&mut self, id: EndpointId, ready: bool) {
+        if let Some(e) = self.get_mut(id) {
+            e.ready = ready;
+        }
+    }
+
+    /// Marks whether the endpoint's active health check says it is serving.
+    pub fn set_serving(&mut self, id: EndpointId, serving: bool) {
+        if let Some(e) = self.get_mut(id) {
+            e.serving = serving;
+        }
+    }
+
+    /// Whether every endpoint is in `exclude`.
+    #[must_use]
+    pub fn all_excluded(&self, exclude: &[EndpointId]) -> bool {
+        self.entries.iter().all(|e| exclude.contains(&e.id))
+    }
+
+    /// Whether any endpoint is usable.
+    #[must_use]
+    pub fn any_usable(&self) -> bool {
+        self.entries.iter().any(Entry::usable)
+    }
+}
+
+impl<'a, T> IntoIterator for &'a EndpointSet<T> {
+    type Item = &'a Entry<T>;
+    type IntoIter = std::slice::Iter<'a, Entry<T>>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.entries.iter()
+    }
+}
+
+impl<'a, T> IntoIterator for &'a mut EndpointSet<T> {
+    type Item = &'a mut Entry<T>;
+    type IntoIter = std::slice::IterMut<'a, Entry<T>>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.entries.iter_mut()
+    }
+}
+
+/// Passive health of one endpoint (Envoy's outlier detection, Finagle's failure accrual):
+/// `threshold` failures in a row eject it for a time that doubles with every ejection in a
+/// row, from `backoff.0` up to `backoff.1`. What counts as a failure, and what happens after an
+/// ejection ends, is the mode's call (request mode probes; connection mode tries a connect).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Ejection {
+    consecutive_failures: u32,
+    /// Ejections in a row, for the backoff.
+    ejections: u32,
+    /// Set while ejected, until [`Ejection::expire`] sees the time pass.
+    until: Option<Instant>,
+}
+
+impl Ejection {
+    /// Whether the endpoint is ejected (its time may be over; [`Ejection::expire`] ends it).
+    #[must_use]
+    pub fn is_ejected(&self) -> bool {
+        self.until.is_some()
+    }
+
+    /// Whether the last ejection has not been followed by a success in rotation yet.
+    #[must_use]
+    pub fn was_ejected(&self) -> bool {
+        self.ejections > 0
+    }
+
+    /// Failures in a row so far.
+    #[must_use]
+    pub fn consecutive_failures(&self) -> u32 {
+        self.consecutive_failures
+    }
+
+    /// A success: the run of failures is over; `in_rotation` (the endpoint takes its normal
+    /// share again) also forgets past ejections, so the next one starts at the first backoff.
+    pub fn record_success(&mut self, in_rotation: bool) {
+        self.consecutive_failures = 0;
+        if in_rotation {
+            self.ejections = 0;
+        }
+    }
+
+    /// A failure. Ejects when it makes `threshold` in a row, or at once when `at_once`, unless
+    /// already ejected or `allowed` is false (the mode keeps enough endpoints in rotation).
+    /// Returns the ejection time when it ejected.
+    pub fn record_failure(
+        &mut self,
+        now: Instant,
+        threshold: u32,
+        backoff: (Duration, Duration),
+        at_once: bool,
+        allowed: bool,
+    ) -> Option<Duration> {
+        self.consecutive_failures += 1;
+        let due = self.consecutive_failures >= threshold || at_once;
+        if !due || self.is_ejected() || !allowed {
+            return None;
+        }
+        let exp = self.ejections.min(16);
+        let time = backoff.0.saturating_mul(1 << exp).min(backoff.1);
+        self.until = Some(now + time);
+        self.ejections += 1;
+        self.consecutive_failures = 0;
+        Some(time)
+    }
+
+    /// Ends an ejection whose time is over; true when it did.
+    pub fn expire(&mut self, now: Instant) -> bool {
+        match self.until {
+            Some(until) if until <= now => {
+                self.until = None;
+                true
+            }
+            _ => false,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ep(port: u16) -> Endpoint {
+        Endpoint::new(([10, 0, 0, 1], port).into(), format!("pod-{port}"))
+    }
+
+    #[test]
+    fn update_keeps_ids_of_listed_endpoints_and_returns_removed_ones() {
+        let mut set = EndpointSet::new();
+        let mut made = Vec::new();
+        let removed = set.update(&[ep(1), ep(2)], |id, e| {
+            made.push(id);
+            e.addr.port()
+        });
+        assert!(removed.is_empty());
+        assert_eq!(made.len(), 2, "a value is made per added endpoint");
+        let (a, b) = (made[0], made[1]);
+        set.set_ready(a, true);
+        let removed = set.update(&[ep(2), ep(3)], |_, e| e.addr.port());
+        assert_eq!(removed.len(), 1, "the unlisted endpoint is handed back");
+        assert_eq!(removed[0].id(), a);
+        assert_eq!(removed[0].value, 1);
+        let ids: Vec<EndpointId> = set.iter().map(Entry::id).collect();
+        assert_eq!(ids[0], b, "a listed endpoint keeps its id");
+        assert_ne!(ids[1], a, "a new endpoint never reuses an id");
+        let removed = set.update(&[ep(1), ep(2), ep(3)], |_, e| e.addr.port());
+        assert!(removed.is_empty());
+        let again = set.iter().last().expect("re-added").id();
+        assert!(again != a && !set.get(again).expect("present").ready());
+        assert!(
+            set.get(a).is_none(),
+            "late reports about the old id find nothing"
+        );
+    }
+
+    #[test]
+    fn ejection_backoff_doubles_and_a_success_in_rotation_resets_it() {
+        let t0 = Instant::now();
+        let backoff = (Duration::from_secs(1), Duration::from_secs(3));
+        let mut e = Ejection::default();
+        for _ in 0..4 {
+            assert_eq!(e.record_failure(t0, 5, backoff, false, true), None);
+        }
+        assert_eq!(
+            e.record_failure(t0, 5, backoff, false, true),
+            Some(Duration::from_secs(1)),
+            "the fifth failure in a row ejects"
+        );
+        assert!(e.is_ejected());
+        assert_eq!(
+            e.record_failure(t0, 5, backoff, true, true),
+            None,
+            "an ejected endpoint is not ejected again"
+        );
+        assert!(!e.expire(t0 + Duration::from_millis(999)));
+        assert!(e.expire(t0 + Duration::from_secs(1)));
+        assert_eq!(
+            e.record_failure(t0, 5, backoff, true, true),
+            Some(Duration::from_secs(2)),
+            "the next ejection in a row lasts twice as long"
+        );
+        assert!(e.expire(t0 + Duration::from_secs(2)));
+        assert_eq!(
+            e.record_failure(t0, 5, backoff, true, true),
+            Some(Duration::from_secs(3)),
+            "capped at the largest backoff"
+        );
+        assert!(e.expire(t0 + Duration::from_secs(3)));
+        e.record_success(false);
+        assert!(
+            e.was_ejected(),
+            "a success out of rotation keeps the backoff"
+        );
+        e.record_success(true);
+        assert!(!e.was_ejected());
+        assert_eq!(
+            e.record_failure(t0, 1, backoff, false, false),
+            None,
+            "not ejected when the mode does not allow it"
+        );
+    }
+}
