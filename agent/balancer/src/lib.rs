@@ -28,6 +28,11 @@
 //! (REFUSED_STREAM, above a GOAWAY's last stream id), and any failed request of a method
 //! configured as retryable, are replayed on another endpoint within the deadline and a retry
 //! budget. See `docs/balancer.md` for the design, the wiring and measurements.
+//!
+//! Shape: [`endpoints`] is the endpoint set both modes own (ids, the watch's diff, readiness,
+//! active and passive health); [`server`] is the client-connection lifecycle (accept, admit,
+//! max age, drain), with the per-connection behaviour behind [`NewConnection`]; request mode
+//! is `request` (one client connection), `proxy` (one stream), `pool` and [`picker`].
 #![forbid(unsafe_code)]
 
 pub mod config;
@@ -40,22 +45,24 @@ mod io;
 pub mod picker;
 mod pool;
 mod proxy;
+mod request;
+pub mod server;
 pub mod stats;
 pub mod workers;
 
 use std::future::Future;
 use std::sync::Arc;
 
-use bytes::Bytes;
 use rand::SeedableRng as _;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
-use tokio::task::{AbortHandle, JoinSet};
+use tokio::task::AbortHandle;
 use tracing::Instrument as _;
 
 pub use config::{Config, PickerConfig};
 pub use endpoint::Endpoint;
 pub use error::BalancerError;
+pub use server::{Lifecycle, NewConnection, Stop, StopReason};
 pub use stats::{BalancerCounters, EndpointState, EndpointStats};
 pub use workers::{Served, Workers, reuseport_listeners};
 
@@ -66,7 +73,7 @@ use pool::Pool;
 /// The balancer of one Service. Cheap to share behind an `Arc`; dropping it stops following
 /// the endpoint set and closes its upstream connections once their streams end.
 pub struct Balancer {
-    pool: Arc<Pool>,
+    pub(crate) pool: Arc<Pool>,
     discovery: AbortHandle,
 }
 
@@ -164,160 +171,7 @@ impl Balancer {
         shutdown: impl Future<Output = ()>,
         admit: impl Fn(SocketAddr) -> bool,
     ) -> Result<(), BalancerError> {
-        let (drain_tx, drain_rx) = watch::channel(false);
-        let mut conns = JoinSet::new();
-        tokio::pin!(shutdown);
-        let result = loop {
-            let accepted = tokio::select! {
-                () = &mut shutdown => break Ok(()),
-                accepted = listener.accept() => accepted,
-                // Reap finished connection tasks so the set does not grow without bound.
-                Some(_) = conns.join_next(), if !conns.is_empty() => continue,
-            };
-            let (stream, peer) = match accepted {
-                Ok(ok) => ok,
-                Err(error) if is_connection_error(&error) => {
-                    tracing::debug!(%error, "accept failed for one connection");
-                    continue;
-                }
-                Err(error) => break Err(BalancerError::Accept(error)),
-            };
-            if !admit(peer) {
-                tracing::debug!(%peer, "connection refused: peer not admitted");
-                drop(stream);
-                continue;
-            }
-            let _ = stream.set_nodelay(true);
-            let pool = self.pool.clone();
-            let mut drain = drain_rx.clone();
-            let mut config = self.pool.subscribe_config();
-            // +-10% jitter so connections accepted together do not all rotate together.
-            let jitter = 0.9 + 0.2 * self.pool.random_unit();
-            conns.spawn(
-                async move {
-                    let handshake = h2::server::Builder::new()
-                        // Fixed windows; see `pool::STREAM_WINDOW`.
-                        .initial_window_size(pool::STREAM_WINDOW)
-                        .initial_connection_window_size(pool::CONNECTION_WINDOW)
-                        .max_concurrent_streams(MAX_CLIENT_STREAMS)
-                        .max_header_list_size(pool::MAX_HEADER_LIST)
-                        .max_send_buffer_size(pool::MAX_SEND_BUFFER)
-                        .max_local_error_reset_streams(Some(MAX_LOCAL_ERROR_RESETS))
-                        .handshake::<_, Bytes>(stream);
-                    let mut conn = match tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake).await {
-                        Ok(Ok(conn)) => conn,
-                        Ok(Err(error)) => {
-                            tracing::debug!(%error, "client handshake failed");
-                            return;
-                        }
-                        Err(_) => {
-                            tracing::debug!("client sent no HTTP/2 preface in time");
-                            return;
-                        }
-                    };
-                    // Every stream runs on its own task; this one drives the connection.
-                    let spawn_stream = |(req, respond)| {
-                        // Boxed: tokio moves a task's future by value when it spawns and
-                        // finishes it; a pointer is cheaper to move than the call's state
-                        // machine.
-                        tokio::spawn(Box::pin(proxy::handle(pool.clone(), req, respond)));
-                    };
-                    // The age counts from the accept, or from the change for a max age set or
-                    // changed while the connection is open.
-                    let mut since = tokio::time::Instant::now();
-                    let mut max_age = config.borrow_and_update().max_connection_age;
-                    let mut following_config = true;
-                    loop {
-                        // Armed once per configuration, not once per accepted stream.
-                        let stop = {
-                            let aged = async {
-                                match max_age {
-                                    Some(age) => tokio::time::sleep_until(since + age.mul_f64(jitter)).await,
-                                    None => std::future::pending().await,
-                                }
-                            };
-                            let changed = config.changed();
-                            let draining = drain.wait_for(|d| *d);
-                            tokio::pin!(aged, changed, draining);
-                            loop {
-                                tokio::select! {
-                                    next = conn.accept() => match next {
-                                        Some(Ok(stream)) => spawn_stream(stream),
-                                        Some(Err(error)) => {
-                                            tracing::debug!(%error, "client connection failed");
-                                            return;
-                                        }
-                                        None => return,
-                                    },
-                                    _ = &mut draining => {
-                                        tracing::debug!("draining client connection");
-                                        break true;
-                                    }
-                                    () = &mut aged => {
-                                        tracing::debug!("client connection reached its max age");
-                                        break true;
-                                    }
-                                    res = &mut changed, if following_config => {
-                                        following_config = res.is_ok();
-                                        break false;
-                                    }
-                                }
-                            }
-                        };
-                        if stop {
-                            break;
-                        }
-                        let age = config.borrow_and_update().max_connection_age;
-                        if age != max_age {
-                            max_age = age;
-                            since = tokio::time::Instant::now();
-                        }
-                    }
-                    let grace = pool.config().drain_grace;
-                    // Two-phase GOAWAY (last stream id 2^31-1 and a PING, then the real last
-                    // stream id): the client stops opening streams on this connection and
-                    // reconnects; streams in flight finish within the grace period, and streams
-                    // the client opened before it saw the GOAWAY are still served.
-                    conn.graceful_shutdown();
-                    let drained = tokio::time::timeout(grace, async {
-                        while let Some(next) = conn.accept().await {
-                            match next {
-                                Ok(stream) => spawn_stream(stream),
-                                Err(error) => {
-                                    tracing::debug!(%error, "client connection failed while draining");
-                                    return;
-                                }
-                            }
-                        }
-                    })
-                    .await;
-                    if drained.is_err() {
-                        tracing::debug!("grace period over, closing client connection");
-                        conn.abrupt_shutdown(h2::Reason::NO_ERROR);
-                        // Flush the final GOAWAY, briefly.
-                        let _ = tokio::time::timeout(
-                            std::time::Duration::from_millis(100),
-                            std::future::poll_fn(|cx| conn.poll_closed(cx)),
-                        )
-                        .await;
-                    }
-                }
-                .instrument(tracing::debug_span!("client", %peer)),
-            );
-        };
-        drop(listener);
-        let _ = drain_tx.send(true);
-        let grace = self.pool.config().drain_grace;
-        let drained =
-            tokio::time::timeout(grace, async { while conns.join_next().await.is_some() {} }).await;
-        if drained.is_err() {
-            tracing::info!(
-                left = conns.len(),
-                "drain grace period over, closing connections"
-            );
-            conns.shutdown().await;
-        }
-        result
+        server::serve(self, listener, shutdown, admit).await
     }
 }
 
@@ -325,23 +179,4 @@ impl Drop for Balancer {
     fn drop(&mut self) {
         self.discovery.abort();
     }
-}
-
-/// Most streams one client connection may have open at once. A pinned client sends all its
-/// calls over one connection, so this is its concurrency; what it can make the balancer buffer
-/// is bounded by the connection's flow-control window, not by this.
-const MAX_CLIENT_STREAMS: u32 = 1024;
-/// Streams the balancer may reset for a client's protocol errors before it closes the
-/// connection (h2's guard against reset floods; hyper's default).
-const MAX_LOCAL_ERROR_RESETS: usize = 1024;
-/// How long a new client connection may take to send its HTTP/2 preface and SETTINGS.
-const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
-
-/// Accept errors that concern one connection only (the peer gave up during the handshake).
-fn is_connection_error(error: &std::io::Error) -> bool {
-    use std::io::ErrorKind::{ConnectionAborted, ConnectionRefused, ConnectionReset};
-    matches!(
-        error.kind(),
-        ConnectionAborted | ConnectionRefused | ConnectionReset
-    )
 }

@@ -10,10 +10,11 @@
 //! benchmark's load that is 5x fewer upstream writes and about 25% less CPU per call
 //! (`docs/benchmarks.md`).
 //!
-//! A Service gets one [`Balancer`](crate::Balancer) per worker, each on its own
-//! `SO_REUSEPORT` listener of the same address ([`reuseport_listeners`]): the kernel spreads
-//! client connections over the workers, and each worker balances its connections' requests
-//! with its own picker and upstream connections, as Envoy's workers do.
+//! A Service gets one balancer per worker, each on its own `SO_REUSEPORT` listener of the same
+//! address ([`reuseport_listeners`]): the kernel spreads client connections over the workers,
+//! and each worker serves its connections with its own balancer (in request mode its own
+//! picker and upstream connections, as Envoy's workers do). [`Workers::serve`] runs any mode:
+//! it takes the constructor of the mode's per-worker balancer, a [`NewConnection`].
 
 use std::io;
 use std::net::SocketAddr;
@@ -27,7 +28,8 @@ use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle as TaskHandle;
 use tracing::Instrument as _;
 
-use crate::{Balancer, BalancerError, Config, Endpoint};
+use crate::server::{self, NewConnection};
+use crate::{Balancer, BalancerError};
 
 /// How often every worker proves it still runs its tasks (see [`Workers::stalled`]).
 const TICK: Duration = Duration::from_millis(100);
@@ -147,11 +149,11 @@ impl Drop for Workers {
 
 /// One Service port served by every worker: see [`Workers::serve`].
 #[derive(Debug)]
-pub struct Served {
+pub struct Served<B = Balancer> {
     /// The address all the workers' listeners share.
     pub addr: SocketAddr,
     /// One balancer per worker (for stats and reconfiguration).
-    pub balancers: Vec<Arc<Balancer>>,
+    pub balancers: Vec<Arc<B>>,
     /// The workers' serve tasks; each ends when `stop` turns true and its drain is over, or
     /// when its accept loop fails (after `on_error` ran).
     pub tasks: Vec<TaskHandle<()>>,
@@ -159,22 +161,22 @@ pub struct Served {
 
 impl Workers {
     /// Serves one Service port on every worker: binds [`reuseport_listeners`] on `addr`, and
-    /// on each worker a [`Balancer`] with `config` over `endpoints` accepts the connections
+    /// on each worker the balancer `new_balancer` makes (called inside that worker's runtime,
+    /// e.g. `|| Balancer::new(config.clone(), endpoints.clone())`) accepts the connections
     /// whose peer `admit` allows, until `stop` turns true (then drains). The listeners are
     /// listening when this returns. A balancer whose accept loop fails calls `on_error` on
     /// its worker. Each worker's task runs in a `worker` span under the caller's current span.
     ///
     /// # Errors
     /// When the listeners cannot be bound.
-    pub fn serve(
+    pub fn serve<B: NewConnection + Send + Sync + 'static>(
         &self,
         addr: SocketAddr,
-        config: &Config,
-        endpoints: &watch::Receiver<Vec<Endpoint>>,
+        new_balancer: impl Fn() -> B,
         stop: &watch::Receiver<bool>,
         admit: impl Fn(SocketAddr) -> bool + Clone + Send + 'static,
         on_error: impl Fn(BalancerError) + Clone + Send + 'static,
-    ) -> io::Result<Served> {
+    ) -> io::Result<Served<B>> {
         let (addr, listeners) = reuseport_listeners(addr, self.len())?;
         let mut balancers = Vec::with_capacity(listeners.len());
         let mut tasks = Vec::with_capacity(listeners.len());
@@ -182,7 +184,7 @@ impl Workers {
             // Constructed inside the worker's runtime so its connection tasks run there too.
             let balancer = {
                 let _worker = handle.enter();
-                Arc::new(Balancer::new(config.clone(), endpoints.clone()))
+                Arc::new(new_balancer())
             };
             let serving = Arc::clone(&balancer);
             let mut stop = stop.clone();
@@ -195,7 +197,7 @@ impl Workers {
                         };
                         let served = match tokio::net::TcpListener::from_std(listener) {
                             Ok(listener) => {
-                                serving.serve_admitting(listener, shutdown, admit).await
+                                server::serve(&*serving, listener, shutdown, admit).await
                             }
                             Err(error) => Err(BalancerError::Accept(error)),
                         };

@@ -1570,8 +1570,7 @@ async fn workers_serve_one_port_with_a_balancer_each_and_stop_on_request() {
     let served = workers
         .serve(
             "127.0.0.1:0".parse().unwrap(),
-            &Config::default(),
-            &rx,
+            || Balancer::new(Config::default(), rx.clone()),
             &stop_rx,
             |_| true,
             move |error| {

@@ -181,10 +181,10 @@ impl Reconciler {
             balancers,
             tasks,
         } = info_span!("balancer", service = %state.key, %vip).in_scope(|| {
+            let config = config(&state);
             self.workers.serve(
                 SocketAddr::new(listen_ip, 0),
-                &config(&state),
-                &rx,
+                || Balancer::new(config.clone(), rx.clone()),
                 &stop_rx,
                 move |p| peers.admit(p),
                 move |error| {

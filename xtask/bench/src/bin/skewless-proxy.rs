@@ -8,7 +8,7 @@ use std::net::SocketAddr;
 
 use anyhow::{Context as _, bail};
 use clap::Parser;
-use skewless_balancer::{Config, Endpoint, Workers};
+use skewless_balancer::{Balancer, Config, Endpoint, Workers};
 
 /// Serve one skewless balancer over a fixed set of endpoints (HTTP/2 cleartext both sides).
 #[derive(Debug, Parser)]
@@ -49,8 +49,7 @@ fn main() -> anyhow::Result<()> {
     let served = workers
         .serve(
             listen,
-            &Config::default(),
-            &rx,
+            || Balancer::new(Config::default(), rx.clone()),
             &stop_rx,
             |_| true,
             move |error| {

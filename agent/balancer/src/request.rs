@@ -1,0 +1,132 @@
+//! Request mode's handling of one client connection: terminate its HTTP/2, run every stream
+//! through [`proxy::handle`] on its own task, and wind down with h2's graceful two-phase GOAWAY
+//! when the server's lifecycle says so.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use tokio::net::TcpStream;
+use tokio::sync::watch;
+
+use crate::config::Config;
+use crate::pool::{self, Pool};
+use crate::proxy;
+use crate::server::{Lifecycle, NewConnection, Stop};
+
+/// Most streams one client connection may have open at once. A pinned client sends all its
+/// calls over one connection, so this is its concurrency; what it can make the balancer buffer
+/// is bounded by the connection's flow-control window, not by this.
+const MAX_CLIENT_STREAMS: u32 = 1024;
+/// Streams the balancer may reset for a client's protocol errors before it closes the
+/// connection (h2's guard against reset floods; hyper's default).
+const MAX_LOCAL_ERROR_RESETS: usize = 1024;
+/// How long a new client connection may take to send its HTTP/2 preface and SETTINGS.
+const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+impl Lifecycle for Config {
+    fn max_connection_age(&self) -> Option<std::time::Duration> {
+        self.max_connection_age
+    }
+
+    fn drain_grace(&self) -> std::time::Duration {
+        self.drain_grace
+    }
+}
+
+impl NewConnection for crate::Balancer {
+    type Config = Config;
+
+    fn config(&self) -> watch::Receiver<Arc<Config>> {
+        self.pool.subscribe_config()
+    }
+
+    fn random_unit(&self) -> f64 {
+        self.pool.random_unit()
+    }
+
+    fn serve_connection(
+        &self,
+        stream: TcpStream,
+        _peer: SocketAddr,
+        stop: Stop<Config>,
+    ) -> impl Future<Output = ()> + Send + 'static {
+        serve(self.pool.clone(), stream, stop)
+    }
+}
+
+async fn serve(pool: Arc<Pool>, stream: TcpStream, mut stop: Stop<Config>) {
+    let handshake = h2::server::Builder::new()
+        // Fixed windows; see `pool::STREAM_WINDOW`.
+        .initial_window_size(pool::STREAM_WINDOW)
+        .initial_connection_window_size(pool::CONNECTION_WINDOW)
+        .max_concurrent_streams(MAX_CLIENT_STREAMS)
+        .max_header_list_size(pool::MAX_HEADER_LIST)
+        .max_send_buffer_size(pool::MAX_SEND_BUFFER)
+        .max_local_error_reset_streams(Some(MAX_LOCAL_ERROR_RESETS))
+        .handshake::<_, Bytes>(stream);
+    let mut conn = match tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake).await {
+        Ok(Ok(conn)) => conn,
+        Ok(Err(error)) => {
+            tracing::debug!(%error, "client handshake failed");
+            return;
+        }
+        Err(_) => {
+            tracing::debug!("client sent no HTTP/2 preface in time");
+            return;
+        }
+    };
+    // Every stream runs on its own task; this one drives the connection.
+    let spawn_stream = |(req, respond)| {
+        // Boxed: tokio moves a task's future by value when it spawns and finishes it; a
+        // pointer is cheaper to move than the call's state machine.
+        tokio::spawn(Box::pin(proxy::handle(pool.clone(), req, respond)));
+    };
+    {
+        // Armed once for the connection, not once per accepted stream.
+        let stopped = stop.stopped();
+        tokio::pin!(stopped);
+        loop {
+            tokio::select! {
+                next = conn.accept() => match next {
+                    Some(Ok(stream)) => spawn_stream(stream),
+                    Some(Err(error)) => {
+                        tracing::debug!(%error, "client connection failed");
+                        return;
+                    }
+                    None => return,
+                },
+                _ = &mut stopped => break,
+            }
+        }
+    }
+    let grace = stop.grace();
+    // Two-phase GOAWAY (last stream id 2^31-1 and a PING, then the real last stream id): the
+    // client stops opening streams on this connection and reconnects; streams in flight
+    // finish within the grace period, and streams the client opened before it saw the GOAWAY
+    // are still served.
+    conn.graceful_shutdown();
+    let drained = tokio::time::timeout(grace, async {
+        while let Some(next) = conn.accept().await {
+            match next {
+                Ok(stream) => spawn_stream(stream),
+                Err(error) => {
+                    tracing::debug!(%error, "client connection failed while draining");
+                    return;
+                }
+            }
+        }
+    })
+    .await;
+    if drained.is_err() {
+        tracing::debug!("grace period over, closing client connection");
+        conn.abrupt_shutdown(h2::Reason::NO_ERROR);
+        // Flush the final GOAWAY, briefly.
+        let _ = tokio::time::timeout(
+            std::time::Duration::from_millis(100),
+            std::future::poll_fn(|cx| conn.poll_closed(cx)),
+        )
+        .await;
+    }
+}
