@@ -55,6 +55,12 @@ struct BenchArgs {
     /// Only the proxy comparison (no root needed).
     #[arg(long)]
     proxies_only: bool,
+    /// Also build skewless-proxy at this git revision (into target/bench-baseline/, its own
+    /// target directory) and run it beside this tree's as `skewless@REV`, compared run by run:
+    /// the before/after figures of a data-path change, e.g. `--baseline ae9ca9d -- --targets
+    /// skewless,skewless@ae9ca9d`.
+    #[arg(long, value_name = "REV")]
+    baseline: Vec<String>,
     /// Passed to skewless-bench, e.g. `-- --delays 50 --connections 1,2 --repeats 1` (see
     /// `cargo run -p skewless-bench --bin skewless-bench -- --help`).
     #[arg(last = true)]
@@ -149,6 +155,12 @@ fn proxy_bench(args: &BenchArgs) -> Result<()> {
     if args.proxies_only {
         shown.push_str(" --proxies-only");
     }
+    let mut builds = Vec::new();
+    for rev in &args.baseline {
+        let (label, bin) = baseline_proxy(rev)?;
+        shown.push_str(&format!(" --baseline {rev}"));
+        builds.push(format!("{label}={}", bin.display()));
+    }
     if !args.bench_args.is_empty() {
         shown.push_str(" -- ");
         shown.push_str(&args.bench_args.join(" "));
@@ -168,8 +180,11 @@ fn proxy_bench(args: &BenchArgs) -> Result<()> {
     .arg("--write")
     .arg(workspace_root().join("docs/benchmarks.md"))
     .arg("--command")
-    .arg(shown)
-    .args(&args.bench_args);
+    .arg(shown);
+    for b in builds {
+        cmd.arg("--skewless-build").arg(b);
+    }
+    cmd.args(&args.bench_args);
     setup::run(&mut cmd)
 }
 
@@ -183,6 +198,66 @@ pub(crate) fn build(what: &str, args: &[&str]) -> Result<()> {
     setup::run(cargo().arg("build").args(args))?;
     println!("==> {what}: done in {:.0?}", started.elapsed());
     Ok(())
+}
+
+/// Builds skewless-proxy as it was at `rev` (`dist` profile, like this tree's) from a `git
+/// archive` of that revision under target/bench-baseline/<commit>/, with its own target
+/// directory so neither build disturbs the other; keeps only the binary (a commit's build
+/// never changes, so a second call reuses it) and returns the label (the short commit) and
+/// the binary.
+fn baseline_proxy(rev: &str) -> Result<(String, PathBuf)> {
+    let root = workspace_root();
+    let git = |args: &[&str]| -> Result<String> {
+        let mut cmd = Command::new("git");
+        cmd.current_dir(&root).args(args);
+        Ok(setup::output(&mut cmd)?.trim().to_owned())
+    };
+    let commit = git(&[
+        "rev-parse",
+        "--verify",
+        "--short",
+        &format!("{rev}^{{commit}}"),
+    ])?;
+    let dir = root.join("target/bench-baseline").join(&commit);
+    let bin = dir.join("skewless-proxy");
+    if bin.exists() {
+        println!("==> bench: baseline {commit}: reusing {}", bin.display());
+        return Ok((commit, bin));
+    }
+    let src = dir.join("src");
+    if !src.join("Cargo.toml").exists() {
+        println!(
+            "==> bench: baseline {commit}: unpacking its tree into {}",
+            src.display()
+        );
+        std::fs::create_dir_all(&src)?;
+        let archive = dir.join("src.tar");
+        git(&["archive", "--output", &archive.to_string_lossy(), &commit])?;
+        setup::run(
+            Command::new("tar")
+                .arg("-xf")
+                .arg(&archive)
+                .arg("-C")
+                .arg(&src),
+        )?;
+        std::fs::remove_file(&archive)?;
+    }
+    println!(
+        "==> bench: baseline {commit}: building skewless-proxy (dist profile, its own target \
+         directory: a first build takes many minutes; cargo's progress follows)"
+    );
+    let mut build = cargo();
+    build
+        .current_dir(&src)
+        .args(["build", "--profile", "dist", "--package", "skewless-bench"])
+        .args(["--bin", "skewless-proxy", "--target-dir"])
+        .arg(dir.join("target"));
+    setup::run(&mut build)?;
+    std::fs::copy(dir.join("target/dist/skewless-proxy"), &bin)?;
+    // The sources and the build take ~250 MB; the binary is all a run needs.
+    std::fs::remove_dir_all(dir.join("target"))?;
+    std::fs::remove_dir_all(&src)?;
+    Ok((commit, bin))
 }
 
 pub(crate) fn workspace_root() -> PathBuf {
@@ -376,6 +451,15 @@ mod tests {
         };
         assert!(args.proxies_only && !args.hook_only);
         assert_eq!(args.bench_args, ["--connections", "1,2"]);
+        assert!(args.baseline.is_empty());
+        let Cli {
+            cmd: Cmd::Bench(args),
+        } = Cli::try_parse_from(["xtask", "bench", "--proxies-only", "--baseline", "ae9ca9d"])
+            .unwrap()
+        else {
+            panic!("not bench");
+        };
+        assert_eq!(args.baseline, ["ae9ca9d"]);
         assert!(Cli::try_parse_from(["xtask", "bench", "--hook-only", "--proxies-only"]).is_err());
     }
 

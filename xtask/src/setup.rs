@@ -303,7 +303,7 @@ pub fn run(cmd: &mut Command) -> Result<()> {
     Ok(())
 }
 
-fn output(cmd: &mut Command) -> Result<String> {
+pub(crate) fn output(cmd: &mut Command) -> Result<String> {
     let out = cmd
         .output()
         .with_context(|| format!("could not start {cmd:?}"))?;

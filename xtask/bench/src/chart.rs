@@ -20,11 +20,12 @@ const COLOURS: &[RGBColor] = &[
     RGBColor(0xf5, 0x85, 0x18),
     RGBColor(0x54, 0xa2, 0x4b),
     RGBColor(0xe4, 0x57, 0x56),
+    RGBColor(0x72, 0xb7, 0xb2),
 ];
 
 const OTHER_COLOURS: &[RGBColor] = &[
     RGBColor(0xb2, 0x79, 0xa2),
-    RGBColor(0x72, 0xb7, 0xb2),
+    RGBColor(0x9d, 0x9d, 0x3c),
     RGBColor(0xee, 0xca, 0x3b),
     RGBColor(0xff, 0x9d, 0xa6),
 ];
@@ -194,6 +195,73 @@ where
         )
     }))?;
     Ok(())
+}
+
+/// A line chart of skew over time, one line per target (`series`: name and (seconds after the
+/// scale-up, skew) points, negative before it), with the threshold as a dashed line (skew 1 is
+/// even; 5 is 2 of 10 pods taking everything).
+///
+/// # Errors
+/// When plotters cannot lay the chart out.
+pub fn skew_chart_svg(
+    title: &str,
+    series: &[(String, Vec<(f64, f64)>)],
+    threshold: f64,
+) -> Result<String, ChartError> {
+    let points = || series.iter().flat_map(|(_, p)| p.iter().copied());
+    let t_min = points().map(|(t, _)| t).fold(0.0_f64, f64::min);
+    let t_max = points().map(|(t, _)| t).fold(1.0_f64, f64::max);
+    let s_max = points().map(|(_, s)| s).fold(threshold, f64::max) * 1.1;
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, (760, HEIGHT)).into_drawing_area();
+        root.fill(&WHITE)?;
+        let (plot, legend) = root.split_vertically(HEIGHT - LEGEND_H);
+        let mut chart = ChartBuilder::on(&plot)
+            .caption(title, ("sans-serif", TITLE_FONT))
+            .margin_left(6)
+            .margin_right(10)
+            .x_label_area_size(40)
+            .y_label_area_size(60)
+            .build_cartesian_2d(t_min..t_max, 0.0..s_max)?;
+        chart
+            .configure_mesh()
+            .max_light_lines(0)
+            .label_style(("sans-serif", LABEL_FONT))
+            .axis_desc_style(("sans-serif", LABEL_FONT))
+            .x_desc("seconds after the scale-up")
+            .y_desc("skew")
+            .y_label_formatter(&|v| format!("{v:.1}"))
+            .draw()?;
+        chart.draw_series(DashedLineSeries::new(
+            [(t_min, threshold), (t_max, threshold)],
+            6,
+            4,
+            BLACK.stroke_width(1),
+        ))?;
+        let colours = OTHER_COLOURS.iter().chain(COLOURS.iter().rev()).cycle();
+        for (si, ((name, points), colour)) in series.iter().zip(colours).enumerate() {
+            chart.draw_series(LineSeries::new(
+                points.iter().copied(),
+                colour.stroke_width(2),
+            ))?;
+            let x = 70 + 2 * LEGEND_ENTRY_W * si as i32;
+            legend.draw(&Rectangle::new([(x, 6), (x + 10, 16)], colour.filled()))?;
+            legend.draw(&Text::new(
+                name.as_str(),
+                (x + 14, 5),
+                ("sans-serif", LABEL_FONT),
+            ))?;
+        }
+        let x = 70 + 2 * LEGEND_ENTRY_W * series.len() as i32;
+        legend.draw(&Text::new(
+            format!("- - threshold {threshold}"),
+            (x, 5),
+            ("sans-serif", LABEL_FONT),
+        ))?;
+        root.present()?;
+    }
+    Ok(svg)
 }
 
 fn fmt_tick(v: f64) -> String {

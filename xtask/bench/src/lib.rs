@@ -5,6 +5,7 @@
 #![forbid(unsafe_code)]
 
 pub mod chart;
+pub mod convergence;
 pub mod peers;
 pub mod report;
 pub mod sampling;
@@ -12,6 +13,9 @@ pub mod stats;
 
 pub use chart::bar_chart_svg;
 pub use peers::{Pod, haproxy_config, nginx_config};
-pub use report::{markdown_table, open_table, open_targets_table, replace_section, targets_table};
+pub use report::{
+    builds_table, connection_targets_table, low_load_table, markdown_table, open_table,
+    open_targets_table, replace_section, targets_table,
+};
 pub use sampling::{stat_cpu_ticks, stat_ppid, status_vm_hwm_kib};
 pub use stats::{Row, Spread, Summary, interleave, summarize};

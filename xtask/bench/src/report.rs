@@ -3,7 +3,10 @@
 
 use std::fmt::Write as _;
 
-use crate::stats::Summary;
+use crate::stats::{Row, Spread, Summary, pairs};
+
+/// The most request-mode CPU per call may rise against the baseline build (issues 10 and 11).
+pub const BUILD_CPU_BAR: f64 = 1.03;
 
 /// The `direct-healthy` cell with the same delay, connections and loop kind.
 fn baseline<'a>(cells: &'a [Summary], s: &Summary) -> Option<&'a Summary> {
@@ -215,6 +218,174 @@ pub fn open_targets_table(cells: &[Summary]) -> String {
     t
 }
 
+/// Connection mode's CPU per call may be at most this share of HAProxy h2's (issue 13).
+pub const CONNECTION_CPU_BAR: f64 = 0.35;
+/// Connection mode may add at most this much p50 over direct at low load, ms (issue 13).
+pub const CONNECTION_P50_BAR_MS: f64 = 0.1;
+/// Connection mode's peak RSS at 8 connections must stay under this, MiB (issue 13).
+pub const CONNECTION_RSS_BAR_MIB: f64 = 40.0;
+
+/// The connection-mode targets of issue 13 per closed-loop cell, on the medians: CPU per
+/// call against HAProxy h2's (at most [`CONNECTION_CPU_BAR`] of it) and, for reference,
+/// against HAProxy tcp's (`l4-roundrobin`, where the cell has it) and request mode's; peak
+/// RSS, judged at 8 connections. Empty (header only) without `skewless-connection` cells.
+#[must_use]
+pub fn connection_targets_table(cells: &[Summary]) -> String {
+    let mut t = String::new();
+    t.push_str("| delay ms | conns | runs | cores/1k RPS connection mode | / HAProxy h2 (<= 0.35x) | / HAProxy tcp | / request mode | peak RSS MiB (< 40 at 8 conns) |\n");
+    t.push_str("|---:|---:|---:|---:|---|---|---|---|\n");
+    for ours in cells
+        .iter()
+        .filter(|r| r.target == "skewless-connection" && r.offered_rps.is_none())
+    {
+        let cpu = |s: Option<&Summary>| s.and_then(|s| s.cores_per_krps).map(|c| c.median);
+        let Some(our_cpu) = cpu(Some(ours)) else {
+            continue;
+        };
+        let vs = |name: &str| cpu(peer(cells, ours, name)).map(|c| our_cpu / c.max(1e-12));
+        let h2 = vs("haproxy");
+        let rss = ours.peak_rss_mib.unwrap_or(f64::INFINITY);
+        let _ = writeln!(
+            t,
+            "| {} | {} | {} | {:.4} | {} | {} | {} | {:.1} {} |",
+            ours.delay_ms,
+            ours.connections,
+            ours.runs,
+            our_cpu,
+            h2.map_or_else(
+                || "-".to_owned(),
+                |r| format!("{r:.2}x {}", yes(r <= CONNECTION_CPU_BAR))
+            ),
+            vs("l4-roundrobin").map_or_else(|| "-".to_owned(), |r| format!("{r:.2}x")),
+            vs("skewless").map_or_else(|| "-".to_owned(), |r| format!("{r:.2}x")),
+            rss,
+            if ours.connections == 8 {
+                yes(rss < CONNECTION_RSS_BAR_MIB)
+            } else {
+                "(judged at 8)"
+            },
+        );
+    }
+    t
+}
+
+/// The low-load runs (one call in flight on one connection, no slow pod): per target its p50
+/// and p99 (medians over the runs) and the p50 it adds over `direct-healthy`, as the median
+/// (min–max) of the differences of the runs of the same pass; connection mode's is judged
+/// against [`CONNECTION_P50_BAR_MS`].
+#[must_use]
+pub fn low_load_table(rows: &[Row]) -> String {
+    let mut targets: Vec<&str> = rows.iter().map(|r| r.target.as_str()).collect();
+    targets.sort_by_key(|t| (crate::stats::target_index(t), *t));
+    targets.dedup();
+    let mut t = String::new();
+    t.push_str("| target | runs | RPS | p50 ms | p99 ms | p50 added over direct-healthy, ms, per pass | connection mode: added p50 <= 0.1 ms |\n");
+    t.push_str("|---|---:|---:|---:|---:|---|---|\n");
+    for target in targets {
+        let runs: Vec<&Row> = rows.iter().filter(|r| r.target == target).collect();
+        let Some(first) = runs.first() else {
+            continue;
+        };
+        let med = |f: fn(&Row) -> f64| Spread::of(runs.iter().map(|r| f(r)));
+        let added = Spread::of(
+            pairs(rows, first, target, "direct-healthy")
+                .iter()
+                .map(|(a, b)| a.p50_ms - b.p50_ms),
+        );
+        let verdict = match (target, added) {
+            ("skewless-connection", Some(a)) => yes(a.median <= CONNECTION_P50_BAR_MS),
+            _ => "",
+        };
+        let _ = writeln!(
+            t,
+            "| {target} | {} | {} | {} | {:.3} | {} | {verdict} |",
+            runs.len(),
+            med(|r| r.rps).map_or_else(|| "-".to_owned(), |s| s.show(0)),
+            med(|r| r.p50_ms).map_or_else(|| "-".to_owned(), |s| s.show(3)),
+            med(|r| r.p99_ms).map_or(f64::NAN, |s| s.median),
+            if target == "direct-healthy" {
+                "-".to_owned()
+            } else {
+                added.map_or_else(|| "-".to_owned(), |a| a.show(3))
+            },
+        );
+    }
+    t
+}
+
+/// Every second build (`skewless@LABEL`) against `skewless` of the same run, per cell: CPU per
+/// call (microseconds, from the cores per 1,000 RPS) of both, the ratio skewless / build of
+/// each pair of runs from the same pass (medians of ratios hold when the machine's speed
+/// drifts between passes), RPS, p99 and peak RSS. The verdict is the median pair ratio against
+/// [`BUILD_CPU_BAR`].
+#[must_use]
+pub fn builds_table(rows: &[Row]) -> String {
+    let mut builds: Vec<&str> = rows
+        .iter()
+        .map(|r| r.target.as_str())
+        .filter(|t| t.starts_with("skewless@"))
+        .collect();
+    builds.sort_unstable();
+    builds.dedup();
+    let mut cells: Vec<&Row> = Vec::new();
+    for r in rows {
+        if builds.contains(&r.target.as_str()) && !cells.iter().any(|c| c.same_cell(r)) {
+            cells.push(r);
+        }
+    }
+    cells.sort_by_key(|r| (r.offered_rps.is_some(), r.delay_ms, r.connections));
+    let mut t = String::new();
+    t.push_str("| delay ms | conns | loop | build | pairs | CPU us/call skewless | CPU us/call build | skewless / build, per pair | RPS skewless / build | p99 ms skewless / build | peak RSS MiB skewless / build | CPU per call <= 1.03x build |\n");
+    t.push_str("|---:|---:|---|---|---:|---:|---:|---|---|---|---|---|\n");
+    for cell in cells {
+        for build in &builds {
+            let p = pairs(rows, cell, "skewless", build);
+            let us = |r: &Row| r.cores_per_krps.map(|c| c * 1000.0);
+            let ratios = Spread::of(p.iter().filter_map(|(a, b)| Some(us(a)? / us(b)?)));
+            let (Some(ratio), Some(ours), Some(theirs)) = (
+                ratios,
+                Spread::of(p.iter().filter_map(|(a, _)| us(a))),
+                Spread::of(p.iter().filter_map(|(_, b)| us(b))),
+            ) else {
+                continue;
+            };
+            let med = |f: fn(&Row) -> f64, side: bool| {
+                Spread::of(p.iter().map(|(a, b)| f(if side { a } else { b })))
+                    .map_or(f64::NAN, |s| s.median)
+            };
+            let rss = |side: bool| {
+                p.iter()
+                    .filter_map(|(a, b)| if side { a } else { b }.peak_rss_mib)
+                    .reduce(f64::max)
+            };
+            let _ = writeln!(
+                t,
+                "| {} | {} | {} | {} | {} | {} | {} | {}x | {:.0} / {:.0} | {:.2} / {:.2} | {} / {} | {} |",
+                cell.delay_ms,
+                cell.connections,
+                if cell.offered_rps.is_some() {
+                    "open"
+                } else {
+                    "closed"
+                },
+                build,
+                p.len(),
+                ours.show(2),
+                theirs.show(2),
+                ratio.show(3),
+                med(|r| r.rps, true),
+                med(|r| r.rps, false),
+                med(|r| r.p99_ms, true),
+                med(|r| r.p99_ms, false),
+                opt(rss(true), 1),
+                opt(rss(false), 1),
+                yes(ratio.median <= BUILD_CPU_BAR),
+            );
+        }
+    }
+    t
+}
+
 /// Replaces the section that starts with the line `heading` (up to the next `## ` heading or
 /// the end) by `section`, or appends `section` when there is none.
 #[must_use]
@@ -354,6 +525,132 @@ mod tests {
             targets.lines().count(),
             2,
             "no closed skewless cell: {targets}"
+        );
+    }
+
+    #[test]
+    fn connection_mode_is_judged_against_haproxy_h2_and_at_8_connections() {
+        let mut rows = Vec::new();
+        for conns in [1, 8] {
+            for (target, cpu, rss) in [
+                ("l4-roundrobin", 0.003, 14.0),
+                ("haproxy", 0.011, 20.0),
+                ("skewless", 0.009, 7.0),
+                (
+                    "skewless-connection",
+                    0.0035,
+                    if conns == 8 { 41.0 } else { 5.0 },
+                ),
+            ] {
+                rows.push(Row {
+                    connections: conns,
+                    ..row(target, 40_000.0, 8.0, Some(cpu), Some(rss))
+                });
+            }
+        }
+        let t = connection_targets_table(&summarize(&rows));
+        assert_eq!(t.lines().count(), 4, "{t}");
+        // 0.0035 / 0.011 = 0.32x: met; against tcp 1.17x, request mode 0.39x.
+        assert!(
+            t.contains("| 50 | 1 | 1 | 0.0035 | 0.32x met | 1.17x | 0.39x | 5.0 (judged at 8) |"),
+            "{t}"
+        );
+        assert!(
+            t.contains("| 41.0 NOT met |"),
+            "RSS over 40 MiB at 8 connections: {t}"
+        );
+        rows[3].cores_per_krps = Some(0.004);
+        let t = connection_targets_table(&summarize(&rows));
+        assert!(t.contains("0.36x NOT met"), "{t}");
+        assert_eq!(
+            connection_targets_table(&summarize(&rows[..3]))
+                .lines()
+                .count(),
+            2,
+            "no connection mode, no rows"
+        );
+    }
+
+    #[test]
+    fn low_load_adds_the_p50_over_direct_of_the_same_pass() {
+        let mut rows = Vec::new();
+        for (repeat, (direct, conn, req)) in
+            [(0.10, 0.15, 0.30), (0.20, 0.26, 0.41), (0.12, 0.35, 0.31)]
+                .into_iter()
+                .enumerate()
+        {
+            for (target, p50) in [
+                ("direct-healthy", direct),
+                ("skewless-connection", conn),
+                ("skewless", req),
+            ] {
+                rows.push(Row {
+                    repeat,
+                    p50_ms: p50,
+                    ..row(target, 5_000.0, 1.0, None, None)
+                });
+            }
+        }
+        let t = low_load_table(&rows);
+        // Connection mode adds 0.05, 0.06 and 0.23 ms: median 0.06, met.
+        assert!(
+            t.contains("| skewless-connection | 3 | 5000 | 0.260 (0.150–0.350) | 1.000 | 0.060 (0.050–0.230) | met |"),
+            "{t}"
+        );
+        assert!(
+            t.contains("| skewless | 3 |") && t.contains("0.200 (0.190–0.210) |  |"),
+            "{t}"
+        );
+        rows[4].p50_ms = 0.40;
+        assert!(low_load_table(&rows).contains("| NOT met |"));
+    }
+
+    #[test]
+    fn a_second_build_is_compared_pair_by_pair() {
+        let mut rows = Vec::new();
+        // Three passes; the machine gets 20% slower in the second, for both builds alike.
+        for (repeat, (ours, base)) in [(0.0100, 0.0098), (0.0120, 0.0118), (0.0101, 0.0099)]
+            .into_iter()
+            .enumerate()
+        {
+            for (target, cpu) in [("skewless", ours), ("skewless@base", base)] {
+                rows.push(Row {
+                    repeat,
+                    ..row(target, 50_000.0, 8.0, Some(cpu), Some(7.0))
+                });
+            }
+        }
+        // A run of another cell that must not be paired in.
+        rows.push(Row {
+            connections: 8,
+            ..row("skewless@base", 40_000.0, 80.0, Some(0.02), Some(19.0))
+        });
+        let t = builds_table(&rows);
+        assert_eq!(t.lines().count(), 3, "one cell, one build: {t}");
+        assert!(
+            t.contains(
+                "| 50 | 1 | closed | skewless@base | 3 | 10.10 (10.00–12.00) | 9.90 (9.80–11.80) |"
+            ),
+            "{t}"
+        );
+        // Per-pair ratios 1.0204, 1.0169, 1.0202: the median is within the 3% bar although
+        // the spread of either build alone is 20%.
+        assert!(t.contains("| 1.020 (1.017–1.020)x |"), "{t}");
+        assert!(t.ends_with("| met |\n"), "{t}");
+        let slower: Vec<Row> = rows
+            .iter()
+            .map(|r| Row {
+                cores_per_krps: r
+                    .cores_per_krps
+                    .map(|c| if r.target == "skewless" { c * 1.05 } else { c }),
+                ..r.clone()
+            })
+            .collect();
+        assert!(builds_table(&slower).ends_with("| NOT met |\n"));
+        assert_eq!(
+            builds_table(&rows[..1]).lines().count(),
+            2,
+            "no build, no rows"
         );
     }
 

@@ -37,9 +37,20 @@ pub struct Row {
     pub cores_per_krps: Option<f64>,
     /// Proxy peak RSS in MiB, summed over its processes (None for direct runs).
     pub peak_rss_mib: Option<f64>,
+    /// Which repeat of its cell this run was (0 for the first pass): runs of two targets with
+    /// the same repeat ran in the same pass, close in time.
+    pub repeat: usize,
 }
 
 impl Row {
+    /// Whether `other` loaded the same cell (delay, connections, closed or open loop).
+    #[must_use]
+    pub fn same_cell(&self, other: &Row) -> bool {
+        self.delay_ms == other.delay_ms
+            && self.connections == other.connections
+            && self.offered_rps.is_some() == other.offered_rps.is_some()
+    }
+
     /// Fills the load generator's fields from its report (`skewless-loadgen run --json`).
     pub fn set_load(&mut self, report: &Report, slow_pod: &str) {
         let ms = |us: u64| us as f64 / 1e3;
@@ -83,6 +94,25 @@ pub fn interleave<C: Copy, T: Copy>(cells: &[(C, Vec<T>, usize)]) -> Vec<(C, T)>
         }
     }
     order
+}
+
+/// The runs of targets `a` and `b` in the cell of `like`, paired by repeat (the same pass of
+/// the interleaved order), in repeat order; a repeat only one of them has is left out.
+#[must_use]
+pub fn pairs<'a>(rows: &'a [Row], like: &Row, a: &str, b: &str) -> Vec<(&'a Row, &'a Row)> {
+    let of = |t: &str| -> Vec<&'a Row> {
+        let mut v: Vec<&Row> = rows
+            .iter()
+            .filter(|r| r.target == t && r.same_cell(like))
+            .collect();
+        v.sort_by_key(|r| r.repeat);
+        v
+    };
+    let bs = of(b);
+    of(a)
+        .into_iter()
+        .filter_map(|ra| Some((ra, *bs.iter().find(|rb| rb.repeat == ra.repeat)?)))
+        .collect()
 }
 
 /// Median and range of one measure over a cell's repeats.
@@ -181,9 +211,12 @@ pub const TARGET_ORDER: &[&str] = &[
     "haproxy",
     "nginx",
     "skewless",
+    "skewless-connection",
 ];
 
-fn series_index(target: &str) -> usize {
+/// A target's place in [`TARGET_ORDER`] (after them for the others).
+#[must_use]
+pub fn target_index(target: &str) -> usize {
     TARGET_ORDER
         .iter()
         .position(|n| *n == target)
@@ -199,7 +232,7 @@ pub fn summarize(rows: &[Row]) -> Vec<Summary> {
             r.offered_rps.is_some(),
             r.delay_ms,
             r.connections,
-            series_index(&r.target),
+            target_index(&r.target),
             r.target.clone(),
         )
     };

@@ -1,6 +1,7 @@
 //! `skewless-proxy`: one skewless [`Balancer`] as its own process, so the benchmark can measure
-//! its CPU and memory the way it measures HAProxy's and nginx's. The endpoint set is fixed on
-//! the command line; the agent proper follows Kubernetes instead. Like the agent, it runs one
+//! its CPU and memory the way it measures HAProxy's and nginx's. The endpoint set comes from
+//! the command line, and with `--endpoints-from-stdin` every line read later replaces it (the
+//! benchmark's scale-up); the agent proper follows Kubernetes instead. Like the agent, it runs one
 //! balancer per data-plane worker (a single-threaded runtime on its own thread) on
 //! `SO_REUSEPORT` listeners of one address.
 
@@ -22,6 +23,22 @@ struct Args {
     /// Data-plane worker threads, each with its own balancer and listener.
     #[arg(long, default_value_t = 1)]
     threads: usize,
+    /// Read new endpoint sets from standard input, one per line (NAME=ADDR separated by
+    /// spaces), each replacing the last; a line that does not parse is reported and ignored.
+    #[arg(long)]
+    endpoints_from_stdin: bool,
+}
+
+/// An endpoint set from one line of NAME=ADDR words.
+fn parse_endpoints(line: &str) -> anyhow::Result<Vec<Endpoint>> {
+    let set = line
+        .split_whitespace()
+        .map(parse_endpoint)
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    if set.is_empty() {
+        bail!("an empty endpoint set");
+    }
+    Ok(set)
 }
 
 fn parse_endpoint(s: &str) -> anyhow::Result<Endpoint> {
@@ -40,10 +57,30 @@ fn main() -> anyhow::Result<()> {
         listen,
         endpoints,
         threads,
+        endpoints_from_stdin,
     } = Args::parse();
     let workers = Workers::start(threads, "skewless-proxy").context("worker threads")?;
-    // The sender stays alive for the life of the process: the endpoint set never changes.
-    let (_tx, rx) = tokio::sync::watch::channel(endpoints);
+    // The sender stays alive for the life of the process (an endpoint set that never changes
+    // unless --endpoints-from-stdin).
+    let (tx, rx) = tokio::sync::watch::channel(endpoints);
+    if endpoints_from_stdin {
+        let tx = tx.clone();
+        std::thread::Builder::new()
+            .name("endpoints".into())
+            .spawn(move || {
+                for line in std::io::stdin().lines() {
+                    let Ok(line) = line else { break };
+                    match parse_endpoints(&line) {
+                        Ok(set) => {
+                            tracing::info!(endpoints = set.len(), "endpoint set replaced");
+                            let _ = tx.send(set);
+                        }
+                        Err(error) => tracing::warn!(%error, "endpoint line ignored"),
+                    }
+                }
+            })
+            .context("endpoint reader thread")?;
+    }
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let (failed_tx, mut failed) = tokio::sync::mpsc::unbounded_channel();
     let served = workers

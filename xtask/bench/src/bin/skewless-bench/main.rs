@@ -18,22 +18,29 @@
 //! measured window and its peak RSS from `VmHWM`, both summed over its processes. Every process
 //! started here is ended by its pid when its run ends, also on errors.
 
+mod procs;
+mod rotation;
+
 use std::fmt::Write as _;
-use std::io::{Read as _, Write as _};
-use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::io::Read as _;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
 use std::thread::sleep;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 use clap::Parser;
+use skewless_bench::chart::skew_chart_svg;
 use skewless_bench::sampling::{clk_tck, cpu_ticks, peak_rss_kib, tree};
 use skewless_bench::{
-    Pod, Row, Summary, bar_chart_svg, haproxy_config, interleave, markdown_table, nginx_config,
-    open_table, open_targets_table, replace_section, summarize, targets_table,
+    Pod, Row, Summary, bar_chart_svg, builds_table, connection_targets_table, haproxy_config,
+    interleave, low_load_table, markdown_table, nginx_config, open_table, open_targets_table,
+    replace_section, summarize, targets_table,
 };
 use skewless_loadgen::Report;
+
+use crate::procs::{Proc, find_tool, free_addr, set_delay};
 
 const PODS: usize = 5;
 const SECTION: &str = "## Proxies side by side";
@@ -108,105 +115,64 @@ struct Args {
     /// The command shown in the written section.
     #[arg(long, default_value = "cargo xtask bench --proxies-only")]
     command: String,
+    /// The heading of the section of --write that gets the results (replaced, or appended).
+    #[arg(long, default_value = SECTION)]
+    section: String,
+    /// File names of the charts written beside --write: PREFIX-p99.svg, PREFIX-rps.svg,
+    /// PREFIX-open-p99.svg.
+    #[arg(long, default_value = "bench")]
+    chart_prefix: String,
+    /// Another build of skewless-proxy to run beside this one, as LABEL=PATH (repeat for
+    /// more): the target `skewless@LABEL`, in every cell skewless runs in, interleaved with the
+    /// others, and compared with `skewless` run by run (`cargo xtask bench --baseline REV`
+    /// builds one from a git revision).
+    #[arg(long = "skewless-build", value_parser = parse_build)]
+    builds: Vec<(String, PathBuf)>,
+    /// Run only these targets (comma-separated names as in the tables, e.g.
+    /// `skewless,skewless@ae9ca9d`); default: all.
+    #[arg(long, value_delimiter = ',')]
+    targets: Vec<String>,
+    /// Low load: the runs with one call in flight on one connection (no slow pod), where the
+    /// latency a proxy adds shows; skip them.
+    #[arg(long)]
+    no_low_load: bool,
+    /// Whether this tree's skewless-proxy runs connection mode (its `--help` offers `--mode`):
+    /// then `skewless-connection` runs beside `skewless`.
+    #[arg(skip)]
+    connection_mode: bool,
+    /// Also run the rotation-convergence figure: pick_first grpcio clients (the venv of
+    /// `cargo xtask setup`) through skewless-proxy while its endpoint set grows from 2 to 10
+    /// pods (seed 001), timed until the skew stays under 1.5.
+    #[arg(long)]
+    convergence: bool,
+    /// Only the rotation-convergence figure (no closed- or open-loop grid).
+    #[arg(long)]
+    convergence_only: bool,
+    /// Convergence: client channels, each one HTTP/2 connection.
+    #[arg(long, default_value_t = 10)]
+    convergence_channels: usize,
+    /// Convergence: calls in flight per channel.
+    #[arg(long, default_value_t = 2)]
+    convergence_concurrency: usize,
+    /// Convergence: seconds before the scale-up.
+    #[arg(long, default_value_t = 5.0)]
+    convergence_before: f64,
+    /// Convergence: seconds after the scale-up.
+    #[arg(long, default_value_t = 60.0)]
+    convergence_after: f64,
+    /// Convergence: runs per target (interleaved).
+    #[arg(long, default_value_t = 1)]
+    convergence_repeats: usize,
 }
 
-/// A process this benchmark started; ended by its pid (SIGTERM, then SIGKILL) when dropped.
-struct Proc {
-    name: String,
-    child: Child,
-}
-
-impl Proc {
-    fn spawn(name: &str, cmd: &mut Command) -> anyhow::Result<Self> {
-        let child = cmd
-            .spawn()
-            .with_context(|| format!("starting {name} ({cmd:?})"))?;
-        Ok(Self {
-            name: name.to_owned(),
-            child,
-        })
+fn parse_build(s: &str) -> anyhow::Result<(String, PathBuf)> {
+    let Some((label, path)) = s.split_once('=') else {
+        bail!("expected LABEL=PATH, got {s:?}");
+    };
+    if label.is_empty() || label.contains([',', ' ', '|']) {
+        bail!("the label of {s:?} must be non-empty, without commas, spaces or bars");
     }
-
-    fn pid(&self) -> u32 {
-        self.child.id()
-    }
-
-    /// Waits until `addr` accepts connections, failing if the process exits first.
-    fn wait_listening(&mut self, addr: SocketAddr) -> anyhow::Result<()> {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            if let Some(status) = self.child.try_wait()? {
-                bail!("{} exited before listening: {status}", self.name);
-            }
-            if TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok() {
-                return Ok(());
-            }
-            if Instant::now() > deadline {
-                bail!("{} is not listening on {addr} after 10 s", self.name);
-            }
-            sleep(Duration::from_millis(50));
-        }
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        if matches!(self.child.try_wait(), Ok(Some(_))) {
-            return;
-        }
-        let pids = tree(self.pid());
-        let _ = Command::new("kill")
-            .args(["-TERM", &self.pid().to_string()])
-            .status();
-        let deadline = Instant::now() + Duration::from_secs(3);
-        while Instant::now() < deadline {
-            if matches!(self.child.try_wait(), Ok(Some(_))) {
-                break;
-            }
-            sleep(Duration::from_millis(20));
-        }
-        if !matches!(self.child.try_wait(), Ok(Some(_))) {
-            eprintln!("{} ignored SIGTERM; killing it", self.name);
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-        // Workers of a multi-process proxy that outlived their master (started by it, so
-        // by this benchmark).
-        for pid in pids.into_iter().skip(1) {
-            if Path::new(&format!("/proc/{pid}")).exists() {
-                let _ = Command::new("kill")
-                    .args(["-KILL", &pid.to_string()])
-                    .status();
-            }
-        }
-    }
-}
-
-fn free_addr() -> anyhow::Result<SocketAddr> {
-    let l = TcpListener::bind("127.0.0.1:0").context("finding a free port")?;
-    Ok(l.local_addr()?)
-}
-
-fn set_delay(admin: SocketAddr, ms: u64) -> anyhow::Result<()> {
-    let mut s = TcpStream::connect_timeout(&admin, Duration::from_secs(2))?;
-    s.set_read_timeout(Some(Duration::from_secs(2)))?;
-    write!(
-        s,
-        "PUT /delay/{ms} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-    )?;
-    let mut reply = String::new();
-    let _ = s.read_to_string(&mut reply);
-    if !reply.starts_with("HTTP/1.1 2") {
-        bail!("setting the delay at {admin}: {reply:?}");
-    }
-    Ok(())
-}
-
-fn find_tool(name: &str) -> Option<PathBuf> {
-    ["/usr/sbin", "/usr/bin", "/usr/local/sbin", "/usr/local/bin"]
-        .iter()
-        .map(|d| Path::new(d).join(name))
-        .find(|p| p.exists())
+    Ok((label.to_owned(), PathBuf::from(path)))
 }
 
 #[derive(Clone, Copy, PartialEq)]
@@ -217,28 +183,20 @@ enum Target {
     Haproxy,
     Nginx,
     Skewless,
-}
-
-impl Target {
-    fn name(self) -> &'static str {
-        match self {
-            Target::DirectHealthy => "direct-healthy",
-            Target::DirectSlow => "direct-slow",
-            Target::L4 => "l4-roundrobin",
-            Target::Haproxy => "haproxy",
-            Target::Nginx => "nginx",
-            Target::Skewless => "skewless",
-        }
-    }
+    /// skewless-proxy in connection mode (when it has one, see [`Bench::connection_mode`]).
+    Connection,
+    /// The `n`-th `--skewless-build`.
+    Build(usize),
 }
 
 /// What a run loads: the slow pod's delay, client connections, and the open-loop rate (None:
-/// closed loop).
+/// closed loop, with `in_flight` calls per connection, or --in-flight).
 #[derive(Clone, Copy, PartialEq)]
 struct Cell {
     delay_ms: u64,
     connections: usize,
     rate: Option<f64>,
+    in_flight: Option<usize>,
 }
 
 struct Bench {
@@ -247,6 +205,74 @@ struct Bench {
     work: PathBuf,
     pods: Vec<Pod>,
     tck: f64,
+}
+
+impl Args {
+    /// The target's name in the tables.
+    fn name(&self, t: Target) -> String {
+        match t {
+            Target::DirectHealthy => "direct-healthy".to_owned(),
+            Target::DirectSlow => "direct-slow".to_owned(),
+            Target::L4 => "l4-roundrobin".to_owned(),
+            Target::Haproxy => "haproxy".to_owned(),
+            Target::Nginx => "nginx".to_owned(),
+            Target::Skewless => "skewless".to_owned(),
+            Target::Connection => "skewless-connection".to_owned(),
+            Target::Build(i) => format!("skewless@{}", self.builds[i].0),
+        }
+    }
+
+    /// Whether `--targets` selects `t` (everything when it is empty).
+    fn selected(&self, t: Target) -> bool {
+        self.targets.is_empty() || self.targets.contains(&self.name(t))
+    }
+
+    /// `targets` without the ones `--targets` leaves out; every build follows `skewless`.
+    fn choose(&self, targets: &[Target]) -> Vec<Target> {
+        let mut out = Vec::new();
+        for &t in targets {
+            out.push(t);
+            if t == Target::Skewless {
+                if self.connection_mode {
+                    out.push(Target::Connection);
+                }
+                out.extend((0..self.builds.len()).map(Target::Build));
+            }
+        }
+        out.retain(|t| self.selected(*t));
+        out
+    }
+
+    /// Fails on a `--targets` name that is no target of this run.
+    fn check_targets(&self) -> anyhow::Result<()> {
+        let mut known: Vec<String> = [
+            Target::DirectHealthy,
+            Target::DirectSlow,
+            Target::L4,
+            Target::Haproxy,
+            Target::Nginx,
+            Target::Skewless,
+            Target::Connection,
+        ]
+        .into_iter()
+        .map(|t| self.name(t))
+        .collect();
+        known.extend((0..self.builds.len()).map(|i| self.name(Target::Build(i))));
+        for t in &self.targets {
+            if !known.contains(t) {
+                bail!(
+                    "unknown target {t:?} in --targets (known: {})",
+                    known.join(", ")
+                );
+            }
+        }
+        for (label, path) in &self.builds {
+            if !path.is_file() {
+                bail!("--skewless-build {label}={}: no such file", path.display());
+            }
+        }
+        Ok(())
+    }
 }
 
 impl Bench {
@@ -258,14 +284,15 @@ impl Bench {
             Target::DirectHealthy => return Ok((None, self.pods[0].addr)),
             Target::DirectSlow => return Ok((None, self.pods[PODS - 1].addr)),
             Target::L4 | Target::Haproxy => {
-                let cfg = self.work.join(format!("{}.cfg", target.name()));
+                let name = self.args.name(target);
+                let cfg = self.work.join(format!("{name}.cfg"));
                 std::fs::write(
                     &cfg,
                     haproxy_config(listen, &self.pods, threads, target == Target::L4),
                 )?;
                 let bin = find_tool("haproxy").context("haproxy is not installed")?;
                 Proc::spawn(
-                    target.name(),
+                    &name,
                     Command::new(bin)
                         .arg("-db")
                         .arg("-f")
@@ -290,8 +317,15 @@ impl Bench {
                         .stdout(Stdio::null()),
                 )?
             }
-            Target::Skewless => {
-                let mut cmd = Command::new(self.bin_dir.join("skewless-proxy"));
+            Target::Skewless | Target::Connection | Target::Build(_) => {
+                let bin = match target {
+                    Target::Build(i) => self.args.builds[i].1.clone(),
+                    _ => self.bin_dir.join("skewless-proxy"),
+                };
+                let mut cmd = Command::new(bin);
+                if target == Target::Connection {
+                    cmd.args(["--mode", "connection"]);
+                }
                 cmd.arg("--listen")
                     .arg(listen.to_string())
                     .arg("--threads")
@@ -299,7 +333,7 @@ impl Bench {
                 for p in &self.pods {
                     cmd.arg("--endpoint").arg(format!("{}={}", p.name, p.addr));
                 }
-                Proc::spawn("skewless-proxy", cmd.stdout(Stdio::null()))?
+                Proc::spawn(&self.args.name(target), cmd.stdout(Stdio::null()))?
             }
         };
         proc.wait_listening(listen)?;
@@ -312,6 +346,7 @@ impl Bench {
             delay_ms,
             connections,
             rate,
+            in_flight,
         } = cell;
         let (proxy, addr) = self.start_proxy(target)?;
         let a = &self.args;
@@ -329,7 +364,9 @@ impl Bench {
             .stdout(Stdio::piped());
         match rate {
             Some(r) => cmd.arg("--rate").arg(r.to_string()),
-            None => cmd.arg("--in-flight").arg(a.in_flight.to_string()),
+            None => cmd
+                .arg("--in-flight")
+                .arg(in_flight.unwrap_or(a.in_flight).to_string()),
         };
         let mut load = Proc::spawn("skewless-loadgen", &mut cmd)?;
         // The measured window of the proxy's CPU is the load generator's measured window.
@@ -338,16 +375,7 @@ impl Bench {
         let (t0, i0) = (cpu_ticks(&pids), Instant::now());
         sleep(Duration::from_secs_f64(a.duration));
         let (t1, i1) = (cpu_ticks(&pids), Instant::now());
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let status = loop {
-            if let Some(s) = load.child.try_wait()? {
-                break s;
-            }
-            if Instant::now() > deadline {
-                bail!("the load generator did not finish within 30 s of its window");
-            }
-            sleep(Duration::from_millis(20));
-        };
+        let status = load.wait_for(Duration::from_secs(30))?;
         let mut out = String::new();
         if let Some(mut stdout) = load.child.stdout.take() {
             stdout.read_to_string(&mut out)?;
@@ -355,7 +383,7 @@ impl Bench {
         if !status.success() {
             bail!(
                 "the load generator failed ({status}) against {}",
-                target.name()
+                self.args.name(target)
             );
         }
         let report: Report =
@@ -363,7 +391,7 @@ impl Bench {
         let mut row = Row {
             delay_ms,
             connections,
-            target: target.name().to_owned(),
+            target: self.args.name(target),
             ..Row::default()
         };
         row.set_load(&report, &self.pods[PODS - 1].name);
@@ -379,7 +407,7 @@ impl Bench {
 }
 
 fn main() -> anyhow::Result<()> {
-    let args = Args::parse();
+    let mut args = Args::parse();
     let bin_dir = match &args.bin_dir {
         Some(d) => d.clone(),
         None => std::env::current_exe()?
@@ -387,6 +415,11 @@ fn main() -> anyhow::Result<()> {
             .context("binary directory")?
             .to_owned(),
     };
+    args.connection_mode = Command::new(bin_dir.join("skewless-proxy"))
+        .arg("--help")
+        .output()
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("--mode"));
+    args.check_targets()?;
     let work = std::env::temp_dir().join(format!("skewless-bench-{}", std::process::id()));
     std::fs::create_dir_all(&work)?;
     let result = run(args, bin_dir, work.clone());
@@ -394,46 +427,83 @@ fn main() -> anyhow::Result<()> {
     result
 }
 
+/// Starts echo pod `i` (`pod-{i}`); returns it, its address and its admin address.
+fn spawn_pod(bin_dir: &std::path::Path, i: usize) -> anyhow::Result<(Proc, Pod, SocketAddr)> {
+    let (addr, admin) = (free_addr()?, free_addr()?);
+    let name = format!("pod-{i}");
+    let mut p = Proc::spawn(
+        &name,
+        Command::new(bin_dir.join("skewless-echo"))
+            .arg("--listen")
+            .arg(addr.to_string())
+            .arg("--name")
+            .arg(&name)
+            .arg("--admin")
+            .arg(admin.to_string())
+            .stdout(Stdio::null()),
+    )?;
+    p.wait_listening(addr)?;
+    p.wait_listening(admin)?;
+    Ok((p, Pod { name, addr }, admin))
+}
+
 fn run(args: Args, bin_dir: PathBuf, work: PathBuf) -> anyhow::Result<()> {
-    let started = Instant::now();
     let mut pods = Vec::new();
     let mut admins = Vec::new();
     let mut echo = Vec::new();
     for i in 0..PODS {
-        let (addr, admin) = (free_addr()?, free_addr()?);
-        let name = format!("pod-{i}");
-        let mut p = Proc::spawn(
-            &name,
-            Command::new(bin_dir.join("skewless-echo"))
-                .arg("--listen")
-                .arg(addr.to_string())
-                .arg("--name")
-                .arg(&name)
-                .arg("--admin")
-                .arg(admin.to_string())
-                .stdout(Stdio::null()),
-        )?;
-        p.wait_listening(addr)?;
-        p.wait_listening(admin)?;
+        let (p, pod, admin) = spawn_pod(&bin_dir, i)?;
         echo.push(p);
-        pods.push(Pod { name, addr });
+        pods.push(pod);
         admins.push(admin);
     }
-    let bench = Bench {
+    let mut bench = Bench {
         bin_dir,
         work,
         pods,
         tck: clk_tck(),
         args,
     };
+    if !bench.args.convergence_only {
+        grid(&bench, &admins)?;
+    }
+    if bench.args.convergence || bench.args.convergence_only {
+        // Seed 001 needs ten pods, all healthy.
+        set_delay(admins[PODS - 1], 0)?;
+        for i in PODS..rotation::AFTER_PODS {
+            let (p, pod, _) = spawn_pod(&bench.bin_dir, i)?;
+            echo.push(p);
+            bench.pods.push(pod);
+        }
+        convergence(&bench)?;
+    }
+    drop(echo);
+    Ok(())
+}
+
+/// The closed-loop grid and the open-loop section, their tables and charts.
+fn grid(bench: &Bench, admins: &[SocketAddr]) -> anyhow::Result<()> {
+    let started = Instant::now();
     let a = &bench.args;
     let plan = plan(a);
     let open_runs = if a.no_open {
         0
     } else {
-        a.repeats_for(a.open_connections) * OPEN_TARGETS.len()
+        a.repeats_for(a.open_connections) * a.choose(&OPEN_TARGETS).len()
     };
-    let runs = plan.iter().map(|(_, cells)| cells.len()).sum::<usize>() + open_runs;
+    let low_cell = Cell {
+        delay_ms: 0,
+        connections: 1,
+        rate: None,
+        in_flight: Some(1),
+    };
+    let low_order = if a.no_low_load {
+        Vec::new()
+    } else {
+        interleave(&[(low_cell, a.choose(&LOW_TARGETS), a.repeats_for(1))])
+    };
+    let runs =
+        plan.iter().map(|(_, cells)| cells.len()).sum::<usize>() + open_runs + low_order.len();
     eprintln!(
         "{runs} runs of {} s + {} s warm-up: about {:.0} min",
         a.duration,
@@ -445,46 +515,69 @@ fn run(args: Args, bin_dir: PathBuf, work: PathBuf) -> anyhow::Result<()> {
         set_delay(admins[PODS - 1], *delay)?;
         for (cell, t) in cells {
             eprint!("[{}/{runs}] ", rows.len() + 1);
-            rows.push(bench.run_logged(*cell, *t)?);
+            let row = bench.run_logged(*cell, *t)?;
+            push_run(&mut rows, row);
+        }
+    }
+    // Kept apart from the grid's rows: a cell of its own (1 in flight) at 0 ms and 1 connection.
+    let mut low_rows = Vec::new();
+    if !low_order.is_empty() {
+        set_delay(admins[PODS - 1], 0)?;
+        for (cell, t) in low_order {
+            eprint!("[{}/{runs}] ", rows.len() + low_rows.len() + 1);
+            let row = bench.run_logged(cell, t)?;
+            push_run(&mut low_rows, row);
         }
     }
     if !a.no_open {
         let rate = match a.open_rate {
             Some(r) => r,
-            None => a.open_fraction * bench.haproxy_rps(&rows, &admins)?,
+            None => a.open_fraction * bench.haproxy_rps(&rows, admins)?,
         };
         set_delay(admins[PODS - 1], a.open_delay)?;
         let cell = Cell {
             delay_ms: a.open_delay,
             connections: a.open_connections,
             rate: Some(rate),
+            in_flight: None,
         };
-        let order = interleave(&[(cell, OPEN_TARGETS.to_vec(), a.repeats_for(cell.connections))]);
+        let order = interleave(&[(
+            cell,
+            a.choose(&OPEN_TARGETS),
+            a.repeats_for(cell.connections),
+        )]);
         for (cell, t) in order {
-            eprint!("[{}/{runs}] ", rows.len() + 1);
-            rows.push(bench.run_logged(cell, t)?);
+            eprint!("[{}/{runs}] ", rows.len() + low_rows.len() + 1);
+            let row = bench.run_logged(cell, t)?;
+            push_run(&mut rows, row);
         }
     }
-    drop(echo);
     let cells = summarize(&rows);
+    let low = (!low_rows.is_empty()).then(|| low_load_table(&low_rows));
+    let connection = connection_targets_table(&cells);
+    let connection = (connection.lines().count() > 2).then_some(connection);
     let table = markdown_table(&cells);
     let (targets, all_met) = targets_table(&cells);
     let open = open_table(&cells);
     let open_targets = open_targets_table(&cells);
+    let builds = (!a.builds.is_empty()).then(|| builds_table(&rows));
     println!("{table}\n{targets}");
+    for t in [&connection, &low, &builds].into_iter().flatten() {
+        println!("{t}");
+    }
     if !a.no_open {
         println!("{open}\n{open_targets}");
     }
-    println!(
-        "all closed-loop targets met: {all_met} ({:.0} s)",
-        started.elapsed().as_secs_f64()
-    );
+    if targets.lines().count() > 2 {
+        println!("all closed-loop issue-4 targets met: {all_met}");
+    }
+    println!("done in {:.0} s", started.elapsed().as_secs_f64());
     if let Some(path) = &a.write {
         let doc = std::fs::read_to_string(path).unwrap_or_default();
         let dir = path.parent().context("the results file has no directory")?;
         let charts: [Chart; 3] = [
             (
-                "bench-p99.svg",
+                "p99",
                 "Closed loop: p99 latency, median of runs (log scale)",
                 "ms",
                 |r| r.p99_ms,
@@ -492,7 +585,7 @@ fn run(args: Args, bin_dir: PathBuf, work: PathBuf) -> anyhow::Result<()> {
                 false,
             ),
             (
-                "bench-rps.svg",
+                "rps",
                 "Closed loop: throughput, median of runs",
                 "RPS",
                 |r| r.rps.median,
@@ -500,7 +593,7 @@ fn run(args: Args, bin_dir: PathBuf, work: PathBuf) -> anyhow::Result<()> {
                 false,
             ),
             (
-                "bench-open-p99.svg",
+                "open-p99",
                 "Open loop at equal offered load: p99 latency (log scale)",
                 "ms",
                 |r| r.p99_ms,
@@ -508,7 +601,8 @@ fn run(args: Args, bin_dir: PathBuf, work: PathBuf) -> anyhow::Result<()> {
                 true,
             ),
         ];
-        for (file, title, unit, value, log, open_loop) in charts {
+        for (chart, title, unit, value, log, open_loop) in charts {
+            let file = format!("{}-{chart}.svg", a.chart_prefix);
             let these: Vec<Summary> = cells
                 .iter()
                 .filter(|c| c.offered_rps.is_some() == open_loop)
@@ -519,19 +613,162 @@ fn run(args: Args, bin_dir: PathBuf, work: PathBuf) -> anyhow::Result<()> {
             }
             let svg = bar_chart_svg(title, unit, &these, value, log)
                 .with_context(|| format!("drawing {file}"))?;
-            std::fs::write(dir.join(file), svg).with_context(|| format!("writing {file}"))?;
+            std::fs::write(dir.join(&file), svg).with_context(|| format!("writing {file}"))?;
         }
         let section = section(
             a,
             &table,
             &targets,
             (!a.no_open).then_some((&open, &open_targets)),
+            Extra {
+                connection: connection.as_deref(),
+                low: low.as_deref(),
+                builds: builds.as_deref(),
+            },
         );
-        std::fs::write(path, replace_section(&doc, SECTION, &section))
+        std::fs::write(path, replace_section(&doc, &a.section, &section))
             .with_context(|| format!("writing {}", path.display()))?;
         println!("wrote {}", path.display());
     }
     Ok(())
+}
+
+/// The rotation-convergence runs (see `rotation`), interleaved over the targets, their table
+/// and chart, written to the "Rotation convergence" section of --write.
+fn convergence(bench: &Bench) -> anyhow::Result<()> {
+    let a = &bench.args;
+    let python = skewless_testbed::grpc::python();
+    let gen_dir = skewless_testbed::grpc::generate_stubs()
+        .context("generating the Python stubs (is the venv installed? `cargo xtask setup`)")?;
+    let script = skewless_testbed::grpc::script("rotation_client.py");
+    let proxy = bench.bin_dir.join("skewless-proxy");
+    // Request mode spreads at once; connection mode has to rotate the pinned connections.
+    let mut targets: Vec<(String, Vec<String>)> = vec![(a.name(Target::Skewless), Vec::new())];
+    if a.connection_mode {
+        targets.push((
+            a.name(Target::Connection),
+            vec!["--mode".to_owned(), "connection".to_owned()],
+        ));
+    }
+    targets.retain(|(name, _)| a.targets.is_empty() || a.targets.contains(name));
+    if targets.is_empty() {
+        bail!("--targets leaves no convergence target (skewless, skewless-connection)");
+    }
+    let runs = a.convergence_repeats.max(1) * targets.len();
+    eprintln!(
+        "{runs} convergence runs of {} s: about {:.0} min",
+        a.convergence_before + a.convergence_after,
+        runs as f64 * (a.convergence_before + a.convergence_after + 2.0) / 60.0
+    );
+    let mut outcomes = Vec::new();
+    for pass in 0..a.convergence_repeats.max(1) {
+        let mut order = targets.clone();
+        let n = pass % order.len();
+        order.rotate_left(n);
+        for (target, mode_args) in order {
+            let plan = rotation::Plan {
+                proxy: (&proxy, mode_args),
+                target,
+                pods: &bench.pods,
+                python: (&python, &gen_dir, &script),
+                channels: a.convergence_channels,
+                concurrency: a.convergence_concurrency,
+                before: a.convergence_before,
+                after: a.convergence_after,
+                threads: a.proxy_threads,
+            };
+            let outcome = rotation::run(&plan)?;
+            rotation::log(&outcome);
+            outcomes.push(outcome);
+        }
+    }
+    let table = rotation::table(&outcomes);
+    println!("{table}");
+    let Some(path) = &a.write else {
+        return Ok(());
+    };
+    let dir = path.parent().context("the results file has no directory")?;
+    // One line per target: its first run.
+    let mut series: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
+    for o in &outcomes {
+        if !series.iter().any(|(t, _)| *t == o.target) {
+            series.push((o.target.clone(), o.convergence.skew.clone()));
+        }
+    }
+    let file = format!("{}-convergence.svg", a.chart_prefix);
+    let svg = skew_chart_svg(
+        "Skew after the scale-up from 2 to 10 pods (1 s windows, first run of each target)",
+        &series,
+        rotation::THRESHOLD,
+    )
+    .with_context(|| format!("drawing {file}"))?;
+    std::fs::write(dir.join(&file), svg).with_context(|| format!("writing {file}"))?;
+    let doc = std::fs::read_to_string(path).unwrap_or_default();
+    let section = format!(
+        "{CONVERGENCE}\n\n\
+         Run of {date} (`{cmd}`): {ch} pick_first grpcio channels (`xtask/py/rotation_client.py`, \
+         each one HTTP/2 connection, {conc} calls in flight on each) through skewless-proxy \
+         ({t} workers) with pods 0-1 as its endpoints; after {before} s the benchmark sends \
+         it the set of pods 0-9 (the seed-001 scale-up, timed at that moment) and the clients \
+         go on for {after} s. From the clients' own tallies in 250 ms buckets, the skew of a \
+         1 s window is the largest pod's share over the fair share of the 10 pods (1.0 is even, \
+         5.0 is two pods taking everything). Times run from the scale-up to the start of the \
+         first window that shows it (to the 250 ms bucket): every pod receiving calls, and the \
+         skew under {th} in that window and every later one (`for good`). `connection moves`: \
+         times a client channel's answering pod changed, i.e. its connection was rotated and \
+         placed elsewhere (request mode moves every call). Runs are interleaved over the \
+         targets.\n\n\
+         {table}\n\
+         ![skew after the scale-up]({file})\n",
+        date = utc_now(),
+        cmd = a.command,
+        ch = a.convergence_channels,
+        conc = a.convergence_concurrency,
+        t = a.proxy_threads,
+        before = a.convergence_before,
+        after = a.convergence_after,
+        th = rotation::THRESHOLD,
+    );
+    std::fs::write(path, replace_section(&doc, CONVERGENCE, &section))
+        .with_context(|| format!("writing {}", path.display()))?;
+    println!("wrote {}", path.display());
+    Ok(())
+}
+
+const CONVERGENCE: &str = "## Rotation convergence";
+
+fn utc_now() -> String {
+    Command::new("date")
+        .args(["-u", "+%Y-%m-%d %H:%M UTC"])
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .map(|s| s.trim().to_owned())
+        .unwrap_or_default()
+}
+
+/// Adds `row` to `rows`, numbered as the next repeat of its cell and target.
+fn push_run(rows: &mut Vec<Row>, mut row: Row) {
+    row.repeat = rows
+        .iter()
+        .filter(|r| r.target == row.target && r.same_cell(&row))
+        .count();
+    rows.push(row);
+}
+
+/// The low-load runs' targets: the added latency of each kind of proxy over direct.
+const LOW_TARGETS: [Target; 4] = [
+    Target::DirectHealthy,
+    Target::L4,
+    Target::Haproxy,
+    Target::Skewless,
+];
+
+/// The tables beyond the grid's, when the run has them.
+struct Extra<'a> {
+    connection: Option<&'a str>,
+    low: Option<&'a str>,
+    builds: Option<&'a str>,
 }
 
 /// The L7 targets of the open-loop section, with direct-healthy as the baseline.
@@ -567,10 +804,12 @@ fn plan(a: &Args) -> Vec<(u64, Vec<(Cell, Target)>)> {
                         targets.push(Target::L4);
                     }
                     targets.extend([Target::Haproxy, Target::Nginx, Target::Skewless]);
+                    let targets = a.choose(&targets);
                     let cell = Cell {
                         delay_ms: delay,
                         connections: conns,
                         rate: None,
+                        in_flight: None,
                     };
                     (cell, targets, a.repeats_for(conns))
                 })
@@ -586,11 +825,12 @@ impl Bench {
             delay_ms: delay,
             connections: conns,
             rate,
+            in_flight,
         } = cell;
         let row = self.run_one(cell, t).with_context(|| {
             format!(
                 "{} at {delay} ms, {conns} conn(s){}",
-                t.name(),
+                self.args.name(t),
                 rate.map(|r| format!(", open loop at {r:.0}/s"))
                     .unwrap_or_default()
             )
@@ -598,7 +838,9 @@ impl Bench {
         eprintln!(
             "delay {delay:>3} ms conns {conns} {:<15}{} {:>7.0} rps  p50 {:>7.2}  p99 {:>7.2}  p99.9 {:>7.2} ms  slow {:>5.1}%  errors {}{}{}",
             row.target,
-            rate.map(|r| format!(" open {r:.0}/s")).unwrap_or_default(),
+            rate.map(|r| format!(" open {r:.0}/s"))
+                .or(in_flight.map(|n| format!(" {n} in flight")))
+                .unwrap_or_default(),
             row.rps,
             row.p50_ms,
             row.p99_ms,
@@ -628,7 +870,7 @@ impl Bench {
         let from_grid: Vec<f64> = rows
             .iter()
             .filter(|r| {
-                r.target == Target::Haproxy.name()
+                r.target == self.args.name(Target::Haproxy)
                     && r.offered_rps.is_none()
                     && r.delay_ms == a.open_delay
                     && r.connections == a.open_connections
@@ -647,19 +889,25 @@ impl Bench {
             delay_ms: a.open_delay,
             connections: a.open_connections,
             rate: None,
+            in_flight: None,
         };
         Ok(self.run_logged(cell, Target::Haproxy)?.rps)
     }
 }
 
-fn section(a: &Args, table: &str, targets: &str, open: Option<(&String, &String)>) -> String {
-    let date = Command::new("date")
-        .args(["-u", "+%Y-%m-%d %H:%M UTC"])
-        .output()
-        .ok()
-        .and_then(|o| String::from_utf8(o.stdout).ok())
-        .unwrap_or_default();
-    let date = date.trim();
+fn section(
+    a: &Args,
+    table: &str,
+    targets: &str,
+    open: Option<(&String, &String)>,
+    extra: Extra<'_>,
+) -> String {
+    let Extra {
+        connection,
+        low,
+        builds,
+    } = extra;
+    let date = utc_now();
     let cpus = std::thread::available_parallelism().map_or(0, usize::from);
     // The cargo profile the binaries were built with (`dist` from `cargo xtask bench`).
     let profile = a
@@ -693,8 +941,26 @@ fn section(a: &Args, table: &str, targets: &str, open: Option<(&String, &String)
     } else {
         "Every cell ran once.".to_owned()
     };
+    let only = if a.targets.is_empty() {
+        String::new()
+    } else {
+        format!(" Targets run: {} (`--targets`).", a.targets.join(", "))
+    };
+    let second = a
+        .builds
+        .iter()
+        .map(|(label, path)| format!(" `skewless@{label}` is `{}`.", path.display()))
+        .collect::<String>();
+    // The issue-4 verdicts need skewless and HAProxy in the run: header lines only otherwise.
+    let targets = if targets.lines().count() > 2 {
+        format!(
+            "Targets (issue 4), skewless against the peers of the same run, per cell:\n\n{targets}"
+        )
+    } else {
+        String::new()
+    };
     let mut out = format!(
-        "{SECTION}\n\n\
+        "{heading}\n\n\
          Run of {date} (`{cmd}`), {cpus} CPUs, everything on 127.0.0.1: 5 `skewless-echo` pods \
          (the 5th delayed by the row's delay), `skewless-loadgen run` ({w} s warm-up, {d} s \
          measured per run), and one proxy at a time, started fresh for its run with {t} worker \
@@ -703,13 +969,14 @@ fn section(a: &Args, table: &str, targets: &str, open: Option<(&String, &String)
          tcp`) is per-connection balancing, run with more than one connection. Ratios divide by \
          the direct-healthy cell of the same delay and connections. CPU is the proxy's \
          utime+stime over the measured window (all its processes), as cores per 1,000 RPS; \
-         peak RSS is `VmHWM` summed over its processes. {repeats}\n\n\
+         peak RSS is `VmHWM` summed over its processes.{only}{second} {repeats}\n\n\
          ### Closed loop\n\n\
          {inf} calls in flight per connection (like ghz `-c`), a call starts when one ends.\n\n\
          {table}\n\
-         ![p99 by target](bench-p99.svg) ![RPS by target](bench-rps.svg)\n\n\
-         Targets (issue 4), skewless against the peers of the same run, per cell:\n\n\
+         ![p99 by target]({prefix}-p99.svg) ![RPS by target]({prefix}-rps.svg)\n\n\
          {targets}",
+        heading = a.section,
+        prefix = a.chart_prefix,
         cmd = a.command,
         inf = a.in_flight,
         w = a.warmup,
@@ -741,8 +1008,40 @@ fn section(a: &Args, table: &str, targets: &str, open: Option<(&String, &String)
              without a proxy while the proxies spread the rate over five, so a rate above one \
              pod's capacity overloads the baseline itself (it then shows `not sent`).\n\n\
              {open}\n\
-             ![open-loop p99 by target](bench-open-p99.svg)\n\n\
-             {open_targets}"
+             ![open-loop p99 by target]({prefix}-open-p99.svg)\n\n\
+             {open_targets}",
+            prefix = a.chart_prefix,
+        );
+    }
+    if let Some(connection) = connection {
+        let _ = write!(
+            out,
+            "\nConnection mode (issue 13), against HAProxy h2 and tcp and request mode of the \
+             same run, per cell (medians):\n\n{connection}"
+        );
+    }
+    if let Some(low) = low {
+        let _ = write!(
+            out,
+            "\n### Low load\n\n\
+             One connection with one call in flight (each call starts when the last ends), no \
+             slow pod: the latency each proxy adds to a call. `p50 added` is the median \
+             (min–max) over the passes of the target's p50 minus direct-healthy's in the same \
+             pass.\n\n{low}"
+        );
+    }
+    if let Some(builds) = builds {
+        let _ = write!(
+            out,
+            "\n### Second builds against this one\n\n\
+             Each `skewless@LABEL` target is another build of `skewless-proxy`, run in the same \
+             cells and passes as `skewless`. CPU per call is the proxy's CPU over the measured \
+             window divided by the calls served (cores per 1,000 RPS x 1,000, in \
+             microseconds); `skewless / build, per pair` is the median (min–max) of the ratios \
+             of the two runs of each pass, which holds when the machine's speed drifts between \
+             passes. The bar: CPU per call at most {bar:.2}x the build's (issues 10 and 11).\n\n\
+             {builds}",
+            bar = skewless_bench::report::BUILD_CPU_BAR,
         );
     }
     out
