@@ -45,6 +45,7 @@ mod io;
 pub mod picker;
 mod pool;
 mod proxy;
+pub mod relay;
 mod request;
 pub mod server;
 pub mod stats;

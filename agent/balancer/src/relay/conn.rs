@@ -1,0 +1,461 @@
+//! The relay's view of one connection: which streams are open, where the rotation stands, and
+//! the frames the relay itself sends. Pure state, no I/O: `Pipe` feeds it frame headers (and
+//! the payloads of the control frames it needs) and writes what it queues.
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+
+use skewless_frame::{
+    DEFAULT_MAX_FRAME_SIZE, ErrorCode, FrameError, GoAway, Head, Kind, MAX_STREAM_ID, Ping,
+    RstStream, SettingId, Settings, WindowUpdate,
+};
+
+use super::{RotateReason, Shared};
+
+/// Our PING's opaque data: no gRPC server uses it (grpc-go sends 0x0106010800030309, Java a
+/// counter), so its ACK is recognised and swallowed, every other ACK is forwarded.
+pub(super) const OUR_PING: [u8; 8] = *b"skwl\x00rot";
+
+/// Which peer a frame came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Side {
+    Client,
+    Backend,
+}
+
+/// What to do with a frame.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Action {
+    /// Forward the whole frame (its payload is in the buffer and may have been rewritten).
+    Forward,
+    /// Forward the header and stream the payload through as it arrives.
+    Pass,
+    /// Remove the frame from the stream.
+    Drop,
+}
+
+/// A protocol violation by one peer; it ends that connection (both sides of it).
+#[derive(Debug, thiserror::Error)]
+pub enum ProtocolError {
+    #[error("malformed frame")]
+    Frame(#[source] FrameError),
+    #[error("a {kind:?} frame inside the header block of stream {stream_id}")]
+    InsideHeaderBlock { kind: Kind, stream_id: u32 },
+    #[error("a CONTINUATION frame outside a header block")]
+    StrayContinuation,
+    #[error("a frame of {len} bytes the relay must read whole, above its buffer")]
+    ControlFrameTooLarge { len: u32 },
+    #[error("more than {max} open streams")]
+    TooManyStreams { max: usize },
+    #[error("HEADERS on stream 0")]
+    HeadersOnStreamZero,
+}
+
+impl From<FrameError> for ProtocolError {
+    fn from(e: FrameError) -> Self {
+        Self::Frame(e)
+    }
+}
+
+/// Frames the relay sends to one peer, written at the next point where that is allowed.
+#[derive(Debug, Default)]
+pub(super) struct Out {
+    pub(super) buf: Vec<u8>,
+    /// Connection-level flow-control credit owed for DATA the relay dropped, sent as one
+    /// WINDOW_UPDATE (so a flood of dropped frames queues nothing).
+    owed_window: u32,
+}
+
+impl Out {
+    pub(super) fn is_empty(&self) -> bool {
+        self.buf.is_empty() && self.owed_window == 0
+    }
+
+    /// Moves the owed window credit into the buffer, ready to write.
+    pub(super) fn settle(&mut self) {
+        if self.owed_window > 0 {
+            WindowUpdate {
+                stream_id: 0,
+                increment: self.owed_window,
+            }
+            .encode(&mut self.buf);
+            self.owed_window = 0;
+        }
+    }
+
+    fn owe(&mut self, len: u32) {
+        self.owed_window = self.owed_window.saturating_add(len).min(MAX_STREAM_ID);
+    }
+
+    fn rst(&mut self, stream_id: u32, error_code: ErrorCode) {
+        RstStream {
+            stream_id,
+            error_code,
+        }
+        .encode(&mut self.buf);
+    }
+
+    fn go_away(&mut self, last_stream_id: u32) {
+        GoAway {
+            last_stream_id,
+            error_code: ErrorCode::NO_ERROR,
+            debug_data: b"",
+        }
+        .encode(&mut self.buf);
+    }
+}
+
+/// Where a rotation stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Phase {
+    Open,
+    /// GOAWAY(2^31-1) and our PING sent; waiting for its ACK or the timeout.
+    Announced,
+    /// The final GOAWAY sent: streams above its last-stream-id are refused.
+    Final,
+}
+
+/// Per open stream: which sides have ended it.
+const CLIENT_ENDED: u8 = 1;
+const BACKEND_ENDED: u8 = 2;
+
+pub(super) struct Conn {
+    shared: std::sync::Arc<Shared>,
+    max_streams: usize,
+    streams: HashMap<u32, u8>,
+    highest_client: u32,
+    /// Lowest last-stream-id any GOAWAY to the client carried (ours or the backend's).
+    go_last: Option<u32>,
+    /// Our final GOAWAY's last-stream-id: client streams above it are refused.
+    refuse_above: Option<u32>,
+    pub(super) phase: Phase,
+    pub(super) reason: Option<RotateReason>,
+    /// Our PING's ACK arrived (taken by the run loop).
+    pub(super) ping_acked: bool,
+    /// Header block open in each direction (stream id).
+    pub(super) client_block: Option<u32>,
+    pub(super) backend_block: Option<u32>,
+    /// Largest frame each side may send: the other side's advertised SETTINGS_MAX_FRAME_SIZE
+    /// (the largest it ever advertised, as frames sent before a lowering may still come).
+    pub(super) client_max_frame: u32,
+    pub(super) backend_max_frame: u32,
+    /// Frames for each peer.
+    pub(super) to_client: Out,
+    pub(super) to_backend: Out,
+    /// The backend's first frame reached the client: frames of ours may follow it.
+    pub(super) backend_started: bool,
+}
+
+impl Conn {
+    pub(super) fn new(shared: std::sync::Arc<Shared>, max_streams: usize) -> Self {
+        Self {
+            shared,
+            max_streams,
+            streams: HashMap::new(),
+            highest_client: 0,
+            go_last: None,
+            refuse_above: None,
+            phase: Phase::Open,
+            reason: None,
+            ping_acked: false,
+            client_block: None,
+            backend_block: None,
+            client_max_frame: DEFAULT_MAX_FRAME_SIZE,
+            backend_max_frame: DEFAULT_MAX_FRAME_SIZE,
+            to_client: Out::default(),
+            to_backend: Out::default(),
+            backend_started: false,
+        }
+    }
+
+    pub(super) fn open_streams(&self) -> usize {
+        self.streams.len()
+    }
+
+    fn set_open(&self) {
+        let n = u32::try_from(self.streams.len()).unwrap_or(u32::MAX);
+        self.shared.stats.open_streams.store(n, Ordering::Relaxed);
+    }
+
+    /// Payload bytes that must be in the buffer before [`Conn::on_frame`] can decide.
+    pub(super) fn needs(head: &Head) -> usize {
+        match head.kind {
+            Kind::Settings | Kind::Ping | Kind::RstStream => head.len as usize,
+            Kind::GoAway => (head.len as usize).min(8),
+            _ => 0,
+        }
+    }
+
+    fn refused(&self, stream_id: u32) -> bool {
+        stream_id % 2 == 1 && self.refuse_above.is_some_and(|last| stream_id > last)
+    }
+
+    fn end(&mut self, stream_id: u32, side: u8) {
+        if let Some(flags) = self.streams.get_mut(&stream_id) {
+            *flags |= side;
+            if *flags == CLIENT_ENDED | BACKEND_ENDED {
+                self.streams.remove(&stream_id);
+                self.set_open();
+            }
+        }
+    }
+
+    fn reset(&mut self, stream_id: u32) {
+        if self.streams.remove(&stream_id).is_some() {
+            self.set_open();
+        }
+    }
+
+    /// Checks header-block framing: inside a block only its CONTINUATION may come.
+    fn block(block: &mut Option<u32>, head: &Head) -> Result<(), ProtocolError> {
+        match (*block, head.kind) {
+            (Some(id), Kind::Continuation) if id == head.stream_id => {
+                if head.is_end_headers() {
+                    *block = None;
+                }
+                Ok(())
+            }
+            (Some(stream_id), kind) => Err(ProtocolError::InsideHeaderBlock { kind, stream_id }),
+            (None, Kind::Continuation) => Err(ProtocolError::StrayContinuation),
+            (None, Kind::Headers | Kind::PushPromise) => {
+                if !head.is_end_headers() {
+                    *block = Some(head.stream_id);
+                }
+                Ok(())
+            }
+            (None, _) => Ok(()),
+        }
+    }
+
+    /// Decides what to do with a frame from `side` whose header is `head`; `payload` holds at
+    /// least [`Conn::needs`] bytes of its payload (rewritable in place).
+    pub(super) fn on_frame(
+        &mut self,
+        side: Side,
+        head: &Head,
+        payload: &mut [u8],
+    ) -> Result<Action, ProtocolError> {
+        match side {
+            Side::Client => {
+                Self::block(&mut self.client_block, head)?;
+                self.on_client_frame(head, payload)
+            }
+            Side::Backend => {
+                Self::block(&mut self.backend_block, head)?;
+                self.on_backend_frame(head, payload)
+            }
+        }
+    }
+
+    fn on_client_frame(
+        &mut self,
+        head: &Head,
+        payload: &mut [u8],
+    ) -> Result<Action, ProtocolError> {
+        let id = head.stream_id;
+        Ok(match head.kind {
+            Kind::Data if self.refused(id) => {
+                self.to_client.owe(head.len);
+                Action::Drop
+            }
+            Kind::Data => {
+                if head.is_end_stream() {
+                    self.end(id, CLIENT_ENDED);
+                }
+                Action::Pass
+            }
+            Kind::Headers => {
+                if id == 0 {
+                    return Err(ProtocolError::HeadersOnStreamZero);
+                }
+                if id % 2 == 1 && id > self.highest_client {
+                    self.open(id, head.is_end_stream())?;
+                } else if head.is_end_stream() {
+                    self.end(id, CLIENT_ENDED);
+                }
+                Action::Pass
+            }
+            Kind::RstStream => {
+                let rst = RstStream::decode(head, payload)?;
+                if self.refused(rst.stream_id) {
+                    Action::Drop
+                } else {
+                    self.reset(rst.stream_id);
+                    Action::Forward
+                }
+            }
+            Kind::Settings => {
+                let s = Settings::decode(head, payload)?;
+                if let Some(max) = s.get(SettingId::MAX_FRAME_SIZE) {
+                    self.backend_max_frame = self.backend_max_frame.max(max);
+                }
+                Action::Forward
+            }
+            Kind::Ping => {
+                let ping = Ping::decode(head, payload)?;
+                if ping.ack && ping.opaque == OUR_PING {
+                    self.ping_acked = true;
+                    Action::Drop
+                } else {
+                    Action::Forward
+                }
+            }
+            Kind::GoAway => {
+                GoAway::decode(&Head { len: 8, ..*head }, &payload[..8])?;
+                Action::Forward
+            }
+            _ => Action::Pass,
+        })
+    }
+
+    /// A client stream `id` opens with its HEADERS.
+    fn open(&mut self, id: u32, end_stream: bool) -> Result<(), ProtocolError> {
+        self.highest_client = id;
+        if self.refused(id) {
+            // The backend's HPACK decoder still gets the HEADERS (forwarded), then a cancel;
+            // the client learns it was not processed and may retry it elsewhere.
+            self.to_backend.rst(id, ErrorCode::CANCEL);
+            self.to_client.rst(id, ErrorCode::REFUSED_STREAM);
+            self.shared.stats.refused.fetch_add(1, Ordering::Relaxed);
+            return Ok(());
+        }
+        if self.go_last.is_some_and(|last| id > last) {
+            // Above a GOAWAY the backend sent: the backend ignores or refuses it itself.
+            return Ok(());
+        }
+        if self.streams.len() >= self.max_streams {
+            return Err(ProtocolError::TooManyStreams {
+                max: self.max_streams,
+            });
+        }
+        self.streams
+            .insert(id, if end_stream { CLIENT_ENDED } else { 0 });
+        self.shared.stats.requests.fetch_add(1, Ordering::Relaxed);
+        self.set_open();
+        Ok(())
+    }
+
+    fn on_backend_frame(
+        &mut self,
+        head: &Head,
+        payload: &mut [u8],
+    ) -> Result<Action, ProtocolError> {
+        let id = head.stream_id;
+        Ok(match head.kind {
+            Kind::Data if self.refused(id) => {
+                self.to_backend.owe(head.len);
+                Action::Drop
+            }
+            Kind::Data | Kind::Headers => {
+                if head.is_end_stream() {
+                    self.end(id, BACKEND_ENDED);
+                }
+                Action::Pass
+            }
+            Kind::RstStream => {
+                let rst = RstStream::decode(head, payload)?;
+                if self.refused(rst.stream_id) {
+                    Action::Drop
+                } else {
+                    self.reset(rst.stream_id);
+                    Action::Forward
+                }
+            }
+            Kind::Settings => {
+                let s = Settings::decode(head, payload)?;
+                if let Some(max) = s.get(SettingId::MAX_FRAME_SIZE) {
+                    self.client_max_frame = self.client_max_frame.max(max);
+                }
+                Action::Forward
+            }
+            Kind::Ping => {
+                Ping::decode(head, payload)?;
+                Action::Forward
+            }
+            Kind::GoAway => {
+                let g = GoAway::decode(&Head { len: 8, ..*head }, &payload[..8])?;
+                self.shared
+                    .stats
+                    .backend_go_away
+                    .store(true, Ordering::Relaxed);
+                let last = match self.go_last {
+                    // Never let the client see a last-stream-id rise.
+                    Some(sent) if sent < g.last_stream_id => {
+                        payload[..4].copy_from_slice(&sent.to_be_bytes());
+                        sent
+                    }
+                    _ => g.last_stream_id,
+                };
+                self.go_last = Some(last);
+                // Streams above it will not be processed by the backend, and the client
+                // knows: they are no longer ours to wait for.
+                let before = self.streams.len();
+                self.streams.retain(|&s, _| s <= last);
+                if self.streams.len() != before {
+                    self.set_open();
+                }
+                Action::Forward
+            }
+            _ => Action::Pass,
+        })
+    }
+
+    /// Step 1 of a rotation: GOAWAY(2^31-1) (unless a GOAWAY already went to the client) and
+    /// our PING.
+    pub(super) fn announce(&mut self, reason: RotateReason) {
+        if self.phase != Phase::Open {
+            return;
+        }
+        self.phase = Phase::Announced;
+        self.reason = Some(reason);
+        self.shared
+            .stats
+            .rotating
+            .store(reason.code(), Ordering::Relaxed);
+        if self.go_last.is_none() {
+            self.to_client.go_away(MAX_STREAM_ID);
+            self.go_last = Some(MAX_STREAM_ID);
+        }
+        Ping {
+            ack: false,
+            opaque: OUR_PING,
+        }
+        .encode(&mut self.to_client.buf);
+    }
+
+    /// Step 2: the final GOAWAY with the highest stream id the client opened (never above one
+    /// already sent); later client streams are refused.
+    pub(super) fn finalize(&mut self) {
+        if self.phase == Phase::Final {
+            return;
+        }
+        self.phase = Phase::Final;
+        let last = self
+            .go_last
+            .map_or(self.highest_client, |sent| sent.min(self.highest_client));
+        if self.go_last != Some(last) {
+            self.to_client.go_away(last);
+            self.go_last = Some(last);
+        }
+        self.refuse_above = Some(last);
+    }
+
+    /// The drain grace is over: every stream still open is reset both ways.
+    pub(super) fn reset_all(&mut self) -> u32 {
+        self.finalize();
+        let mut ids: Vec<u32> = self.streams.keys().copied().collect();
+        ids.sort_unstable();
+        for &id in &ids {
+            self.to_client.rst(id, ErrorCode::CANCEL);
+            self.to_backend.rst(id, ErrorCode::CANCEL);
+        }
+        self.streams.clear();
+        self.set_open();
+        u32::try_from(ids.len()).unwrap_or(u32::MAX)
+    }
+
+    /// Client bytes to keep for the user-agent check: the first header block.
+    pub(super) fn first_block_done(&self) -> bool {
+        self.highest_client > 0 && self.client_block.is_none()
+    }
+}

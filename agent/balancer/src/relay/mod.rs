@@ -1,0 +1,238 @@
+//! Connection mode's frame-level relay: one redirected client connection relayed 1:1 to one
+//! backend TCP connection, frame by frame. Payloads are not decoded and HPACK is not touched:
+//! SETTINGS, flow control and header compression stay end to end between the client and the
+//! backend. The relay follows frame boundaries (skewless-frame) to count requests and open
+//! streams, and to rotate the connection on the wire when told to:
+//!
+//! 1. GOAWAY(2^31-1, NO_ERROR) and a PING with our own opaque data, to the client;
+//! 2. on that PING's ACK (swallowed) or after `ping_timeout`, the final GOAWAY with the
+//!    highest stream id the client opened; streams it opens after that are refused
+//!    (RST_STREAM(REFUSED_STREAM) to the client, the HEADERS still forwarded to the backend's
+//!    HPACK decoder and cancelled there, their DATA dropped and credited back with
+//!    WINDOW_UPDATE so both connection windows stay equal);
+//! 3. when the last stream ends, or `drain_grace` after step 1 (remaining streams reset both
+//!    ways), FIN to both sides, then read what is pending until each peer closes.
+//!
+//! No frame is ever injected inside a header block, before the backend's first frame reaches
+//! the client, or inside a forwarded frame; no GOAWAY is ever sent to the backend. A GOAWAY
+//! from the backend is forwarded, with its last-stream-id lowered if we already sent a lower
+//! one (a peer must never see it rise). See docs/connection-mode.md for the wire sequence and
+//! the reasoning.
+//!
+//! Memory per connection is two fixed buffers (`buffer_size` each) and a bounded stream table:
+//! a full buffer stops reading that side (TCP backpressure), nothing is queued.
+
+mod conn;
+mod detect;
+mod pipe;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, Ordering};
+use std::time::Duration;
+
+use tokio::sync::Notify;
+
+pub use conn::ProtocolError;
+pub use pipe::{Io, RelayEnd, RelayError};
+
+/// Why a connection is rotated (also a metric label: a bounded set).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RotateReason {
+    Skew,
+    BackendRemoved,
+    NotServing,
+    MaxAge,
+    Drain,
+}
+
+impl RotateReason {
+    const ALL: [Self; 5] = [
+        Self::Skew,
+        Self::BackendRemoved,
+        Self::NotServing,
+        Self::MaxAge,
+        Self::Drain,
+    ];
+
+    /// The metric label.
+    #[must_use]
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Skew => "skew",
+            Self::BackendRemoved => "backend_removed",
+            Self::NotServing => "not_serving",
+            Self::MaxAge => "max_age",
+            Self::Drain => "drain",
+        }
+    }
+
+    fn code(self) -> u8 {
+        // 0 means "none".
+        Self::ALL
+            .iter()
+            .position(|r| *r == self)
+            .map_or(0, |i| i as u8 + 1)
+    }
+
+    fn from_code(code: u8) -> Option<Self> {
+        Self::ALL.get(usize::from(code).checked_sub(1)?).copied()
+    }
+}
+
+/// Limits and timeouts of one relayed connection.
+#[derive(Debug, Clone)]
+pub struct RelaySettings {
+    /// How long the first GOAWAY's PING may go unanswered before the final GOAWAY is sent
+    /// anyway; clamped to 5-20 s, the range gRPC servers use (grpc-go 5 s, Java 10 s, C-core
+    /// 20 s).
+    pub ping_timeout: Duration,
+    /// From the first GOAWAY of a rotation to the reset of the streams still open.
+    pub drain_grace: Duration,
+    /// Bytes buffered per direction (at least 16 KiB + 9, one default-sized frame).
+    pub buffer_size: usize,
+    /// Open streams tracked per connection; a client that opens more (with a backend that
+    /// allows it) has its connection closed.
+    pub max_streams: usize,
+}
+
+impl Default for RelaySettings {
+    fn default() -> Self {
+        Self {
+            ping_timeout: Duration::from_secs(10),
+            drain_grace: Duration::from_secs(10),
+            buffer_size: 32 * 1024,
+            max_streams: 8192,
+        }
+    }
+}
+
+/// Live counters of one relayed connection, read by the controller without locks.
+#[derive(Debug, Default)]
+pub struct RelayStats {
+    requests: AtomicU64,
+    open_streams: AtomicU32,
+    refused: AtomicU64,
+    unrotatable: AtomicBool,
+    user_agent_known: AtomicBool,
+    backend_go_away: AtomicBool,
+    rotating: AtomicU8,
+}
+
+impl RelayStats {
+    /// Client HEADERS that opened a stream (refused ones excluded).
+    #[must_use]
+    pub fn requests(&self) -> u64 {
+        self.requests.load(Ordering::Relaxed)
+    }
+
+    /// Streams opened and not yet ended both ways or reset.
+    #[must_use]
+    pub fn open_streams(&self) -> u32 {
+        self.open_streams.load(Ordering::Relaxed)
+    }
+
+    /// Streams the client opened after our final GOAWAY, refused with REFUSED_STREAM.
+    #[must_use]
+    pub fn refused(&self) -> u64 {
+        self.refused.load(Ordering::Relaxed)
+    }
+
+    /// The client fails calls on any GOAWAY (tonic, recognised from the first request's
+    /// user-agent): the controller should never rotate it, only place it well.
+    #[must_use]
+    pub fn unrotatable(&self) -> bool {
+        self.unrotatable.load(Ordering::Relaxed)
+    }
+
+    /// The first request's header block has been checked (false while pending, and when it
+    /// was too large to check: such a connection counts as rotatable).
+    #[must_use]
+    pub fn user_agent_known(&self) -> bool {
+        self.user_agent_known.load(Ordering::Relaxed)
+    }
+
+    /// The backend sent a GOAWAY (its own max connection age, a restart).
+    #[must_use]
+    pub fn backend_go_away(&self) -> bool {
+        self.backend_go_away.load(Ordering::Relaxed)
+    }
+
+    /// The reason of the rotation under way, if any.
+    #[must_use]
+    pub fn rotating(&self) -> Option<RotateReason> {
+        RotateReason::from_code(self.rotating.load(Ordering::Relaxed))
+    }
+}
+
+struct Shared {
+    stats: RelayStats,
+    /// The reason asked for by the controller (0: none).
+    rotate: AtomicU8,
+    rotate_asked: Notify,
+}
+
+/// The controller's handle on one relayed connection: its counters, and `rotate`.
+#[derive(Clone)]
+pub struct RelayHandle {
+    shared: Arc<Shared>,
+}
+
+impl Default for RelayHandle {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl std::fmt::Debug for RelayHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RelayHandle")
+            .field("stats", &self.shared.stats)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RelayHandle {
+    #[must_use]
+    pub fn new() -> Self {
+        Self {
+            shared: Arc::new(Shared {
+                stats: RelayStats::default(),
+                rotate: AtomicU8::new(0),
+                rotate_asked: Notify::new(),
+            }),
+        }
+    }
+
+    #[must_use]
+    pub fn stats(&self) -> &RelayStats {
+        &self.shared.stats
+    }
+
+    /// Starts the two-phase GOAWAY (once; later calls change nothing).
+    pub fn rotate(&self, reason: RotateReason) {
+        if self
+            .shared
+            .rotate
+            .compare_exchange(0, reason.code(), Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
+        {
+            self.shared.rotate_asked.notify_one();
+        }
+    }
+}
+
+/// Relays `client` (an accepted `TcpStream` whose bytes have not been read yet) to `backend`
+/// (a connected TCP stream to the chosen backend) until both sides are done; rotates the
+/// connection when `handle.rotate` is called. Ends both sides with FIN, never RST.
+///
+/// # Errors
+/// The client or the backend broke HTTP/2 (not HTTP/2 at all, a malformed or oversized
+/// frame, too many streams) or its socket failed; that connection alone is closed (FIN).
+pub async fn relay(
+    client: impl Io,
+    backend: impl Io,
+    settings: &RelaySettings,
+    handle: RelayHandle,
+) -> Result<RelayEnd, RelayError> {
+    pipe::run(client, backend, settings, handle.shared).await
+}

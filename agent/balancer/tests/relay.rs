@@ -1,0 +1,567 @@
+//! Connection mode's relay against frame-level fake peers (h2's test style: every frame on
+//! the wire checked), real h2 peers and a real tonic client. In-memory pipes and paused time
+//! where the timeouts matter; loopback TCP for tonic.
+
+use std::time::Duration;
+
+use bytes::BytesMut;
+use skewless_balancer::relay::{
+    ProtocolError, RelayEnd, RelayError, RelayHandle, RelaySettings, RotateReason, relay,
+};
+use skewless_frame::{
+    ErrorCode, FrameError, Frames, GoAway, Head, Kind, MAX_MAX_FRAME_SIZE, MAX_STREAM_ID, PREFACE,
+    Ping, RstStream, Settings, WindowUpdate, flags,
+};
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _, DuplexStream, duplex};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+/// Long enough never to fire in a passing test; under paused time it fires only when
+/// everything is idle, that is when the relay is stuck.
+const STUCK: Duration = Duration::from_secs(3600);
+
+fn frame(kind: Kind, fl: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+    let len = u32::try_from(payload.len()).expect("small");
+    let mut f = Head::new(kind, fl, stream, len).encode().to_vec();
+    f.extend_from_slice(payload);
+    f
+}
+
+fn ping(ack: bool, opaque: [u8; 8]) -> Vec<u8> {
+    let mut f = Vec::new();
+    Ping { ack, opaque }.encode(&mut f);
+    f
+}
+
+fn go_away(last: u32) -> Vec<u8> {
+    let mut f = Vec::new();
+    GoAway {
+        last_stream_id: last,
+        error_code: ErrorCode::NO_ERROR,
+        debug_data: b"",
+    }
+    .encode(&mut f);
+    f
+}
+
+/// HEADERS with an opaque (never decoded) header block.
+fn headers(stream: u32, fl: u8) -> Vec<u8> {
+    frame(Kind::Headers, fl, stream, &[0x82, 0x86, 0x84])
+}
+
+/// One side of the relay, spoken to frame by frame.
+struct Peer {
+    io: DuplexStream,
+    buf: BytesMut,
+}
+
+impl Peer {
+    async fn send(&mut self, bytes: &[u8]) {
+        self.io.write_all(bytes).await.expect("write to the relay");
+    }
+
+    /// The next frame, or `None` at EOF.
+    async fn next(&mut self) -> Option<(Head, Vec<u8>)> {
+        loop {
+            if let Some(Ok((head, payload))) = Frames::new(&self.buf, MAX_MAX_FRAME_SIZE).next() {
+                let payload = payload.to_vec();
+                let _ = self.buf.split_to(head.frame_len());
+                return Some((head, payload));
+            }
+            let mut chunk = [0u8; 4096];
+            let n = tokio::time::timeout(STUCK, self.io.read(&mut chunk))
+                .await
+                .expect("the relay is stuck")
+                .expect("read");
+            if n == 0 {
+                assert!(self.buf.is_empty(), "EOF inside a frame: {:?}", self.buf);
+                return None;
+            }
+            self.buf.extend_from_slice(&chunk[..n]);
+        }
+    }
+
+    async fn expect(&mut self, kind: Kind) -> (Head, Vec<u8>) {
+        let f = self
+            .next()
+            .await
+            .unwrap_or_else(|| panic!("EOF, expected {kind:?}"));
+        assert_eq!(f.0.kind, kind, "expected {kind:?}, got {:?}", f.0);
+        f
+    }
+
+    async fn expect_go_away(&mut self) -> u32 {
+        let (head, payload) = self.expect(Kind::GoAway).await;
+        let g = GoAway::decode(&head, &payload).expect("GOAWAY");
+        assert_eq!(g.error_code, ErrorCode::NO_ERROR);
+        g.last_stream_id
+    }
+
+    async fn expect_ping(&mut self) -> Ping {
+        let (head, payload) = self.expect(Kind::Ping).await;
+        Ping::decode(&head, &payload).expect("PING")
+    }
+
+    async fn expect_rst(&mut self) -> RstStream {
+        let (head, payload) = self.expect(Kind::RstStream).await;
+        RstStream::decode(&head, &payload).expect("RST_STREAM")
+    }
+
+    async fn expect_eof(&mut self) {
+        if let Some(f) = self.next().await {
+            panic!("expected EOF, got {f:?}");
+        }
+    }
+
+    /// Nothing arrives for a while (under paused time: until everything is idle).
+    async fn expect_silence(&mut self) {
+        let mut byte = [0u8; 1];
+        let got = tokio::time::timeout(Duration::from_millis(50), self.io.read(&mut byte)).await;
+        assert!(got.is_err(), "expected nothing, got {got:?}");
+    }
+}
+
+struct Bed {
+    client: Peer,
+    backend: Peer,
+    handle: RelayHandle,
+    task: JoinHandle<Result<RelayEnd, RelayError>>,
+}
+
+fn bed(settings: RelaySettings) -> Bed {
+    let (client, client_relay) = duplex(1 << 20);
+    let (backend, backend_relay) = duplex(1 << 20);
+    let handle = RelayHandle::new();
+    let h = handle.clone();
+    let task = tokio::spawn(async move { relay(client_relay, backend_relay, &settings, h).await });
+    Bed {
+        client: Peer {
+            io: client,
+            buf: BytesMut::new(),
+        },
+        backend: Peer {
+            io: backend,
+            buf: BytesMut::new(),
+        },
+        handle,
+        task,
+    }
+}
+
+fn empty_settings() -> Vec<u8> {
+    let mut f = Vec::new();
+    Settings::encode(false, &[], &mut f);
+    f
+}
+
+/// Preface and SETTINGS both ways, then stream 1 opened with a request DATA frame.
+async fn open_bed(settings: RelaySettings) -> Bed {
+    let mut b = bed(settings);
+    let mut hello = PREFACE.to_vec();
+    hello.extend(empty_settings());
+    b.client.send(&hello).await;
+    let mut preface = [0u8; 24];
+    b.backend
+        .io
+        .read_exact(&mut preface)
+        .await
+        .expect("preface");
+    assert_eq!(&preface, PREFACE, "the preface is forwarded as it is");
+    b.backend.expect(Kind::Settings).await;
+    b.backend.send(&empty_settings()).await;
+    b.client.expect(Kind::Settings).await;
+    let mut req = headers(1, flags::END_HEADERS);
+    req.extend(frame(Kind::Data, flags::END_STREAM, 1, b"ping"));
+    b.client.send(&req).await;
+    b.backend.expect(Kind::Headers).await;
+    b.backend.expect(Kind::Data).await;
+    assert_eq!(b.handle.stats().requests(), 1);
+    assert_eq!(b.handle.stats().open_streams(), 1);
+    b
+}
+
+/// The backend answers stream `id`: headers, a message, trailers.
+fn response(id: u32) -> Vec<u8> {
+    let mut r = headers(id, flags::END_HEADERS);
+    r.extend(frame(Kind::Data, 0, id, b"pong"));
+    r.extend(headers(id, flags::END_HEADERS | flags::END_STREAM));
+    r
+}
+
+async fn expect_response(peer: &mut Peer, id: u32) {
+    for kind in [Kind::Headers, Kind::Data, Kind::Headers] {
+        let (head, _) = peer.expect(kind).await;
+        assert_eq!(head.stream_id, id);
+    }
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn rotation_is_goaway_max_and_ping_then_on_the_ack_the_final_goaway_then_fin() {
+    let mut b = open_bed(RelaySettings::default()).await;
+    b.handle.rotate(RotateReason::Skew);
+    assert_eq!(
+        b.client.expect_go_away().await,
+        MAX_STREAM_ID,
+        "first GOAWAY refuses nothing"
+    );
+    let ours = b.client.expect_ping().await;
+    assert!(!ours.ack);
+    assert_eq!(b.handle.stats().rotating(), Some(RotateReason::Skew));
+    b.client.send(&ping(true, ours.opaque)).await;
+    assert_eq!(
+        b.client.expect_go_away().await,
+        1,
+        "final GOAWAY: the highest stream opened"
+    );
+    // The stream opened before the final GOAWAY finishes at the backend.
+    b.backend.send(&response(1)).await;
+    expect_response(&mut b.client, 1).await;
+    b.client.expect_eof().await;
+    // The backend saw no GOAWAY and not our PING's ACK: nothing after the request, then FIN.
+    b.backend.expect_eof().await;
+    assert_eq!(b.handle.stats().open_streams(), 0);
+    let end = b.task.await.expect("task").expect("clean end");
+    assert_eq!(end, RelayEnd::Rotated(RotateReason::Skew));
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn other_pings_and_acks_pass_through_both_ways_even_during_a_rotation() {
+    let mut b = open_bed(RelaySettings::default()).await;
+    b.client.send(&ping(false, *b"keepaliv")).await;
+    assert_eq!(b.backend.expect_ping().await.opaque, *b"keepaliv");
+    b.backend.send(&ping(true, *b"keepaliv")).await;
+    assert_eq!(
+        b.client.expect_ping().await,
+        Ping {
+            ack: true,
+            opaque: *b"keepaliv"
+        }
+    );
+    b.backend.send(&ping(false, *b"servping")).await;
+    assert_eq!(b.client.expect_ping().await.opaque, *b"servping");
+    b.client.send(&ping(true, *b"servping")).await;
+    assert!(b.backend.expect_ping().await.ack);
+
+    b.handle.rotate(RotateReason::MaxAge);
+    b.client.expect_go_away().await;
+    let ours = b.client.expect_ping().await;
+    // A keepalive PING interleaved with the rotation, answered by the backend.
+    b.client.send(&ping(false, *b"interlvd")).await;
+    assert_eq!(b.backend.expect_ping().await.opaque, *b"interlvd");
+    b.backend.send(&ping(true, *b"interlvd")).await;
+    assert_eq!(b.client.expect_ping().await.opaque, *b"interlvd");
+    b.client.send(&ping(true, ours.opaque)).await;
+    assert_eq!(b.client.expect_go_away().await, 1);
+    b.backend.send(&response(1)).await;
+    expect_response(&mut b.client, 1).await;
+    b.client.expect_eof().await;
+    b.backend.expect_eof().await;
+    b.task.await.expect("task").expect("clean end");
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn without_an_ack_the_final_goaway_follows_the_ping_timeout() {
+    let settings = RelaySettings {
+        ping_timeout: Duration::from_secs(7),
+        drain_grace: Duration::from_secs(30),
+        ..RelaySettings::default()
+    };
+    let mut b = open_bed(settings).await;
+    let started = Instant::now();
+    b.handle.rotate(RotateReason::Skew);
+    b.client.expect_go_away().await;
+    b.client.expect_ping().await;
+    // The client never answers.
+    assert_eq!(b.client.expect_go_away().await, 1);
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_secs(7) && waited < Duration::from_secs(8),
+        "the final GOAWAY comes at the PING timeout: {waited:?}"
+    );
+    b.backend.send(&response(1)).await;
+    expect_response(&mut b.client, 1).await;
+    b.client.expect_eof().await;
+    b.task.await.expect("task").expect("clean end");
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn streams_opened_after_the_final_goaway_are_refused_keeping_hpack_and_windows_in_step() {
+    let mut b = open_bed(RelaySettings::default()).await;
+    b.handle.rotate(RotateReason::Skew);
+    b.client.expect_go_away().await;
+    let ours = b.client.expect_ping().await;
+    b.client.send(&ping(true, ours.opaque)).await;
+    assert_eq!(b.client.expect_go_away().await, 1);
+    // A client that ignores the GOAWAY: a new stream with a 100-byte body.
+    let mut late = headers(3, flags::END_HEADERS);
+    late.extend(frame(Kind::Data, flags::END_STREAM, 3, &[7; 100]));
+    b.client.send(&late).await;
+    // The backend's HPACK decoder sees the HEADERS, then the stream is cancelled; the DATA
+    // never reaches it.
+    let (h, _) = b.backend.expect(Kind::Headers).await;
+    assert_eq!(h.stream_id, 3);
+    let rst = b.backend.expect_rst().await;
+    assert_eq!((rst.stream_id, rst.error_code), (3, ErrorCode::CANCEL));
+    // The client learns the stream was not processed, and gets its window back.
+    let rst = b.client.expect_rst().await;
+    assert_eq!(
+        (rst.stream_id, rst.error_code),
+        (3, ErrorCode::REFUSED_STREAM)
+    );
+    let (head, payload) = b.client.expect(Kind::WindowUpdate).await;
+    let wu = WindowUpdate::decode(&head, &payload).expect("WINDOW_UPDATE");
+    assert_eq!(
+        (wu.stream_id, wu.increment),
+        (0, 100),
+        "the dropped DATA is credited back"
+    );
+    assert_eq!(b.handle.stats().refused(), 1);
+    assert_eq!(
+        b.handle.stats().requests(),
+        1,
+        "a refused stream is no request"
+    );
+    // The backend's answer to the refused stream: headers pass (HPACK), DATA is dropped and
+    // credited back to the backend.
+    let mut answer = headers(3, flags::END_HEADERS);
+    answer.extend(frame(Kind::Data, 0, 3, &[1; 40]));
+    b.backend.send(&answer).await;
+    b.client.expect(Kind::Headers).await;
+    let (head, payload) = b.backend.expect(Kind::WindowUpdate).await;
+    let wu = WindowUpdate::decode(&head, &payload).expect("WINDOW_UPDATE");
+    assert_eq!((wu.stream_id, wu.increment), (0, 40));
+    // The stream opened before the GOAWAY still finishes, then the connection ends.
+    b.backend.send(&response(1)).await;
+    expect_response(&mut b.client, 1).await;
+    b.client.expect_eof().await;
+    b.backend.expect_eof().await;
+    b.task.await.expect("task").expect("clean end");
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn backend_goaways_are_forwarded_and_no_goaway_to_the_client_ever_raises_the_last_id() {
+    let mut b = open_bed(RelaySettings::default()).await;
+    b.handle.rotate(RotateReason::Skew);
+    assert_eq!(b.client.expect_go_away().await, MAX_STREAM_ID);
+    let ours = b.client.expect_ping().await;
+    // The backend's own max connection age, mid-rotation.
+    b.backend.send(&go_away(1)).await;
+    assert_eq!(b.client.expect_go_away().await, 1, "forwarded");
+    assert!(b.handle.stats().backend_go_away());
+    b.client.send(&ping(true, ours.opaque)).await;
+    // Our final GOAWAY would say 1 again: not sent. A later backend GOAWAY(2^31-1) would
+    // raise it: forwarded with the lower id.
+    b.backend.send(&go_away(MAX_STREAM_ID)).await;
+    assert_eq!(
+        b.client.expect_go_away().await,
+        1,
+        "lowered to what was already sent"
+    );
+    b.backend.send(&response(1)).await;
+    expect_response(&mut b.client, 1).await;
+    b.client.expect_eof().await;
+    b.backend.expect_eof().await;
+    b.task.await.expect("task").expect("clean end");
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn nothing_is_injected_inside_a_header_block() {
+    let mut b = open_bed(RelaySettings::default()).await;
+    // Response headers split over HEADERS and CONTINUATION.
+    b.backend.send(&headers(1, 0)).await;
+    b.client.expect(Kind::Headers).await;
+    b.handle.rotate(RotateReason::Skew);
+    b.client.expect_silence().await;
+    b.backend
+        .send(&frame(Kind::Continuation, flags::END_HEADERS, 1, &[0x88]))
+        .await;
+    b.client.expect(Kind::Continuation).await;
+    assert_eq!(
+        b.client.expect_go_away().await,
+        MAX_STREAM_ID,
+        "only after the block"
+    );
+    b.client.expect_ping().await;
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn at_the_end_of_the_drain_grace_open_streams_are_reset_both_ways_then_fin() {
+    let settings = RelaySettings {
+        drain_grace: Duration::from_secs(12),
+        ..RelaySettings::default()
+    };
+    let mut b = open_bed(settings).await;
+    let started = Instant::now();
+    b.handle.rotate(RotateReason::Drain);
+    b.client.expect_go_away().await;
+    let ours = b.client.expect_ping().await;
+    b.client.send(&ping(true, ours.opaque)).await;
+    assert_eq!(b.client.expect_go_away().await, 1);
+    // The backend never answers stream 1.
+    let rst = b.client.expect_rst().await;
+    assert_eq!((rst.stream_id, rst.error_code), (1, ErrorCode::CANCEL));
+    assert!(
+        started.elapsed() >= Duration::from_secs(12),
+        "not before the grace"
+    );
+    let rst = b.backend.expect_rst().await;
+    assert_eq!((rst.stream_id, rst.error_code), (1, ErrorCode::CANCEL));
+    b.client.expect_eof().await;
+    b.backend.expect_eof().await;
+    let end = b.task.await.expect("task").expect("clean end");
+    assert_eq!(end, RelayEnd::GraceExpired { reset: 1 });
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn end_stream_both_ways_and_resets_close_streams() {
+    let mut b = open_bed(RelaySettings::default()).await;
+    b.backend.send(&response(1)).await;
+    expect_response(&mut b.client, 1).await;
+    assert_eq!(b.handle.stats().open_streams(), 0, "END_STREAM both ways");
+    b.client.send(&headers(3, flags::END_HEADERS)).await;
+    b.client.send(&headers(5, flags::END_HEADERS)).await;
+    b.backend.expect(Kind::Headers).await;
+    b.backend.expect(Kind::Headers).await;
+    assert_eq!(
+        (b.handle.stats().requests(), b.handle.stats().open_streams()),
+        (3, 2)
+    );
+    let mut rst = Vec::new();
+    RstStream {
+        stream_id: 3,
+        error_code: ErrorCode::CANCEL,
+    }
+    .encode(&mut rst);
+    b.client.send(&rst).await;
+    b.backend.expect_rst().await;
+    assert_eq!(
+        b.handle.stats().open_streams(),
+        1,
+        "a client reset closes the stream"
+    );
+    rst.clear();
+    RstStream {
+        stream_id: 5,
+        error_code: ErrorCode::INTERNAL_ERROR,
+    }
+    .encode(&mut rst);
+    b.backend.send(&rst).await;
+    b.client.expect_rst().await;
+    assert_eq!(
+        b.handle.stats().open_streams(),
+        0,
+        "a backend reset closes the stream"
+    );
+    // A client that closes: FIN goes on to the backend, and back.
+    b.client.io.shutdown().await.expect("shutdown");
+    b.backend.expect_eof().await;
+    b.backend.io.shutdown().await.expect("shutdown");
+    b.client.expect_eof().await;
+    assert_eq!(
+        b.task.await.expect("task").expect("clean end"),
+        RelayEnd::Closed
+    );
+}
+
+async fn broken(bytes: &[u8]) -> RelayError {
+    let mut b = bed(RelaySettings::default());
+    b.client.send(bytes).await;
+    let err = b
+        .task
+        .await
+        .expect("task")
+        .expect_err("the connection is refused");
+    // Both sides are closed with FIN.
+    let mut rest = Vec::new();
+    b.backend
+        .io
+        .read_to_end(&mut rest)
+        .await
+        .expect("backend EOF");
+    b.client
+        .io
+        .read_to_end(&mut rest)
+        .await
+        .expect("client EOF");
+    err
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn malformed_frames_and_non_http2_clients_close_their_connection() {
+    let err = broken(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").await;
+    assert!(
+        matches!(
+            err,
+            RelayError::ClientProtocol(ProtocolError::Frame(FrameError::BadPreface))
+        ),
+        "{err:?}"
+    );
+    assert!(err.is_client());
+
+    let mut big = PREFACE.to_vec();
+    big.extend(empty_settings());
+    big.extend(Head::new(Kind::Data, 0, 1, 16_385).encode());
+    let err = broken(&big).await;
+    assert!(
+        matches!(
+            err,
+            RelayError::ClientProtocol(ProtocolError::Frame(FrameError::TooLarge { .. }))
+        ),
+        "a frame above the backend's advertised SETTINGS_MAX_FRAME_SIZE: {err:?}"
+    );
+
+    let mut bad_ping = PREFACE.to_vec();
+    bad_ping.extend(frame(Kind::Ping, 0, 0, &[0; 3]));
+    let err = broken(&bad_ping).await;
+    assert!(
+        matches!(
+            err,
+            RelayError::ClientProtocol(ProtocolError::Frame(FrameError::BadLength { .. }))
+        ),
+        "{err:?}"
+    );
+
+    let mut interleaved = PREFACE.to_vec();
+    interleaved.extend(empty_settings());
+    interleaved.extend(headers(1, 0));
+    interleaved.extend(frame(Kind::Data, 0, 1, b"x"));
+    let err = broken(&interleaved).await;
+    assert!(
+        matches!(
+            err,
+            RelayError::ClientProtocol(ProtocolError::InsideHeaderBlock { .. })
+        ),
+        "{err:?}"
+    );
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn frames_up_to_the_advertised_max_frame_size_pass() {
+    let mut b = open_bed(RelaySettings::default()).await;
+    // The backend allows 1 MiB frames: a 100 KB DATA frame (larger than the relay's buffer)
+    // streams through.
+    let mut s = Vec::new();
+    Settings::encode(
+        false,
+        &[skewless_frame::Setting {
+            id: skewless_frame::SettingId::MAX_FRAME_SIZE,
+            value: 1 << 20,
+        }],
+        &mut s,
+    );
+    b.backend.send(&s).await;
+    b.client.expect(Kind::Settings).await;
+    b.client.send(&headers(3, flags::END_HEADERS)).await;
+    b.backend.expect(Kind::Headers).await;
+    let body: Vec<u8> = (0..100_000u32).map(|i| i as u8).collect();
+    let big = frame(Kind::Data, 0, 3, &body);
+    let writer = async {
+        b.client.send(&big).await;
+    };
+    let reader = async {
+        let (head, payload) = b.backend.expect(Kind::Data).await;
+        assert_eq!(head.len, 100_000);
+        assert_eq!(payload, body, "the payload is forwarded byte for byte");
+    };
+    tokio::join!(writer, reader);
+}
