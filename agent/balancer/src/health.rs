@@ -15,10 +15,14 @@ use std::time::Duration;
 use bytes::{Buf as _, BufMut as _, Bytes, BytesMut};
 use h2::client::SendRequest;
 use http::{HeaderValue, Request, header};
+use skewless_frame::grpc::MessageDecoder;
 
 use crate::grpc;
 
 const SERVING: u64 = 1;
+/// A `HealthCheckResponse` is a few bytes: a server declaring more is broken or hostile, and
+/// the watch ends instead of buffering what the 5-byte prefix can declare (4 GiB).
+const MESSAGES: MessageDecoder = MessageDecoder::new(64 * 1024);
 const UNIMPLEMENTED: u32 = 12;
 
 /// What ended one watch.
@@ -96,7 +100,15 @@ async fn watch_once(
         };
         let _ = body.flow_control().release_capacity(data.len());
         buf.extend_from_slice(&data);
-        while let Some(message) = next_message(&mut buf) {
+        loop {
+            let message = match MESSAGES.decode(&mut buf) {
+                Ok(Some(message)) => message.data,
+                Ok(None) => break,
+                Err(error) => {
+                    tracing::debug!(%error, "bad health message");
+                    return Ended::Failed;
+                }
+            };
             let serving = decode_status(&message) == Some(SERVING);
             tracing::debug!(serving, "health status");
             report(serving);
@@ -146,19 +158,6 @@ fn get_varint(buf: &mut &[u8]) -> Option<u64> {
     None
 }
 
-/// Takes one complete gRPC message off the front of `buf`, if there is one.
-fn next_message(buf: &mut BytesMut) -> Option<Bytes> {
-    if buf.len() < 5 {
-        return None;
-    }
-    let len = u32::from_be_bytes([buf[1], buf[2], buf[3], buf[4]]) as usize;
-    if buf.len() < 5 + len {
-        return None;
-    }
-    buf.advance(5);
-    Some(buf.split_to(len).freeze())
-}
-
 /// The `status` (field 1) of a `HealthCheckResponse`; absent means UNKNOWN (0).
 fn decode_status(mut msg: &[u8]) -> Option<u64> {
     let mut status = 0;
@@ -193,10 +192,22 @@ mod tests {
         assert_eq!(&frame[..5], &[0, 0, 0, 0, 23]);
         assert_eq!(frame[5], 0x0a);
         let mut buf = BytesMut::from(&[0u8, 0, 0, 0, 2, 0x08, 0x02, 0, 0][..]);
-        let m = next_message(&mut buf).expect("complete message");
-        assert_eq!(decode_status(&m), Some(2), "NOT_SERVING");
+        let m = MESSAGES
+            .decode(&mut buf)
+            .expect("valid")
+            .expect("complete message");
+        assert_eq!(decode_status(&m.data), Some(2), "NOT_SERVING");
         assert_eq!(buf.len(), 2, "the partial next frame stays buffered");
         assert_eq!(decode_status(&[]), Some(0), "an empty message is UNKNOWN");
         assert_eq!(decode_status(&[0x08, 0x01]), Some(SERVING));
+    }
+
+    #[test]
+    fn a_health_message_declaring_more_than_the_cap_is_refused_at_once() {
+        let mut buf = BytesMut::from(&[0u8, 0xff, 0xff, 0xff, 0xff][..]);
+        assert!(
+            MESSAGES.decode(&mut buf).is_err(),
+            "not awaited: 4 GiB declared"
+        );
     }
 }

@@ -34,7 +34,7 @@ pub struct MessageDecoder {
 impl MessageDecoder {
     /// Accepts messages of up to `max_len` bytes.
     #[must_use]
-    pub fn new(max_len: u32) -> Self {
+    pub const fn new(max_len: u32) -> Self {
         Self { max_len }
     }
 
