@@ -565,3 +565,27 @@ async fn frames_up_to_the_advertised_max_frame_size_pass() {
     };
     tokio::join!(writer, reader);
 }
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_peer_that_never_follows_a_close_is_dropped_after_the_drain_grace() {
+    let settings = RelaySettings {
+        drain_grace: Duration::from_secs(9),
+        ..RelaySettings::default()
+    };
+    let mut b = open_bed(settings).await;
+    let started = Instant::now();
+    b.client.io.shutdown().await.expect("shutdown");
+    b.backend.expect_eof().await;
+    // The backend keeps its side open and never answers.
+    let end = tokio::time::timeout(STUCK, b.task)
+        .await
+        .expect("the relay ends")
+        .expect("task")
+        .expect("clean end");
+    assert_eq!(end, RelayEnd::Closed);
+    assert!(
+        started.elapsed() >= Duration::from_secs(9),
+        "not before the grace"
+    );
+    b.client.expect_eof().await;
+}

@@ -335,6 +335,8 @@ impl<T: AsyncRead + AsyncWrite + Unpin> Stream for T {}
 /// What the I/O loop reports to the run loop.
 enum Event {
     PingAcked,
+    /// One peer closed and its FIN was passed on: the other gets `drain_grace` to follow.
+    HalfClosed,
     Done(RelayEnd),
 }
 
@@ -344,6 +346,7 @@ struct Relay {
     conn: Conn,
     shared: Arc<Shared>,
     grace_over: Option<u32>,
+    half_closed: bool,
 }
 
 impl Relay {
@@ -376,13 +379,7 @@ impl Relay {
                         Poll::Pending => {}
                     }
                 }
-                if pipe.eof {
-                    // Whatever is left (a truncated frame) goes as it is.
-                    if pipe.scan < pipe.end && pipe.drop == 0 {
-                        pipe.keep(pipe.scan, pipe.end);
-                        pipe.scan = pipe.end;
-                    }
-                } else if let Err(e) = pipe.scan(&mut self.conn, &self.shared) {
+                if let Err(e) = pipe.scan(&mut self.conn, &self.shared) {
                     return Poll::Ready(Err(RelayError::protocol(side, e)));
                 }
                 let may_inject = pipe.may_inject(&self.conn);
@@ -390,6 +387,10 @@ impl Relay {
                     Side::Client => &mut self.conn.to_backend,
                     Side::Backend => &mut self.conn.to_client,
                 };
+                if pipe.eof && (out.is_empty() || !may_inject) && pipe.drop == 0 {
+                    // The source is gone: a truncated last frame goes as it is.
+                    pipe.scan = pipe.end;
+                }
                 match pipe.poll_write(cx, dst, out, may_inject) {
                     Poll::Ready(Ok(p)) => progress |= p,
                     Poll::Ready(Err(e)) => {
@@ -418,6 +419,10 @@ impl Relay {
             }
             if let Some(end) = self.finished() {
                 return Poll::Ready(Ok(Event::Done(end)));
+            }
+            if (self.c2b.shut || self.b2c.shut) && !self.half_closed {
+                self.half_closed = true;
+                return Poll::Ready(Ok(Event::HalfClosed));
             }
             if !progress {
                 return Poll::Pending;
@@ -502,7 +507,9 @@ pub(super) async fn run<C: Io, B: Io>(
         conn: Conn::new(shared.clone(), settings.max_streams),
         shared: shared.clone(),
         grace_over: None,
+        half_closed: false,
     };
+    let mut half_closed_deadline = None;
     let mut ping_deadline = None;
     let mut grace_deadline = None;
     // After the grace, how long the resets may take to get out before the sockets close.
@@ -520,6 +527,7 @@ pub(super) async fn run<C: Io, B: Io>(
                 grace_deadline = Some(Instant::now() + settings.drain_grace);
                 continue;
             }
+            () = sleep_until(half_closed_deadline) => break Ok(RelayEnd::Closed),
             () = sleep_until(hard_deadline) => break Ok(RelayEnd::GraceExpired {
                 reset: r.grace_over.unwrap_or(0),
             }),
@@ -544,6 +552,9 @@ pub(super) async fn run<C: Io, B: Io>(
             Ok(Event::PingAcked) => {
                 ping_deadline = None;
                 r.conn.finalize();
+            }
+            Ok(Event::HalfClosed) => {
+                half_closed_deadline = Some(Instant::now() + settings.drain_grace);
             }
             Ok(Event::Done(end)) => break Ok(end),
             Err(e) => break Err(e),
