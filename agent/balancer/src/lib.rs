@@ -63,6 +63,7 @@ use tracing::Instrument as _;
 pub use config::{Config, PickerConfig};
 pub use endpoint::Endpoint;
 pub use error::BalancerError;
+pub use relay::RotateReason;
 pub use server::{Lifecycle, NewConnection, Stop, StopReason};
 pub use stats::{BalancerCounters, EndpointState, EndpointStats};
 pub use workers::{Served, Workers, reuseport_listeners};
