@@ -33,7 +33,7 @@ pub const HEARTBEAT_MAP: &str = "HEARTBEAT";
 /// cannot strand new connections on a balancer that no longer serves. The agent beats every
 /// 200 ms, so this tolerates a few late beats and still fails open within 1 s.
 pub const HEARTBEAT_STALE_NS: u64 = 750_000_000;
-/// Name of the per-CPU counter array (indexed by [`Counter`]).
+/// Name of the per-CPU counter array (indexed by [`Counter::index`]).
 pub const COUNTERS_MAP: &str = "COUNTERS";
 /// Name of the map of observed client TCP connections (socket cookie `u64` -> [`Conn`]),
 /// written by the `sock_ops` program for every active IPv4 or IPv6 connection from an attached
@@ -47,22 +47,29 @@ pub const FAMILY_INET: u32 = 2;
 /// `AF_INET6`, as [`Conn::family`] holds it.
 pub const FAMILY_INET6: u32 = 10;
 
-/// An IPv4 Service address as the connect4 hook sees it: both fields in network byte order,
-/// exactly as `bpf_sock_addr.user_ip4` / `user_port` carry them.
+/// A Service address as the connect hooks see it: the address `A` as `bpf_sock_addr` carries
+/// it (network order: `user_ip4` for IPv4, the four words of `user_ip6` for native IPv6), the
+/// port in network byte order as in the low 16 bits of `user_port`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct ServiceKey4 {
-    /// IPv4 address, network byte order.
-    pub addr: u32,
-    /// TCP port, network byte order in the low 16 bits.
+pub struct ServiceKey<A> {
+    /// The address, network byte order (wire order in memory).
+    pub addr: A,
+    /// TCP port, network byte order.
     pub port: u16,
     pub _pad: u16,
 }
-const _: () = assert!(core::mem::size_of::<ServiceKey4>() == 8);
 
-impl ServiceKey4 {
+/// An IPv4 Service address: [`REDIRECT4_MAP`]'s key.
+pub type ServiceKey4 = ServiceKey<u32>;
+/// A native IPv6 Service address: [`REDIRECT6_MAP`]'s key.
+pub type ServiceKey6 = ServiceKey<[u32; 4]>;
+const _: () = assert!(core::mem::size_of::<ServiceKey4>() == 8);
+const _: () = assert!(core::mem::size_of::<ServiceKey6>() == 20);
+
+impl<A> ServiceKey<A> {
     #[must_use]
-    pub const fn new(addr_be: u32, port_be: u16) -> Self {
+    pub const fn new(addr_be: A, port_be: u16) -> Self {
         Self {
             addr: addr_be,
             port: port_be,
@@ -71,57 +78,26 @@ impl ServiceKey4 {
     }
 }
 
-/// Where connect()s to a [`ServiceKey4`] are sent instead: the node balancer's listener.
+/// Where connect()s to a [`ServiceKey`] of the same family are sent instead: the node
+/// balancer's listener.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Redirect4 {
-    /// IPv4 address of the listener, network byte order.
-    pub addr: u32,
-    /// Listener port, network byte order in the low 16 bits.
+pub struct Redirect<A> {
+    /// Address of the listener, as in [`ServiceKey::addr`].
+    pub addr: A,
+    /// Listener port, network byte order.
     pub port: u16,
     pub _pad: u16,
     /// Non-zero while the redirect is live; zero makes the hook pass the connect through
     /// untouched (fail open) without removing the entry.
     pub enabled: u32,
 }
+
+/// [`REDIRECT4_MAP`]'s value.
+pub type Redirect4 = Redirect<u32>;
+/// [`REDIRECT6_MAP`]'s value.
+pub type Redirect6 = Redirect<[u32; 4]>;
 const _: () = assert!(core::mem::size_of::<Redirect4>() == 12);
-
-/// A native IPv6 Service address as the connect6 hook sees it: the address as the four
-/// network-order words of `bpf_sock_addr.user_ip6`, the port as in `user_port`.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct ServiceKey6 {
-    /// IPv6 address, four words each in network byte order (wire order in memory).
-    pub addr: [u32; 4],
-    /// TCP port, network byte order.
-    pub port: u16,
-    pub _pad: u16,
-}
-const _: () = assert!(core::mem::size_of::<ServiceKey6>() == 20);
-
-impl ServiceKey6 {
-    #[must_use]
-    pub const fn new(addr_be: [u32; 4], port_be: u16) -> Self {
-        Self {
-            addr: addr_be,
-            port: port_be,
-            _pad: 0,
-        }
-    }
-}
-
-/// Where connect()s to a [`ServiceKey6`] are sent instead: the node balancer's IPv6 listener.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Redirect6 {
-    /// IPv6 address of the listener, as in [`ServiceKey6::addr`].
-    pub addr: [u32; 4],
-    /// Listener port, network byte order.
-    pub port: u16,
-    pub _pad: u16,
-    /// Non-zero while the redirect is live; zero passes the connect through (fail open).
-    pub enabled: u32,
-}
 const _: () = assert!(core::mem::size_of::<Redirect6>() == 24);
 
 /// One client TCP connection as its own socket sees it, recorded by the `sock_ops` program.
@@ -168,49 +144,112 @@ pub struct Conn {
 }
 const _: () = assert!(core::mem::size_of::<Conn>() == 96);
 
-/// Indices into the per-CPU [`COUNTERS_MAP`] array.
-#[repr(u32)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Counter {
+/// Declares [`Counter`] from one list: the variants in index order, [`Counter::ALL`] and
+/// [`Counter::name`], so adding a counter is one line here.
+macro_rules! counters {
+    ($($(#[doc = $doc:literal])+ $variant:ident,)+) => {
+        /// Indices into the per-CPU [`COUNTERS_MAP`] array: a variant's index is its position
+        /// in the list.
+        #[repr(u32)]
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+        pub enum Counter {
+            $($(#[doc = $doc])+ $variant,)+
+        }
+
+        impl Counter {
+            /// Every counter, in index order.
+            pub const ALL: [Counter; [$(stringify!($variant)),+].len()] = [$(Counter::$variant),+];
+
+            /// The variant's name, e.g. `"Connect4Seen"`.
+            #[must_use]
+            pub const fn name(self) -> &'static str {
+                match self {
+                    $(Counter::$variant => stringify!($variant),)+
+                }
+            }
+        }
+    };
+}
+
+counters! {
     /// connect4 calls seen (any destination).
-    Connect4Seen = 0,
+    Connect4Seen,
     /// connect4 calls rewritten to a balancer listener.
-    Connect4Redirected = 1,
+    Connect4Redirected,
     /// connects (connect4 or connect6, any family) whose destination matched a disabled entry
     /// (fail open).
-    Connect4Disabled = 2,
-    /// connect6 calls to an IPv4-mapped address (`::ffff:a.b.c.d`) rewritten to a balancer listener.
-    Connect6Redirected = 3,
+    Connect4Disabled,
+    /// connect6 calls to an IPv4-mapped address (`::ffff:a.b.c.d`) rewritten to a balancer
+    /// listener.
+    Connect6Redirected,
     /// getpeername calls answered with the original Service address.
-    PeerNameRestored = 4,
+    PeerNameRestored,
     /// Redirects whose original destination could not be recorded (getpeername then shows
     /// the balancer's address).
-    OrigDstUpdateFailed = 5,
+    OrigDstUpdateFailed,
     /// connect6 calls seen (any destination).
-    Connect6Seen = 6,
+    Connect6Seen,
     /// connects to a redirected Service passed through untouched because the agent's heartbeat
     /// was stale (fail open).
-    StaleHeartbeat = 7,
+    StaleHeartbeat,
     /// Active TCP connections that reached ESTABLISHED in an attached cgroup (sock_ops).
-    ConnEstablished = 8,
+    ConnEstablished,
     /// Connection records that could not be written (the connection is not observed; it is
     /// never affected).
-    ConnUpdateFailed = 9,
+    ConnUpdateFailed,
     /// Established connections whose callbacks (state changes, RTT samples) could not be
     /// enabled: their bytes and close time stay at the values seen at establishment.
-    ConnCbFlagsFailed = 10,
+    ConnCbFlagsFailed,
     /// Active connections of a family the observer does not record (neither IPv4 nor IPv6;
     /// should stay 0).
-    ConnSkippedFamily = 11,
+    ConnSkippedFamily,
     /// connect6 calls to a native IPv6 Service address rewritten to a balancer listener.
-    Connect6NativeRedirected = 12,
+    Connect6NativeRedirected,
     /// Native IPv6 active connections recorded (also counted in `ConnEstablished`).
-    ConnEstablished6 = 13,
+    ConnEstablished6,
     /// Received packets whose socket's record was refreshed by the cgroup_skb program.
-    ConnIngressRefreshed = 14,
+    ConnIngressRefreshed,
 }
-/// Number of entries in [`COUNTERS_MAP`].
-pub const COUNTERS_LEN: u32 = 15;
+
+impl Counter {
+    /// The counter's slot in [`COUNTERS_MAP`].
+    #[must_use]
+    pub const fn index(self) -> u32 {
+        self as u32
+    }
+}
+
+/// Number of entries in [`COUNTERS_MAP`]: one per [`Counter`].
+pub const COUNTERS_LEN: u32 = Counter::ALL.len() as u32;
+// Every counter's index is its position in `ALL`, below `COUNTERS_LEN`: the programs index the
+// map with it and the agent reads slot i as `ALL[i]`.
+const _: () = {
+    assert!(COUNTERS_LEN as usize == Counter::ALL.len());
+    let mut i = 0;
+    while i < Counter::ALL.len() {
+        assert!(Counter::ALL[i].index() as usize == i);
+        i += 1;
+    }
+};
+
+/// Whether two map names are equal, in a `const` context: the programs assert with it that
+/// each map's ELF name (its identifier) is the constant here that the agent looks it up by,
+/// so a rename on one side fails the build instead of the privileged load.
+#[must_use]
+pub const fn same_name(a: &str, b: &str) -> bool {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    if a.len() != b.len() {
+        return false;
+    }
+    let mut i = 0;
+    while i < a.len() {
+        if a[i] != b[i] {
+            return false;
+        }
+        i += 1;
+    }
+    true
+}
 
 #[cfg(feature = "user")]
 mod user {

@@ -37,9 +37,11 @@ mod programs {
         programs::{SkBuffContext, SockAddrContext, SockOpsContext},
     };
     use skewless_common::{
-        CONNS_CAPACITY, COUNTERS_LEN, Conn, Counter, FAMILY_INET, FAMILY_INET6, HEARTBEAT_STALE_NS,
-        ORIGDST_CAPACITY, ORIGDST6_CAPACITY, REDIRECT4_CAPACITY, REDIRECT6_CAPACITY, Redirect4,
-        Redirect6, ServiceKey4, ServiceKey6,
+        CONNS_CAPACITY, CONNS_MAP, COUNTERS_LEN, COUNTERS_MAP, Conn, Counter, FAMILY_INET,
+        FAMILY_INET6, HEARTBEAT_MAP, HEARTBEAT_STALE_NS, ORIGDST_CAPACITY, ORIGDST_MAP,
+        ORIGDST6_CAPACITY, ORIGDST6_MAP, REDIRECT4_CAPACITY, REDIRECT4_MAP, REDIRECT6_CAPACITY,
+        REDIRECT6_MAP, Redirect, Redirect4, Redirect6, ServiceKey, ServiceKey4, ServiceKey6,
+        same_name,
     };
 
     /// Verdict for cgroup sock_addr programs: 1 lets the syscall proceed (with whatever address
@@ -49,34 +51,40 @@ mod programs {
     /// `::ffff:0:0/96` in network byte order, word 2.
     const V4_MAPPED_WORD: u32 = 0x0000_ffff_u32.to_be();
 
-    #[map(name = "REDIRECT4")]
-    static REDIRECT4: HashMap<ServiceKey4, Redirect4> =
-        HashMap::with_max_entries(REDIRECT4_CAPACITY, 0);
+    /// Declares a map whose ELF name is its identifier, and checks at compile time that this
+    /// is the name the agent looks it up by (the constant of `skewless-common`).
+    macro_rules! named_map {
+        ($name:ident: $ty:ty = $init:expr, as $agent_name:path) => {
+            #[map]
+            static $name: $ty = $init;
+            const _: () = assert!(
+                same_name(stringify!($name), $agent_name),
+                concat!(
+                    "map ",
+                    stringify!($name),
+                    " is not the name skewless-common gives the agent"
+                )
+            );
+        };
+    }
 
-    #[map(name = "ORIGDST")]
-    static ORIGDST: LruHashMap<u64, ServiceKey4> =
-        LruHashMap::with_max_entries(ORIGDST_CAPACITY, 0);
-
-    #[map(name = "REDIRECT6")]
-    static REDIRECT6: HashMap<ServiceKey6, Redirect6> =
-        HashMap::with_max_entries(REDIRECT6_CAPACITY, 0);
-
-    #[map(name = "ORIGDST6")]
-    static ORIGDST6: LruHashMap<u64, ServiceKey6> =
-        LruHashMap::with_max_entries(ORIGDST6_CAPACITY, 0);
-
-    #[map(name = "HEARTBEAT")]
-    static HEARTBEAT: Array<u64> = Array::with_max_entries(1, 0);
-
-    #[map(name = "CONNS")]
-    static CONNS: LruHashMap<u64, Conn> = LruHashMap::with_max_entries(CONNS_CAPACITY, 0);
-
-    #[map(name = "COUNTERS")]
-    static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(COUNTERS_LEN, 0);
+    named_map!(REDIRECT4: HashMap<ServiceKey4, Redirect4> =
+        HashMap::with_max_entries(REDIRECT4_CAPACITY, 0), as REDIRECT4_MAP);
+    named_map!(ORIGDST: LruHashMap<u64, ServiceKey4> =
+        LruHashMap::with_max_entries(ORIGDST_CAPACITY, 0), as ORIGDST_MAP);
+    named_map!(REDIRECT6: HashMap<ServiceKey6, Redirect6> =
+        HashMap::with_max_entries(REDIRECT6_CAPACITY, 0), as REDIRECT6_MAP);
+    named_map!(ORIGDST6: LruHashMap<u64, ServiceKey6> =
+        LruHashMap::with_max_entries(ORIGDST6_CAPACITY, 0), as ORIGDST6_MAP);
+    named_map!(HEARTBEAT: Array<u64> = Array::with_max_entries(1, 0), as HEARTBEAT_MAP);
+    named_map!(CONNS: LruHashMap<u64, Conn> =
+        LruHashMap::with_max_entries(CONNS_CAPACITY, 0), as CONNS_MAP);
+    named_map!(COUNTERS: PerCpuArray<u64> =
+        PerCpuArray::with_max_entries(COUNTERS_LEN, 0), as COUNTERS_MAP);
 
     #[inline(always)]
     fn count(counter: Counter) {
-        if let Some(slot) = COUNTERS.get_ptr_mut(counter as u32) {
+        if let Some(slot) = COUNTERS.get_ptr_mut(counter.index()) {
             // SAFETY: the slot belongs to this CPU's copy of the array and cgroup hooks run
             // to completion on one CPU, so this plain add cannot race.
             unsafe { *slot += 1 };
@@ -101,104 +109,156 @@ mod programs {
         true
     }
 
-    /// Looks up a TCP destination; returns the live redirect target for it, if any.
+    /// A sock_addr program's context, read and written only through raw field pointers: no
+    /// `&mut bpf_sock_addr` is ever formed, so no reference is alive while the address words
+    /// are written, and every access is a constant-offset context load or store, as the
+    /// verifier requires.
+    struct SockAddr(*mut bpf_sock_addr);
+
+    impl SockAddr {
+        #[inline(always)]
+        fn new(ctx: &SockAddrContext) -> Self {
+            Self(ctx.sock_addr)
+        }
+
+        #[inline(always)]
+        fn sock_type(&self) -> u32 {
+            // SAFETY: the pointer is the kernel-provided context, valid for the whole run.
+            unsafe { (*self.0).type_ }
+        }
+
+        /// The port, network byte order.
+        #[inline(always)]
+        fn port(&self) -> u16 {
+            // SAFETY: as in `sock_type`.
+            unsafe { (*self.0).user_port as u16 }
+        }
+
+        /// Writes the port (network byte order) as the 4-byte store the kernel requires.
+        #[inline(always)]
+        fn set_port(&self, port_be: u16) {
+            // SAFETY: as in `sock_type`; sock_addr programs may write user_port.
+            unsafe { (*self.0).user_port = u32::from(port_be) };
+        }
+
+        #[inline(always)]
+        fn ip4(&self) -> u32 {
+            // SAFETY: as in `sock_type`.
+            unsafe { (*self.0).user_ip4 }
+        }
+
+        #[inline(always)]
+        fn set_ip4(&self, addr: u32) {
+            // SAFETY: as in `sock_type`; sock_addr programs may write user_ip4.
+            unsafe { (*self.0).user_ip4 = addr };
+        }
+
+        /// Reads `user_ip6` one word at a time with volatile loads from the field addresses:
+        /// otherwise the compiler forms `ctx + 8` in a register and loads through it, which
+        /// the verifier rejects ("dereference of modified ctx ptr").
+        #[inline(always)]
+        fn ip6(&self) -> [u32; 4] {
+            let sa = self.0;
+            // SAFETY: as in `sock_type`; each address is a field of the context.
+            unsafe {
+                [
+                    core::ptr::read_volatile(&raw const (*sa).user_ip6[0]),
+                    core::ptr::read_volatile(&raw const (*sa).user_ip6[1]),
+                    core::ptr::read_volatile(&raw const (*sa).user_ip6[2]),
+                    core::ptr::read_volatile(&raw const (*sa).user_ip6[3]),
+                ]
+            }
+        }
+
+        /// Writes `user_ip6` one word at a time, for the same reason as [`SockAddr::ip6`].
+        #[inline(always)]
+        fn set_ip6(&self, addr: [u32; 4]) {
+            let sa = self.0;
+            // SAFETY: as in `ip6`; sock_addr programs may write user_ip6 in 4-byte stores.
+            unsafe {
+                core::ptr::write_volatile(&raw mut (*sa).user_ip6[0], addr[0]);
+                core::ptr::write_volatile(&raw mut (*sa).user_ip6[1], addr[1]);
+                core::ptr::write_volatile(&raw mut (*sa).user_ip6[2], addr[2]);
+                core::ptr::write_volatile(&raw mut (*sa).user_ip6[3], addr[3]);
+            }
+        }
+
+        /// Writes the IPv4 word of an IPv4-mapped `user_ip6` (`::ffff:a.b.c.d`).
+        #[inline(always)]
+        fn set_ip6_mapped(&self, addr: u32) {
+            // SAFETY: as in `set_ip6`.
+            unsafe { core::ptr::write_volatile(&raw mut (*self.0).user_ip6[3], addr) };
+        }
+
+        #[inline(always)]
+        fn cookie(&self) -> u64 {
+            // SAFETY: sock_addr programs may call bpf_get_socket_cookie on their context.
+            unsafe { bpf_get_socket_cookie(self.0.cast()) }
+        }
+    }
+
+    /// If `key` (a TCP destination) is a live redirected Service: records it under the
+    /// socket's cookie in `origdst` for getpeername, points the connect at the balancer
+    /// (`set_addr` writes the address) and returns true.
     #[inline(always)]
-    fn lookup(sock_type: u32, key: &ServiceKey4) -> Option<Redirect4> {
-        if sock_type != SOCK_STREAM {
-            return None;
+    fn redirect<A: Copy>(
+        sa: &SockAddr,
+        redirects: &HashMap<ServiceKey<A>, Redirect<A>>,
+        origdst: &LruHashMap<u64, ServiceKey<A>>,
+        key: ServiceKey<A>,
+        set_addr: impl FnOnce(&SockAddr, A),
+    ) -> bool {
+        if sa.sock_type() != SOCK_STREAM {
+            return false;
         }
         // SAFETY: the value is copied out before the map can change under us.
-        let target = unsafe { REDIRECT4.get(key) }.copied()?;
-        live(target.enabled).then_some(target)
-    }
-
-    /// [`lookup`] for native IPv6 destinations.
-    #[inline(always)]
-    fn lookup6(sock_type: u32, key: &ServiceKey6) -> Option<Redirect6> {
-        if sock_type != SOCK_STREAM {
-            return None;
+        let Some(target) = (unsafe { redirects.get(key) }).copied() else {
+            return false;
+        };
+        if !live(target.enabled) {
+            return false;
         }
-        // SAFETY: the value is copied out before the map can change under us.
-        let target = unsafe { REDIRECT6.get(key) }.copied()?;
-        live(target.enabled).then_some(target)
-    }
-
-    /// Records where a redirected socket wanted to go, for getpeername.
-    #[inline(always)]
-    fn remember(ctx: &SockAddrContext, key: &ServiceKey4) {
-        // SAFETY: sock_addr programs may call bpf_get_socket_cookie on their context.
-        let cookie = unsafe { bpf_get_socket_cookie(ctx.sock_addr.cast()) };
-        if ORIGDST.insert(cookie, key, 0).is_err() {
+        if origdst.insert(sa.cookie(), key, 0).is_err() {
             count(Counter::OrigDstUpdateFailed);
         }
+        set_addr(sa, target.addr);
+        sa.set_port(target.port);
+        true
     }
 
-    /// [`remember`] for native IPv6 destinations.
+    /// The Service address a redirected socket asked for, from `origdst`.
     #[inline(always)]
-    fn remember6(ctx: &SockAddrContext, key: &ServiceKey6) {
-        // SAFETY: as in `remember`.
-        let cookie = unsafe { bpf_get_socket_cookie(ctx.sock_addr.cast()) };
-        if ORIGDST6.insert(cookie, key, 0).is_err() {
-            count(Counter::OrigDstUpdateFailed);
-        }
-    }
-
-    #[inline(always)]
-    fn original6(ctx: &SockAddrContext) -> Option<ServiceKey6> {
-        // SAFETY: as in `remember`.
-        let cookie = unsafe { bpf_get_socket_cookie(ctx.sock_addr.cast()) };
+    fn original<A: Copy>(
+        origdst: &LruHashMap<u64, ServiceKey<A>>,
+        cookie: u64,
+    ) -> Option<ServiceKey<A>> {
         // SAFETY: the value is copied out immediately.
-        unsafe { ORIGDST6.get(cookie) }.copied()
+        unsafe { origdst.get(cookie) }.copied()
     }
 
+    /// If the socket was redirected (its cookie is in `origdst`): reports the Service address
+    /// it asked for (`set_addr` writes the address) and returns true.
     #[inline(always)]
-    fn original(ctx: &SockAddrContext) -> Option<ServiceKey4> {
-        // SAFETY: as in `remember`.
-        let cookie = unsafe { bpf_get_socket_cookie(ctx.sock_addr.cast()) };
-        // SAFETY: the value is copied out immediately.
-        unsafe { ORIGDST.get(cookie) }.copied()
-    }
-
-    /// Reads `user_ip6` one word at a time with volatile loads from the field addresses:
-    /// otherwise the compiler forms `ctx + 8` in a register and loads through it, which the
-    /// verifier rejects ("dereference of modified ctx ptr").
-    #[inline(always)]
-    fn read_ip6(sa: *const bpf_sock_addr) -> [u32; 4] {
-        // SAFETY: `sa` is the kernel-provided context, valid for the whole run; each address
-        // is a field of it, so the verifier sees constant-offset context loads.
-        unsafe {
-            [
-                core::ptr::read_volatile(&raw const (*sa).user_ip6[0]),
-                core::ptr::read_volatile(&raw const (*sa).user_ip6[1]),
-                core::ptr::read_volatile(&raw const (*sa).user_ip6[2]),
-                core::ptr::read_volatile(&raw const (*sa).user_ip6[3]),
-            ]
-        }
-    }
-
-    /// Writes `user_ip6` one word at a time, for the same reason as [`read_ip6`].
-    #[inline(always)]
-    fn write_ip6(sa: *mut bpf_sock_addr, addr: [u32; 4]) {
-        // SAFETY: as in `read_ip6`; sock_addr programs may write user_ip6 in 4-byte stores.
-        unsafe {
-            core::ptr::write_volatile(&raw mut (*sa).user_ip6[0], addr[0]);
-            core::ptr::write_volatile(&raw mut (*sa).user_ip6[1], addr[1]);
-            core::ptr::write_volatile(&raw mut (*sa).user_ip6[2], addr[2]);
-            core::ptr::write_volatile(&raw mut (*sa).user_ip6[3], addr[3]);
-        }
+    fn restore<A: Copy>(
+        sa: &SockAddr,
+        origdst: &LruHashMap<u64, ServiceKey<A>>,
+        set_addr: impl FnOnce(&SockAddr, A),
+    ) -> bool {
+        let Some(orig) = original(origdst, sa.cookie()) else {
+            return false;
+        };
+        set_addr(sa, orig.addr);
+        sa.set_port(orig.port);
+        count(Counter::PeerNameRestored);
+        true
     }
 
     #[cgroup_sock_addr(connect4)]
     pub fn connect4(ctx: SockAddrContext) -> i32 {
         count(Counter::Connect4Seen);
-        // SAFETY: `sock_addr` is the kernel-provided context, valid for the whole run; the
-        // verifier checks every field access against bpf_sock_addr.
-        let sa = unsafe { &mut *ctx.sock_addr };
-        let key = ServiceKey4::new(sa.user_ip4, sa.user_port as u16);
-        if let Some(target) = lookup(sa.type_, &key) {
-            remember(&ctx, &key);
-            sa.user_ip4 = target.addr;
-            sa.user_port = u32::from(target.port);
+        let sa = SockAddr::new(&ctx);
+        let key = ServiceKey4::new(sa.ip4(), sa.port());
+        if redirect(&sa, &REDIRECT4, &ORIGDST, key, SockAddr::set_ip4) {
             count(Counter::Connect4Redirected);
         }
         ALLOW
@@ -207,65 +267,41 @@ mod programs {
     #[cgroup_sock_addr(connect6)]
     pub fn connect6(ctx: SockAddrContext) -> i32 {
         count(Counter::Connect6Seen);
-        // SAFETY: as in connect4.
-        let sa = unsafe { &mut *ctx.sock_addr };
-        let ip6 = read_ip6(ctx.sock_addr);
-        if ip6[0] != 0 || ip6[1] != 0 || ip6[2] != V4_MAPPED_WORD {
-            // Native IPv6.
-            let key = ServiceKey6::new(ip6, sa.user_port as u16);
-            if let Some(target) = lookup6(sa.type_, &key) {
-                remember6(&ctx, &key);
-                write_ip6(ctx.sock_addr, target.addr);
-                sa.user_port = u32::from(target.port);
+        let sa = SockAddr::new(&ctx);
+        let ip6 = sa.ip6();
+        if ip6[0] == 0 && ip6[1] == 0 && ip6[2] == V4_MAPPED_WORD {
+            // A dual-stack socket reaching an IPv4 Service: only the IPv4 word changes.
+            let key = ServiceKey4::new(ip6[3], sa.port());
+            if redirect(&sa, &REDIRECT4, &ORIGDST, key, SockAddr::set_ip6_mapped) {
+                count(Counter::Connect6Redirected);
+            }
+        } else {
+            let key = ServiceKey6::new(ip6, sa.port());
+            if redirect(&sa, &REDIRECT6, &ORIGDST6, key, SockAddr::set_ip6) {
                 count(Counter::Connect6NativeRedirected);
             }
-            return ALLOW;
-        }
-        let key = ServiceKey4::new(ip6[3], sa.user_port as u16);
-        if let Some(target) = lookup(sa.type_, &key) {
-            remember(&ctx, &key);
-            sa.user_ip6[3] = target.addr;
-            sa.user_port = u32::from(target.port);
-            count(Counter::Connect6Redirected);
         }
         ALLOW
     }
 
     #[cgroup_sock_addr(getpeername4)]
     pub fn getpeername4(ctx: SockAddrContext) -> i32 {
-        if let Some(orig) = original(&ctx) {
-            // SAFETY: as in connect4.
-            let sa = unsafe { &mut *ctx.sock_addr };
-            sa.user_ip4 = orig.addr;
-            sa.user_port = u32::from(orig.port);
-            count(Counter::PeerNameRestored);
-        }
+        restore(&SockAddr::new(&ctx), &ORIGDST, SockAddr::set_ip4);
         ALLOW
     }
 
     #[cgroup_sock_addr(getpeername6)]
     pub fn getpeername6(ctx: SockAddrContext) -> i32 {
-        if let Some(orig) = original(&ctx) {
-            // An IPv4-mapped redirect: only the IPv4 word changed.
-            // SAFETY: as in connect4.
-            let sa = unsafe { &mut *ctx.sock_addr };
-            sa.user_ip6[3] = orig.addr;
-            sa.user_port = u32::from(orig.port);
-            count(Counter::PeerNameRestored);
-        } else if let Some(orig) = original6(&ctx) {
-            write_ip6(ctx.sock_addr, orig.addr);
-            // SAFETY: as in connect4.
-            let sa = unsafe { &mut *ctx.sock_addr };
-            sa.user_port = u32::from(orig.port);
-            count(Counter::PeerNameRestored);
+        let sa = SockAddr::new(&ctx);
+        // An IPv4-mapped redirect (only the IPv4 word changed), else a native IPv6 one.
+        if !restore(&sa, &ORIGDST, SockAddr::set_ip6_mapped) {
+            restore(&sa, &ORIGDST6, SockAddr::set_ip6);
         }
         ALLOW
     }
 
     /// Return value of sock_ops programs; the kernel ignores it for the callbacks used here.
     const SOCK_OPS_OK: u32 = 1;
-    const AF_INET: u32 = 2;
-    const AF_INET6: u32 = 10;
 
     #[sock_ops]
     pub fn sock_ops(ctx: SockOpsContext) -> u32 {
@@ -324,10 +360,11 @@ mod programs {
             local: [l, 0, 0, 0],
             remote: [r, 0, 0, 0],
         };
+        // `FAMILY_*` are the kernel's AF_INET / AF_INET6, as `bpf_sock_ops.family` holds them.
         match family {
-            AF_INET => Some(v4(l4, r4)),
-            AF_INET6 if mapped(l6) && mapped(r6) => Some(v4(l6[3], r6[3])),
-            AF_INET6 => Some(Addrs {
+            FAMILY_INET => Some(v4(l4, r4)),
+            FAMILY_INET6 if mapped(l6) && mapped(r6) => Some(v4(l6[3], r6[3])),
+            FAMILY_INET6 => Some(Addrs {
                 family: FAMILY_INET6,
                 local: l6,
                 remote: r6,
@@ -341,13 +378,9 @@ mod programs {
     #[inline(always)]
     fn origin(family: u32, cookie: u64) -> Option<([u32; 4], u16)> {
         if family == FAMILY_INET6 {
-            // SAFETY: the value is copied out immediately.
-            let o = unsafe { ORIGDST6.get(cookie) }.copied()?;
-            Some((o.addr, o.port))
+            original(&ORIGDST6, cookie).map(|o| (o.addr, o.port))
         } else {
-            // SAFETY: the value is copied out immediately.
-            let o = unsafe { ORIGDST.get(cookie) }.copied()?;
-            Some(([o.addr, 0, 0, 0], o.port))
+            original(&ORIGDST, cookie).map(|o| ([o.addr, 0, 0, 0], o.port))
         }
     }
 
