@@ -28,8 +28,9 @@ use aya::{
         sock_ops::SockOpsLinkId,
     },
 };
+pub use skewless_common::Counter;
 use skewless_common::{
-    CONNS_MAP, COUNTERS_MAP, Conn, Counter, FAMILY_INET6, HEARTBEAT_MAP, REDIRECT4_CAPACITY,
+    CONNS_MAP, COUNTERS_LEN, COUNTERS_MAP, Conn, FAMILY_INET6, HEARTBEAT_MAP, REDIRECT4_CAPACITY,
     REDIRECT4_MAP, REDIRECT6_CAPACITY, REDIRECT6_MAP, Redirect4, Redirect6, ServiceKey4,
     ServiceKey6,
 };
@@ -103,32 +104,38 @@ impl Attachment {
     }
 }
 
-/// Kernel-side counters, summed over CPUs.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Counters {
-    pub connect4_seen: u64,
-    pub connect4_redirected: u64,
-    pub connect4_disabled: u64,
-    pub connect6_seen: u64,
-    /// connect6 calls to IPv4-mapped Service addresses that were redirected.
-    pub connect6_redirected: u64,
-    /// connect6 calls to native IPv6 Service addresses that were redirected.
-    pub connect6_native_redirected: u64,
-    pub peername_restored: u64,
-    pub origdst_update_failed: u64,
-    pub stale_heartbeat: u64,
-    /// Active TCP connections established in attached cgroups.
-    pub conn_established: u64,
-    /// Connection records that could not be written (those connections are not observed).
-    pub conn_update_failed: u64,
-    /// Connections whose byte and close updates could not be enabled.
-    pub conn_cb_flags_failed: u64,
-    /// Connections not recorded because of their address family (neither IPv4 nor IPv6).
-    pub conn_skipped_family: u64,
-    /// Native IPv6 connections recorded (also in `conn_established`).
-    pub conn_established6: u64,
-    /// Received packets whose connection record got fresh byte counts (cgroup_skb ingress).
-    pub conn_ingress_refreshed: u64,
+/// Kernel-side counters, summed over CPUs: one value per [`Counter`], so a new counter is a
+/// line in `skewless-common` and nothing here. Index it with a [`Counter`].
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct Counters([u64; COUNTERS_LEN as usize]);
+
+impl Counters {
+    /// Every counter with its value, in index order.
+    pub fn iter(&self) -> impl Iterator<Item = (Counter, u64)> + '_ {
+        Counter::ALL.into_iter().zip(self.0)
+    }
+}
+
+impl Default for Counters {
+    fn default() -> Self {
+        Self([0; COUNTERS_LEN as usize])
+    }
+}
+
+impl std::ops::Index<Counter> for Counters {
+    type Output = u64;
+
+    fn index(&self, counter: Counter) -> &u64 {
+        &self.0[counter.index() as usize]
+    }
+}
+
+impl std::fmt::Debug for Counters {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_map()
+            .entries(self.iter().map(|(c, v)| (c.name(), v)))
+            .finish()
+    }
 }
 
 /// One client TCP connection from an attached cgroup, as its socket sees it.
@@ -505,33 +512,18 @@ impl Datapath {
     /// # Errors
     /// When the counter map cannot be read.
     pub fn counters(&self) -> Result<Counters, Error> {
-        let read = |c: Counter| -> Result<u64, Error> {
+        let mut counters = Counters::default();
+        for counter in Counter::ALL {
             let per_cpu = self
                 .counters
-                .get(&(c as u32), 0)
+                .get(&counter.index(), 0)
                 .map_err(|source| Error::Map {
                     name: COUNTERS_MAP,
                     source,
                 })?;
-            Ok(per_cpu.iter().sum())
-        };
-        Ok(Counters {
-            connect4_seen: read(Counter::Connect4Seen)?,
-            connect4_redirected: read(Counter::Connect4Redirected)?,
-            connect4_disabled: read(Counter::Connect4Disabled)?,
-            connect6_seen: read(Counter::Connect6Seen)?,
-            connect6_redirected: read(Counter::Connect6Redirected)?,
-            connect6_native_redirected: read(Counter::Connect6NativeRedirected)?,
-            peername_restored: read(Counter::PeerNameRestored)?,
-            origdst_update_failed: read(Counter::OrigDstUpdateFailed)?,
-            stale_heartbeat: read(Counter::StaleHeartbeat)?,
-            conn_established: read(Counter::ConnEstablished)?,
-            conn_update_failed: read(Counter::ConnUpdateFailed)?,
-            conn_cb_flags_failed: read(Counter::ConnCbFlagsFailed)?,
-            conn_skipped_family: read(Counter::ConnSkippedFamily)?,
-            conn_established6: read(Counter::ConnEstablished6)?,
-            conn_ingress_refreshed: read(Counter::ConnIngressRefreshed)?,
-        })
+            counters.0[counter.index() as usize] = per_cpu.iter().sum();
+        }
+        Ok(counters)
     }
 
     /// The client connections recorded by the `sock_ops` program: open ones and closed ones
@@ -741,6 +733,19 @@ mod tests {
         );
         assert_eq!(key.port.to_ne_bytes(), 8080u16.to_be_bytes());
         assert_eq!(socket_addr6(key.addr, key.port), addr);
+    }
+
+    #[test]
+    fn counters_are_indexed_and_shown_by_name() {
+        let mut c = Counters::default();
+        c.0[Counter::StaleHeartbeat.index() as usize] = 3;
+        assert_eq!(c[Counter::StaleHeartbeat], 3);
+        assert_eq!(c[Counter::Connect4Seen], 0);
+        assert_eq!(c.iter().count(), Counter::ALL.len());
+        assert!(
+            format!("{c:?}").contains("\"StaleHeartbeat\": 3"),
+            "Debug names each counter: {c:?}"
+        );
     }
 
     fn record(family: u32, local: [u32; 4], remote: [u32; 4], orig: [u32; 4]) -> Conn {

@@ -14,7 +14,7 @@ use std::{
 };
 
 use skewless_datapath::{
-    Datapath,
+    Counter, Datapath,
     conntrack::{Attributed, Conntrack, Resolver, Via, attribute},
 };
 use skewless_observe::{Sample, ServiceSpec, Snapshot, aggregate};
@@ -269,16 +269,19 @@ fn dnat_case(family: Family) {
         "every server that answered receives traffic: {report:?}"
     );
     let counters = dp.counters().unwrap();
-    assert!(counters.conn_established >= n as u64, "{counters:?}");
+    assert!(
+        counters[Counter::ConnEstablished] >= n as u64,
+        "{counters:?}"
+    );
     if family == Family::V6 {
         assert!(
-            counters.conn_established6 >= n as u64,
+            counters[Counter::ConnEstablished6] >= n as u64,
             "native IPv6 connections must be counted as such: {counters:?}"
         );
     }
-    assert_eq!(counters.conn_update_failed, 0, "{counters:?}");
-    assert_eq!(counters.conn_cb_flags_failed, 0, "{counters:?}");
-    assert_eq!(counters.conn_skipped_family, 0, "{counters:?}");
+    assert_eq!(counters[Counter::ConnUpdateFailed], 0, "{counters:?}");
+    assert_eq!(counters[Counter::ConnCbFlagsFailed], 0, "{counters:?}");
+    assert_eq!(counters[Counter::ConnSkippedFamily], 0, "{counters:?}");
 }
 
 #[test]
@@ -476,7 +479,7 @@ fn download_only_connection_shows_growing_bytes_while_open() {
     let tb = stream_bed();
     let mut dp = Datapath::load().expect("eBPF programs load");
     let _attachment = dp.attach(&tb.pod("client").unwrap().cgroup).unwrap();
-    let refreshed_before = dp.counters().unwrap().conn_ingress_refreshed;
+    let refreshed_before = dp.counters().unwrap()[Counter::ConnIngressRefreshed];
     let Download {
         mut child,
         mut lines,
@@ -502,7 +505,7 @@ fn download_only_connection_shows_growing_bytes_while_open() {
         first.bytes_received,
         second.bytes_received
     );
-    let refreshed = dp.counters().unwrap().conn_ingress_refreshed - refreshed_before;
+    let refreshed = dp.counters().unwrap()[Counter::ConnIngressRefreshed] - refreshed_before;
     assert!(refreshed > 0, "the ingress program must have run");
 
     let total: u64 = lines
@@ -545,7 +548,7 @@ fn detach_stops_recording_and_refreshing() {
     std::thread::sleep(Duration::from_millis(300));
     let attached = dp.counters().unwrap();
     assert!(
-        attached.conn_ingress_refreshed > 0,
+        attached[Counter::ConnIngressRefreshed] > 0,
         "attached: the ingress program must run: {attached:?}"
     );
     let known: std::collections::BTreeSet<u64> =
@@ -560,15 +563,16 @@ fn detach_stops_recording_and_refreshing() {
         "the download must still be running for the check to mean anything"
     );
     assert_eq!(
-        (c2.conn_ingress_refreshed, r2.bytes_received),
-        (c1.conn_ingress_refreshed, r1.bytes_received),
+        (c2[Counter::ConnIngressRefreshed], r2.bytes_received),
+        (c1[Counter::ConnIngressRefreshed], r1.bytes_received),
         "detached: the ingress program may not refresh the still-flowing download"
     );
 
     talk(&tb, vip(Family::V6), 10, 4096);
     let c3 = dp.counters().unwrap();
     assert_eq!(
-        c3.conn_established, c1.conn_established,
+        c3[Counter::ConnEstablished],
+        c1[Counter::ConnEstablished],
         "detached: sock_ops may not run"
     );
     let new: Vec<_> = dp

@@ -3,7 +3,7 @@
 
 use std::net::{SocketAddrV4, SocketAddrV6};
 
-use skewless_datapath::Datapath;
+use skewless_datapath::{Counter, Datapath};
 use skewless_testbed::fixtures::IdentBed;
 
 #[test]
@@ -85,15 +85,17 @@ fn connect_to_listed_vip_port_is_redirected_and_nothing_else_is() {
 
     let counters = dp.counters().unwrap();
     assert_eq!(
-        counters.connect4_redirected, n as u64,
+        counters[Counter::Connect4Redirected],
+        n as u64,
         "kernel counter must match: {counters:?}"
     );
     assert_eq!(
-        counters.connect6_redirected, 100,
+        counters[Counter::Connect6Redirected],
+        100,
         "connect6 counter must match: {counters:?}"
     );
     assert_eq!(
-        counters.peername_restored,
+        counters[Counter::PeerNameRestored],
         n as u64 + 100,
         "every redirected socket's getpeername must be restored once: {counters:?}"
     );
@@ -174,7 +176,7 @@ fn connect_to_listed_native_ipv6_vip_port_is_redirected_and_nothing_else_is() {
         "attached without an entry: the IPv6 VIP must reach the pods, got {no_entry:?}"
     );
     let before = dp.counters().unwrap();
-    assert_eq!(before.connect6_native_redirected, 0, "{before:?}");
+    assert_eq!(before[Counter::Connect6NativeRedirected], 0, "{before:?}");
 
     dp.set_redirect6(vip6, IdentBed::balancer6()).unwrap();
     let n = 500;
@@ -238,13 +240,15 @@ fn connect_to_listed_native_ipv6_vip_port_is_redirected_and_nothing_else_is() {
 
     let counters = dp.counters().unwrap();
     assert_eq!(
-        counters.connect6_native_redirected, n as u64,
+        counters[Counter::Connect6NativeRedirected],
+        n as u64,
         "kernel counter must match: {counters:?}"
     );
-    assert_eq!(counters.connect6_redirected, 0, "{counters:?}");
-    assert_eq!(counters.connect4_redirected, 0, "{counters:?}");
+    assert_eq!(counters[Counter::Connect6Redirected], 0, "{counters:?}");
+    assert_eq!(counters[Counter::Connect4Redirected], 0, "{counters:?}");
     assert_eq!(
-        counters.peername_restored, n as u64,
+        counters[Counter::PeerNameRestored],
+        n as u64,
         "every redirected socket's getpeername must be restored once: {counters:?}"
     );
 
@@ -256,7 +260,7 @@ fn connect_to_listed_native_ipv6_vip_port_is_redirected_and_nothing_else_is() {
         stale.all_servers(),
         "with a stale heartbeat the IPv6 VIP must reach the pods: {stale:?}"
     );
-    assert!(dp.counters().unwrap().stale_heartbeat >= 20);
+    assert!(dp.counters().unwrap()[Counter::StaleHeartbeat] >= 20);
     // From here on the heartbeat is kept fresh, as the agent keeps it: a probe starts a process
     // in the pod, which on a busy machine takes longer than the hooks' 750 ms limit, and a stale
     // heartbeat would make the plain-L4 checks below pass whatever the map says.

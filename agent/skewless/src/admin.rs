@@ -18,7 +18,7 @@ use skewless_admin::{
     collector::{Kernel, Metrics, Scrape},
     json::{ObservedService, RedirectStatus, Status},
 };
-use skewless_datapath::{Counters, Datapath};
+use skewless_datapath::{Counter, Counters, Datapath};
 use tokio::net::TcpListener;
 use tracing::{debug, warn};
 
@@ -142,14 +142,14 @@ fn kernel(state: &State) -> Result<(Counters, Vec<RedirectStatus>)> {
 /// The kernel's counters as exported: IPv4 and IPv6 summed.
 fn exported(c: &Counters) -> Kernel {
     Kernel {
-        connect_seen: c.connect4_seen + c.connect6_seen,
-        connect_redirected: c.connect4_redirected
-            + c.connect6_redirected
-            + c.connect6_native_redirected,
-        stale_heartbeat: c.stale_heartbeat,
-        origdst_update_failed: c.origdst_update_failed,
-        observed_connections: c.conn_established,
-        observed_record_failed: c.conn_update_failed + c.conn_cb_flags_failed,
+        connect_seen: c[Counter::Connect4Seen] + c[Counter::Connect6Seen],
+        connect_redirected: c[Counter::Connect4Redirected]
+            + c[Counter::Connect6Redirected]
+            + c[Counter::Connect6NativeRedirected],
+        stale_heartbeat: c[Counter::StaleHeartbeat],
+        origdst_update_failed: c[Counter::OrigDstUpdateFailed],
+        observed_connections: c[Counter::ConnEstablished],
+        observed_record_failed: c[Counter::ConnUpdateFailed] + c[Counter::ConnCbFlagsFailed],
     }
 }
 
