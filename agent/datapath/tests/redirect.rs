@@ -143,11 +143,11 @@ fn connect_to_listed_native_ipv6_vip_port_is_redirected_and_nothing_else_is() {
     let bed = IdentBed::new().expect("testbed builds (needs root)");
     let vip6 = IdentBed::vip6();
     let mut dp = Datapath::load().expect("eBPF programs load");
-    dp.set_redirect6(vip6, IdentBed::balancer6()).unwrap();
-    assert_eq!(dp.redirects6(), vec![(vip6, IdentBed::balancer6())]);
-    assert!(
-        dp.redirects().is_empty(),
-        "IPv6 entries stay out of the IPv4 map"
+    dp.set_redirect(vip6, IdentBed::balancer6()).unwrap();
+    assert_eq!(
+        dp.redirects(),
+        vec![(vip6.into(), IdentBed::balancer6().into())],
+        "one IPv6 entry, and none in the IPv4 map"
     );
 
     // Control: the IPv6 DNAT spreads connections over the pods, and the balancer stand-in
@@ -168,8 +168,8 @@ fn connect_to_listed_native_ipv6_vip_port_is_redirected_and_nothing_else_is() {
         .attach(&bed.tb.pod("client").unwrap().cgroup)
         .expect("attach to the client cgroup");
     // With the program attached but no entry, the IPv6 VIP still reaches the pods.
-    dp.remove_redirect6(vip6).unwrap();
-    assert!(dp.redirects6().is_empty());
+    dp.remove_redirect(vip6).unwrap();
+    assert!(dp.redirects().is_empty());
     let no_entry = bed.probe("client", vip6, 60).unwrap();
     assert!(
         no_entry.all_servers() && no_entry.0.len() > 1,
@@ -178,7 +178,7 @@ fn connect_to_listed_native_ipv6_vip_port_is_redirected_and_nothing_else_is() {
     let before = dp.counters().unwrap();
     assert_eq!(before[Counter::Connect6NativeRedirected], 0, "{before:?}");
 
-    dp.set_redirect6(vip6, IdentBed::balancer6()).unwrap();
+    dp.set_redirect(vip6, IdentBed::balancer6()).unwrap();
     let n = 500;
     let redirected = bed.probe("client", vip6, n).unwrap();
     assert!(
@@ -271,13 +271,13 @@ fn connect_to_listed_native_ipv6_vip_port_is_redirected_and_nothing_else_is() {
     );
 
     // Disabling by removal and detaching both restore plain L4.
-    dp.remove_redirect6(vip6).unwrap();
+    dp.remove_redirect(vip6).unwrap();
     let removed = beating(&mut dp, || bed.probe("client", vip6, 30).unwrap());
     assert!(
         removed.all_servers(),
         "after removing the entry the IPv6 VIP must reach the pods: {removed:?}"
     );
-    dp.set_redirect6(vip6, IdentBed::balancer6()).unwrap();
+    dp.set_redirect(vip6, IdentBed::balancer6()).unwrap();
     let readded = beating(&mut dp, || bed.probe("client", vip6, 10).unwrap());
     assert!(
         readded.only("balancer"),

@@ -124,17 +124,13 @@ fn kernel(state: &State) -> Result<(Counters, Vec<RedirectStatus>)> {
         .datapath
         .lock()
         .map_err(|_| anyhow::anyhow!("datapath lock poisoned"))?;
-    let v4 = dp
+    let redirects = dp
         .redirects()
         .into_iter()
-        .map(|(s, t)| (s.to_string(), t.to_string()));
-    let v6 = dp
-        .redirects6()
-        .into_iter()
-        .map(|(s, t)| (s.to_string(), t.to_string()));
-    let redirects = v4
-        .chain(v6)
-        .map(|(service, target)| RedirectStatus { service, target })
+        .map(|(service, target)| RedirectStatus {
+            service: service.to_string(),
+            target: target.to_string(),
+        })
         .collect();
     Ok((dp.counters()?, redirects))
 }

@@ -313,18 +313,11 @@ pub trait Redirector: Send {
 
 impl Redirector for Datapath {
     fn set_redirect(&mut self, service: SocketAddr, target: SocketAddr) -> Result<(), Error> {
-        match (service, target) {
-            (SocketAddr::V4(s), SocketAddr::V4(t)) => Datapath::set_redirect(self, s, t),
-            (SocketAddr::V6(s), SocketAddr::V6(t)) => self.set_redirect6(s, t),
-            _ => Err(Error::FamilyMismatch { service, target }),
-        }
+        Datapath::set_redirect(self, service, target)
     }
 
     fn remove_redirect(&mut self, service: SocketAddr) -> Result<(), Error> {
-        match service {
-            SocketAddr::V4(s) => Datapath::remove_redirect(self, s),
-            SocketAddr::V6(s) => self.remove_redirect6(s),
-        }
+        Datapath::remove_redirect(self, service)
     }
 }
 

@@ -79,9 +79,9 @@ impl Redirector for Fake {
 
 /// An error the kernel datapath returns; which one does not matter to the reconciler.
 fn map_full(vip: SocketAddr) -> Error {
-    match vip {
-        SocketAddr::V4(addr) => Error::RedirectMapFull { addr, capacity: 1 },
-        SocketAddr::V6(addr) => Error::Redirect6MapFull { addr, capacity: 1 },
+    Error::RedirectMapFull {
+        addr: vip,
+        capacity: 1,
     }
 }
 
