@@ -1,4 +1,4 @@
-//! Attaching the programs to pod cgroups, all or nothing.
+//! Attaching the programs to pod cgroups, all or nothing, and never to the hierarchy root.
 
 use std::{
     fs::File,
@@ -41,14 +41,15 @@ enum Link {
 
 impl Datapath {
     /// Attaches every program to the cgroup v2 directory `cgroup` (a pod's cgroup, or the
-    /// kubelet's parent of all pods — never the root of the hierarchy, which would affect the
-    /// whole machine), all or nothing: a pod with connect4 but no getpeername4 would see the
-    /// balancer's address as its peer.
+    /// kubelet's parent of all pods), all or nothing: a pod with connect4 but no getpeername4
+    /// would see the balancer's address as its peer.
     ///
     /// # Errors
-    /// When the cgroup cannot be opened or the kernel refuses an attachment (those made
-    /// before are undone).
+    /// When `cgroup` is not a child cgroup (the root of the hierarchy would put every process
+    /// on the machine behind the hooks: refused before anything is attached), it cannot be
+    /// opened, or the kernel refuses an attachment (those made before are undone).
     pub fn attach(&mut self, cgroup: &Path) -> Result<Attachment, Error> {
+        ensure_child_cgroup(cgroup)?;
         let file = File::open(cgroup).map_err(|source| Error::OpenCgroup {
             path: cgroup.to_owned(),
             source,
@@ -135,5 +136,69 @@ impl Datapath {
             }
         }
         first_err.map_or(Ok(()), Err)
+    }
+}
+
+/// Checks that `cgroup` may be attached to: a child cgroup, never the root of the hierarchy
+/// (which would put every process on the machine behind the hooks). [`Datapath::attach`]
+/// checks it; callers can check their paths before loading anything.
+///
+/// # Errors
+/// [`Error::NotChildCgroup`] otherwise.
+pub fn ensure_child_cgroup(cgroup: &Path) -> Result<(), Error> {
+    if is_child_cgroup(cgroup) {
+        Ok(())
+    } else {
+        Err(Error::NotChildCgroup {
+            path: cgroup.to_owned(),
+        })
+    }
+}
+
+/// Whether `dir` is a cgroup (it has `cgroup.procs`) whose parent is one too: the root of a
+/// cgroup hierarchy has no cgroup for a parent.
+fn is_child_cgroup(dir: &Path) -> bool {
+    let is_cgroup = |d: &Path| d.join("cgroup.procs").is_file();
+    is_cgroup(dir) && dir.parent().is_some_and(is_cgroup)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_cgroup_below_another_cgroup_is_a_child_cgroup() {
+        let tmp = tempfile::tempdir().expect("temp dir");
+        let root = tmp.path().join("root");
+        let child = root.join("pods");
+        let grandchild = child.join("pod-1");
+        std::fs::create_dir_all(&grandchild).unwrap();
+        assert!(
+            !is_child_cgroup(&child),
+            "no cgroup.procs anywhere: not a cgroup"
+        );
+        for dir in [&root, &child, &grandchild] {
+            std::fs::write(dir.join("cgroup.procs"), b"").unwrap();
+        }
+        assert!(
+            !is_child_cgroup(&root),
+            "a hierarchy root (parent not a cgroup) must be refused"
+        );
+        assert!(is_child_cgroup(&child));
+        assert!(is_child_cgroup(&grandchild));
+        assert!(
+            !is_child_cgroup(&tmp.path().join("missing")),
+            "a missing directory is not a cgroup"
+        );
+    }
+
+    #[test]
+    fn the_machines_cgroup_roots_are_refused() {
+        for root in ["/sys/fs/cgroup", "/sys/fs/cgroup/unified", "/"] {
+            assert!(
+                !is_child_cgroup(Path::new(root)),
+                "{root} is a hierarchy root (or no cgroup) and must never be attached to"
+            );
+        }
     }
 }

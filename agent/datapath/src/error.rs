@@ -25,6 +25,12 @@ pub enum Error {
         #[source]
         source: MapError,
     },
+    #[error(
+        "refusing to attach to {}: not a child cgroup below the cgroup v2 root (the root \
+         would redirect every process on the machine)",
+        path.display()
+    )]
+    NotChildCgroup { path: PathBuf },
     #[error("opening cgroup {}", path.display())]
     OpenCgroup {
         path: PathBuf,

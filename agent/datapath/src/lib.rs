@@ -4,7 +4,8 @@
 //! This is the only crate of the agent that talks to the kernel's BPF side (conntrack is read
 //! through `skewless-conntrack`). It owns the programs' lifetime and every map; it holds no
 //! policy: which Services are redirected, and when, is the agent's reconciler's business, and
-//! it never touches a cgroup it was not given.
+//! it never touches a cgroup it was not given — [`Datapath::attach`] refuses the root of a
+//! hierarchy, which would put every process on the machine behind the hooks.
 //!
 //! Attachments use bpf_link, so they live exactly as long as the [`Datapath`] (and the
 //! process) does: if the agent dies, the kernel detaches every program and new connections go
@@ -45,7 +46,7 @@ use skewless_common::{
 };
 use tracing::info;
 
-pub use attach::Attachment;
+pub use attach::{Attachment, ensure_child_cgroup};
 pub use connections::Connection;
 pub use counters::{Counter, Counters};
 pub use error::Error;

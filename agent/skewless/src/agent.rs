@@ -121,17 +121,8 @@ pub async fn run(args: Args) -> Result<()> {
         cgroups.push(pods_parent(&root)?);
     }
     for cg in &cgroups {
-        // A cgroup's parent is itself a cgroup (it has cgroup.procs) unless it is the root of
-        // the hierarchy, where a hook would catch every process on the machine.
-        let is_child_cgroup = cg.join("cgroup.procs").is_file()
-            && cg
-                .parent()
-                .is_some_and(|p| p.join("cgroup.procs").is_file());
-        anyhow::ensure!(
-            is_child_cgroup,
-            "refusing to attach to {}: not a child cgroup below the cgroup v2 root",
-            cg.display()
-        );
+        // Before anything is loaded; `attach` checks it again.
+        skewless_datapath::ensure_child_cgroup(cg)?;
     }
     let mut datapath = Datapath::load()
         .context("loading the eBPF programs (needs root or CAP_BPF+CAP_NET_ADMIN)")?;
