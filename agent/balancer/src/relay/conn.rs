@@ -16,6 +16,16 @@ use super::{RotateReason, Shared};
 /// counter), so its ACK is recognised and swallowed, every other ACK is forwarded.
 pub(super) const OUR_PING: [u8; 8] = *b"skwl\x00rot";
 
+/// Decodes the fixed part of a GOAWAY from the first `min(len, 8)` payload bytes (its debug
+/// data streams through unread).
+fn go_away_prefix<'a>(head: &Head, payload: &'a [u8]) -> Result<GoAway<'a>, FrameError> {
+    match payload.get(..8) {
+        Some(fixed) => GoAway::decode(&Head { len: 8, ..*head }, fixed),
+        // Shorter than 8 bytes: the decoder's length error.
+        None => GoAway::decode(head, payload),
+    }
+}
+
 /// Which peer a frame came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Side {
@@ -301,7 +311,7 @@ impl Conn {
                 }
             }
             Kind::GoAway => {
-                GoAway::decode(&Head { len: 8, ..*head }, &payload[..8])?;
+                go_away_prefix(head, payload)?;
                 Action::Forward
             }
             _ => Action::Pass,
@@ -373,7 +383,7 @@ impl Conn {
                 Action::Forward
             }
             Kind::GoAway => {
-                let g = GoAway::decode(&Head { len: 8, ..*head }, &payload[..8])?;
+                let g = go_away_prefix(head, payload)?;
                 self.shared
                     .stats
                     .backend_go_away
