@@ -67,6 +67,12 @@ impl Metrics {
             source.help_for_registry(),
             model.source_errors_family(),
         );
+        let dropped = names::WARNING_EVENTS_DROPPED;
+        registry.register(
+            dropped.name,
+            dropped.help_for_registry(),
+            model.warning_events_dropped_counter(),
+        );
         let current = Arc::new(Mutex::new(Scrape::default()));
         registry.register_collector(Box::new(AgentCollector(Arc::clone(&current))));
         Self {

@@ -186,11 +186,18 @@ pub const SOURCE_ERRORS: Family = Family::new(
     &["source"],
     "Failures to read Services and endpoints from a source (a failed watch, an unreadable or invalid file); the last good state stays in effect",
 );
+pub const WARNING_EVENTS_DROPPED: Family = Family::new(
+    "warning_events_dropped",
+    Kind::Counter,
+    &[],
+    "Warning Events about rejected Service configs that were not posted because the queue to the API server was full (the rejection is still logged and counted)",
+);
 
 /// Every family, in the order a scrape shows them.
 pub const ALL: &[Family] = &[
     SERVICE_CONFIG_REJECTED,
     SOURCE_ERRORS,
+    WARNING_EVENTS_DROPPED,
     CONNECT_SEEN,
     CONNECT_REDIRECTED,
     BALANCER_REFUSED,

@@ -14,7 +14,8 @@ use kube::{
     Api, Client,
     api::{PostParams, Resource},
 };
-use skewless_model::Rejection;
+use skewless_model::{Metrics, Rejection};
+use tokio::sync::mpsc;
 use tracing::{debug, warn};
 
 /// `reportingController` of our Events.
@@ -27,6 +28,40 @@ pub const ACTION: &str = "ApplyConfig";
 pub(crate) struct Report {
     pub(crate) rejection: Rejection,
     pub(crate) regarding: ObjectReference,
+}
+
+/// Reports waiting to be posted. Each distinct error is reported once per Service, so the
+/// queue only fills when the API server is slow and many Services go bad at once; it is
+/// bounded so that cannot grow the agent's memory without limit.
+pub(crate) const QUEUE: usize = 256;
+
+/// The index's end of the queue to the poster: never blocks, drops and counts when full.
+#[derive(Debug)]
+pub(crate) struct Queue {
+    tx: mpsc::Sender<Report>,
+    metrics: Metrics,
+}
+
+impl Queue {
+    /// A queue of `capacity` reports and the poster's end of it.
+    pub(crate) fn new(capacity: usize, metrics: Metrics) -> (Self, mpsc::Receiver<Report>) {
+        let (tx, rx) = mpsc::channel(capacity);
+        (Self { tx, metrics }, rx)
+    }
+
+    /// Queues a report, or drops and counts it when the poster is that far behind. The
+    /// rejection itself is already counted and logged by the index; only its Event is lost.
+    pub(crate) fn push(&self, report: Report) {
+        match self.tx.try_send(report) {
+            Ok(()) => {}
+            Err(mpsc::error::TrySendError::Full(report)) => {
+                self.metrics.warning_event_dropped();
+                debug!(service = %report.rejection.service, "warning event queue full; event dropped");
+            }
+            // The poster lives as long as the discovery loop; closed only at shutdown.
+            Err(mpsc::error::TrySendError::Closed(_)) => {}
+        }
+    }
 }
 
 /// Posts Events; owned by one task so that a slow API server never delays the index.
@@ -139,6 +174,32 @@ mod tests {
             uid: Some(uid.into()),
             ..ObjectReference::default()
         }
+    }
+
+    #[test]
+    fn a_full_queue_drops_and_counts_instead_of_growing() {
+        let metrics = Metrics::default();
+        let (queue, mut rx) = Queue::new(2, metrics.clone());
+        for value in ["a", "b", "c", "d", "e"] {
+            queue.push(Report {
+                rejection: mk_rejection(ConfigError::UnknownMode {
+                    value: value.into(),
+                }),
+                regarding: mk_ref("u1"),
+            });
+        }
+        assert_eq!(
+            metrics.warning_events_dropped_total(),
+            3,
+            "three did not fit"
+        );
+        let first = rx.try_recv().expect("the first report is kept");
+        assert!(
+            matches!(&first.rejection.error, ConfigError::UnknownMode { value } if value == "a"),
+            "the oldest reports are kept, the newest dropped"
+        );
+        assert!(rx.try_recv().is_ok());
+        assert!(rx.try_recv().is_err(), "only two were queued");
     }
 
     #[test]

@@ -131,7 +131,7 @@ impl Discovery {
             node_tx,
             synced_tx,
         } = self;
-        let (report_tx, report_rx) = mpsc::unbounded_channel();
+        let (report_tx, report_rx) = events::Queue::new(events::QUEUE, index.metrics().clone());
         let poster = events::EventPoster::new(client.clone(), config.node_name.clone());
         tokio::spawn(post_events(poster, report_rx).instrument(info_span!("events")));
 
@@ -187,7 +187,7 @@ struct State<'a> {
     synced_tx: &'a watch::Sender<bool>,
     services_listed: bool,
     slices_listed: bool,
-    reports: mpsc::UnboundedSender<events::Report>,
+    reports: events::Queue,
     /// Services seen since the last `Init`, applied at once on `InitDone`.
     services_init: Vec<Service>,
     slices_init: Vec<SliceInput>,
@@ -268,18 +268,14 @@ impl State<'_> {
         let Some(regarding) = regarding(&rejection.service) else {
             return;
         };
-        // The receiver lives as long as `run`; a send error only happens at shutdown.
-        let _ = self.reports.send(events::Report {
+        self.reports.push(events::Report {
             rejection,
             regarding,
         });
     }
 }
 
-async fn post_events(
-    poster: events::EventPoster,
-    mut reports: mpsc::UnboundedReceiver<events::Report>,
-) {
+async fn post_events(poster: events::EventPoster, mut reports: mpsc::Receiver<events::Report>) {
     while let Some(report) = reports.recv().await {
         poster.post(&report).await;
     }

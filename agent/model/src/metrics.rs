@@ -10,6 +10,7 @@ pub type ReasonLabels = [(&'static str, &'static str); 1];
 pub struct Metrics {
     rejected: Family<ReasonLabels, Counter>,
     source_errors: Family<SourceLabels, Counter>,
+    warning_events_dropped: Counter,
 }
 
 /// Label set: `source` is `kubernetes` or `file`.
@@ -26,6 +27,24 @@ impl Metrics {
     #[must_use]
     pub fn source_errors_family(&self) -> Family<SourceLabels, Counter> {
         self.source_errors.clone()
+    }
+
+    /// The counter of Warning Events dropped on a full queue, to register (`skewless-admin`
+    /// names it).
+    #[must_use]
+    pub fn warning_events_dropped_counter(&self) -> Counter {
+        self.warning_events_dropped.clone()
+    }
+
+    /// Counts a Warning Event that was not posted because the queue to the poster was full.
+    pub fn warning_event_dropped(&self) {
+        self.warning_events_dropped.inc();
+    }
+
+    /// Warning Events dropped so far (for tests and status).
+    #[must_use]
+    pub fn warning_events_dropped_total(&self) -> u64 {
+        self.warning_events_dropped.get()
     }
 
     pub(crate) fn rejected(&self, reason: &'static str) {
