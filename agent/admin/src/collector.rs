@@ -33,6 +33,8 @@ pub struct Kernel {
 /// Everything one scrape reports besides the model's counters.
 #[derive(Clone, Debug, Default)]
 pub struct Scrape {
+    /// Whether the agent has its first complete model (see [`names::MODEL_READY`]).
+    pub model_ready: bool,
     pub kernel: Kernel,
     /// Connections the balancers refused (peer outside the pod CIDRs).
     pub refused_peers: u64,
@@ -157,6 +159,11 @@ impl Collector for AgentCollector {
             ConstCounter::new(v).encode(m)?;
         }
 
+        let ready = names::MODEL_READY;
+        let help = ready.help();
+        let m = encoder.encode_descriptor(ready.name, &help, None, ready.kind.metric_type())?;
+        ConstGauge::new(i64::from(s.model_ready)).encode(m)?;
+
         let backends = || {
             s.services.iter().flat_map(|x| {
                 x.endpoints
@@ -230,6 +237,7 @@ mod tests {
 
     fn sample() -> Scrape {
         Scrape {
+            model_ready: true,
             kernel: Kernel {
                 connect_seen: 7,
                 connect_redirected: 5,

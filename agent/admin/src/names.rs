@@ -186,6 +186,12 @@ pub const SOURCE_ERRORS: Family = Family::new(
     &["source"],
     "Failures to read Services and endpoints from a source (a failed watch, an unreadable or invalid file); the last good state stays in effect",
 );
+pub const MODEL_READY: Family = Family::new(
+    "model_ready",
+    Kind::Gauge,
+    &[],
+    "Whether the agent has its first complete model (the services file read, or the first full list from Kubernetes): 1 once it has, 0 before, while nothing is redirected (fail open)",
+);
 pub const WARNING_EVENTS_DROPPED: Family = Family::new(
     "warning_events_dropped",
     Kind::Counter,
@@ -205,6 +211,7 @@ pub const ALL: &[Family] = &[
     ORIGDST_UPDATE_FAILED,
     OBSERVED_CONNECTIONS,
     OBSERVED_RECORD_FAILED,
+    MODEL_READY,
     BACKEND_REQUESTS,
     BACKEND_FAILURES,
     BACKEND_SHARE,

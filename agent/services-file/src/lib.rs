@@ -240,6 +240,9 @@ pub struct FileSource {
     last_text: Option<String>,
     /// Display of the last error reported, so an unchanged broken file is reported once.
     last_error: Option<String>,
+    /// Set once a file has been applied: until then the model is empty because nothing was
+    /// read, not because the file names no Service.
+    synced: watch::Sender<bool>,
 }
 
 impl FileSource {
@@ -252,7 +255,15 @@ impl FileSource {
             index: Index::new(metrics),
             last_text: None,
             last_error: None,
+            synced: watch::Sender::new(false),
         }
+    }
+
+    /// Becomes `true` once the file has been read and applied (a missing or invalid file
+    /// keeps it `false`). Gate readiness and redirects on it, as with Kubernetes discovery.
+    #[must_use]
+    pub fn synced(&self) -> watch::Receiver<bool> {
+        self.synced.subscribe()
     }
 
     /// Per-Service state, as with Kubernetes discovery.
@@ -278,7 +289,10 @@ impl FileSource {
         let inputs = parse(&self.path, &text)?;
         self.last_text = Some(text);
         debug!(services = inputs.services.len(), "file applied");
-        Ok(self.index.reset(&inputs.services, &inputs.slices))
+        let rejections = self.index.reset(&inputs.services, &inputs.slices);
+        self.synced
+            .send_if_modified(|s| !std::mem::replace(s, true));
+        Ok(rejections)
     }
 
     /// Follows the file forever: re-reads it a moment after inotify reports a change in its

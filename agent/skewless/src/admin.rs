@@ -24,14 +24,26 @@ use tracing::{debug, warn};
 
 use crate::{peers::PeerFilter, reconcile::Reconciler};
 
+/// Whether the agent has a model yet, and what it waits for until then (`/ready` says it).
+pub struct Readiness {
+    pub synced: tokio::sync::watch::Receiver<bool>,
+    pub waiting_for: String,
+}
+
+impl Readiness {
+    fn ready(&self) -> bool {
+        *self.synced.borrow()
+    }
+}
+
 pub struct State {
     peers: Arc<PeerFilter>,
     node: String,
     datapath: Arc<Mutex<Datapath>>,
     reconciler: Arc<tokio::sync::Mutex<Reconciler>>,
     metrics: Metrics,
-    /// With Kubernetes discovery: whether the first full list is in.
-    synced: Option<tokio::sync::watch::Receiver<bool>>,
+    /// With a model source: whether it has delivered its first complete model.
+    model: Option<Readiness>,
     /// The observer's latest per-Service reports.
     observed: Arc<Mutex<Vec<ObservedService>>>,
 }
@@ -43,7 +55,7 @@ impl State {
         datapath: Arc<Mutex<Datapath>>,
         reconciler: Arc<tokio::sync::Mutex<Reconciler>>,
         metrics: Metrics,
-        synced: Option<tokio::sync::watch::Receiver<bool>>,
+        model: Option<Readiness>,
         observed: Arc<Mutex<Vec<ObservedService>>>,
     ) -> Self {
         Self {
@@ -52,7 +64,7 @@ impl State {
             datapath,
             reconciler,
             metrics,
-            synced,
+            model,
             observed,
         }
     }
@@ -89,13 +101,16 @@ pub async fn serve(addr: SocketAddr, state: Arc<State>) -> Result<()> {
 async fn route(req: &Request<hyper::body::Incoming>, state: &State) -> Response<Full<Bytes>> {
     match req.uri().path() {
         "/live" => text(StatusCode::OK, "ok\n"),
-        "/ready" if state.synced.as_ref().is_none_or(|s| *s.borrow()) => {
-            text(StatusCode::OK, "ok\n")
-        }
-        "/ready" => text(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "waiting for the first list of Services and EndpointSlices\n",
-        ),
+        "/ready" => match &state.model {
+            Some(m) if !m.ready() => text(
+                StatusCode::SERVICE_UNAVAILABLE,
+                &format!(
+                    "no model yet: {}; nothing is redirected until then\n",
+                    m.waiting_for
+                ),
+            ),
+            _ => text(StatusCode::OK, "ok\n"),
+        },
         "/status" => match status_of(state).await {
             Ok(s) => Response::builder()
                 .header("content-type", "application/json")
@@ -172,6 +187,7 @@ async fn metrics_of(state: &State) -> Result<String> {
     let services = state.reconciler.lock().await.status();
     let (counters, _) = kernel(state)?;
     let scrape = Scrape {
+        model_ready: state.model.as_ref().is_none_or(Readiness::ready),
         kernel: exported(&counters),
         refused_peers: state.peers.refused(),
         services,

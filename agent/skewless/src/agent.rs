@@ -160,10 +160,17 @@ pub async fn run(args: Args) -> Result<()> {
         Arc::clone(&peers),
     )));
 
-    let mut synced = None;
+    let mut model = None;
     let snapshots = if let Some(path) = services_file {
-        let source =
-            skewless_services_file::FileSource::new(path, Duration::from_secs(1), model_metrics);
+        let source = skewless_services_file::FileSource::new(
+            path.clone(),
+            Duration::from_secs(1),
+            model_metrics,
+        );
+        model = Some(admin::Readiness {
+            synced: source.synced(),
+            waiting_for: format!("waiting for a valid services file at {}", path.display()),
+        });
         let snapshots = source.snapshots();
         tokio::spawn(source.run().instrument(info_span!("services_file")));
         Some(snapshots)
@@ -175,7 +182,12 @@ pub async fn run(args: Args) -> Result<()> {
             node_name: node_name.clone(),
         };
         let discovery = skewless_k8s::Discovery::new(client, config, model_metrics);
-        synced = Some(discovery.synced());
+        model = Some(admin::Readiness {
+            synced: discovery.synced(),
+            waiting_for: "waiting for the first full list of Services and EndpointSlices from \
+                          the Kubernetes API"
+                .to_owned(),
+        });
         let mut node = discovery.node();
         let peers = Arc::clone(&peers);
         tokio::spawn(async move {
@@ -207,8 +219,24 @@ pub async fn run(args: Args) -> Result<()> {
             .instrument(info_span!("observer")),
         );
         let reconciler = Arc::clone(&reconciler);
+        let mut synced = model.as_ref().map(|m| m.synced.clone());
         tokio::spawn(
             async move {
+                // Fail open until the source has delivered a complete model: an unreadable
+                // file, an unreachable API server, or a Service listed before its
+                // EndpointSlices must never redirect anything (a balancer without endpoints
+                // would fail every call).
+                if let Some(synced) = synced.as_mut() {
+                    if !*synced.borrow_and_update() {
+                        info!("no model yet: nothing is redirected until the source delivers one");
+                    }
+                    while !*synced.borrow_and_update() {
+                        if synced.changed().await.is_err() {
+                            return;
+                        }
+                    }
+                    info!("model complete: reconciling");
+                }
                 loop {
                     let snapshot = snapshots.borrow_and_update().clone();
                     reconciler.lock().await.apply(&snapshot).await;
@@ -231,7 +259,7 @@ pub async fn run(args: Args) -> Result<()> {
         Arc::clone(&datapath),
         Arc::clone(&reconciler),
         metrics,
-        synced,
+        model,
         observed,
     ));
     let server = tokio::spawn(admin::serve(admin_addr, Arc::clone(&state)));

@@ -424,3 +424,64 @@ async fn health_annotation_change_reconfigures_the_running_balancer_without_fail
         p.stop().await.unwrap();
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "privileged: needs root and the real kernel; run with `cargo xtask test`"]
+async fn agent_started_while_the_api_is_down_redirects_nothing_until_it_has_listed() {
+    let mut api = FakeApi::start().await;
+    api.apply(&mk_node());
+    api.apply(&mk_service(Some("request")));
+    api.apply(&mk_slice(2));
+
+    // The agent starts while the API server is down; what it shows meanwhile is sampled by a
+    // task of its own (`restart` holds the server down for 4 s).
+    let agent = std::sync::Arc::new(std::sync::Mutex::new(None));
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    api.restart(Duration::from_secs(4), |api| {
+        let (process, admin) = start_agent(api, "api-down");
+        *agent.lock().unwrap() = Some((process, admin.clone()));
+        let seen = std::sync::Arc::clone(&seen);
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+            for _ in 0..5 {
+                let ready = get(&admin, "/ready").await.map(|b| b.to_vec());
+                let metrics = get(&admin, "/metrics").await.map(|b| b.to_vec());
+                let s = status(&admin).await;
+                seen.lock().unwrap().push((ready, metrics, s));
+                tokio::time::sleep(Duration::from_millis(300)).await;
+            }
+        });
+    })
+    .await;
+    let samples = std::mem::take(&mut *seen.lock().unwrap());
+    assert!(
+        samples.len() >= 3,
+        "the agent must answer while the API is down"
+    );
+    for (ready, metrics, s) in samples {
+        let ready = String::from_utf8_lossy(&ready.expect("/ready answers")).into_owned();
+        assert!(
+            ready.contains("no model yet") && ready.contains("Kubernetes"),
+            "/ready must say the agent waits for the API: {ready:?}"
+        );
+        let metrics = String::from_utf8_lossy(&metrics.expect("/metrics answers")).into_owned();
+        assert!(
+            metrics.lines().any(|l| l == "skewless_model_ready 0"),
+            "model_ready must be 0 while the API is down:\n{metrics}"
+        );
+        let s = s.expect("/status answers");
+        assert!(
+            !redirected(&s),
+            "nothing may be redirected without a model: {s}"
+        );
+    }
+
+    // The API is back: the first full list arrives, and only then the redirect.
+    let admin = agent.lock().unwrap().as_ref().unwrap().1.clone();
+    until(&admin, "the listed Service is redirected", |s| {
+        redirected(s) && balancer_endpoints(s) == Some(2)
+    })
+    .await;
+    let ready = get(&admin, "/ready").await.unwrap();
+    assert_eq!(&ready[..], b"ok\n");
+}

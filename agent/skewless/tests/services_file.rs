@@ -98,3 +98,75 @@ async fn services_file_changes_reach_the_redirect_map_without_waiting_for_the_po
         );
     }
 }
+
+/// The body of `GET path` as text, once the agent answers.
+async fn text(admin: &str, path: &str) -> String {
+    let start = std::time::Instant::now();
+    loop {
+        if let Some(body) = admin_api::get(admin, path).await {
+            return String::from_utf8_lossy(&body).into_owned();
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "the admin API must come up"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "privileged: needs root and the real kernel; run with `cargo xtask test`"]
+async fn without_a_valid_services_file_nothing_is_redirected_and_ready_says_why() {
+    let dir = std::env::temp_dir().join(format!("skewless-nomodel-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("services.yaml");
+    let admin = admin_api::free_admin_addr();
+    let child = Command::new(env!("CARGO_BIN_EXE_skewless"))
+        .args([
+            "agent",
+            "--services-file",
+            &path.display().to_string(),
+            "--balancer-ip",
+            "127.0.0.1",
+            "--admin-addr",
+            &admin,
+        ])
+        .stdin(Stdio::null())
+        .spawn()
+        .unwrap();
+    let _agent = admin_api::AgentProcess { child, dir };
+
+    // No file, then a broken one: the agent has no model, redirects nothing, and says so.
+    for broken in [None, Some("services: [ {name: echo, clusterIPs: [")] {
+        if let Some(text) = broken {
+            std::fs::write(&path, text).unwrap();
+        }
+        // Past the 1 s poll: a reload has been tried.
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let ready = text(&admin, "/ready").await;
+        assert!(
+            ready.contains("no model yet") && ready.contains(&path.display().to_string()),
+            "/ready must say the agent waits for the file: {ready:?}"
+        );
+        let metrics = text(&admin, "/metrics").await;
+        assert!(
+            metrics.lines().any(|l| l == "skewless_model_ready 0"),
+            "the model_ready gauge must be 0 without a model:\n{metrics}"
+        );
+        let status = admin_api::status(&admin).await.unwrap();
+        assert_eq!(
+            status["redirects"].as_array().map(Vec::len),
+            Some(0),
+            "nothing may be redirected without a model: {status}"
+        );
+    }
+
+    write_services(&path, Some("request"));
+    until_redirected(&admin, true).await;
+    assert_eq!(text(&admin, "/ready").await, "ok\n");
+    let metrics = text(&admin, "/metrics").await;
+    assert!(
+        metrics.lines().any(|l| l == "skewless_model_ready 1"),
+        "the gauge must be 1 once the file is applied:\n{metrics}"
+    );
+}
