@@ -2,6 +2,7 @@
 //! commands a fresh machine needs; both install what is missing first.
 
 mod demo;
+mod fuzz;
 mod setup;
 
 use std::{path::PathBuf, process::Command, time::Instant};
@@ -20,8 +21,12 @@ struct Cli {
 enum Cmd {
     /// Install the eBPF toolchain, network tools, benchmark peers and Python gRPC (idempotent).
     Setup,
-    /// Run the test tiers: fmt, clippy (host and bpf), unit tests, privileged tests.
+    /// Run the test tiers: fmt, clippy (host and bpf), unit tests, fuzzing (30 s per
+    /// target), privileged tests.
     Test(TestArgs),
+    /// Run the cargo-fuzz targets (parsers of peer and user input) for longer than the test
+    /// tier does.
+    Fuzz(FuzzArgs),
     /// Show the problem on one machine: a pick_first gRPC client pinned to one of 5 pods.
     Demo(demo::Args),
     /// Benchmarks: the connect4 hook's run time per call (kernel accounting, needs root), then
@@ -36,7 +41,7 @@ enum Cmd {
 
 #[derive(clap::Args)]
 struct TestArgs {
-    /// Only the unprivileged tiers (fmt, clippy, unit tests).
+    /// Only the unprivileged tiers (fmt, clippy, unit tests, fuzzing).
     #[arg(long, conflicts_with = "privileged")]
     unit: bool,
     /// Only the privileged tests (real eBPF, network namespaces; needs root).
@@ -45,6 +50,16 @@ struct TestArgs {
     /// Passed to the test binaries, e.g. a test name filter.
     #[arg(last = true)]
     test_args: Vec<String>,
+}
+
+#[derive(clap::Args)]
+struct FuzzArgs {
+    /// Seconds per target.
+    #[arg(long, default_value_t = 300)]
+    secs: u64,
+    /// Only the targets whose name contains this (decode, annotations, services_file,
+    /// grpc_headers, frames).
+    target: Option<String>,
 }
 
 #[derive(clap::Args)]
@@ -78,6 +93,10 @@ fn main() -> Result<()> {
     match cmd {
         Cmd::Setup => setup::ensure_installed(true),
         Cmd::Test(args) => test(args),
+        Cmd::Fuzz(FuzzArgs { secs, target }) => {
+            setup::ensure_installed(false)?;
+            fuzz::run(secs, target.as_deref())
+        }
         Cmd::Demo(args) => {
             setup::ensure_installed(false)?;
             demo::run(&args)
@@ -299,6 +318,10 @@ fn test(args: TestArgs) -> Result<()> {
             .args(["test", "--workspace", "--"])
             .args(&test_args);
         tiers.push(("unit tests", unit_tests));
+        // This binary again, so the tier's output and failure go through the same runner.
+        let mut fuzzing = Command::new(std::env::current_exe()?);
+        fuzzing.args(["fuzz", "--secs", &fuzz::TEST_SECS.to_string()]);
+        tiers.push(("fuzzing (bounded)", fuzzing));
     }
     if !unit {
         if !is_root() {

@@ -33,6 +33,9 @@ const DEBIAN_PACKAGES: &[&str] = &[
 /// bpf-linker version that links objects from Debian's rustc-web (see EBPF-TOOLCHAIN.md).
 const BPF_LINKER_VERSION: &str = "0.13.0";
 
+/// cargo-fuzz version the fuzz tier runs (`cargo xtask fuzz`, `cargo xtask test`).
+const CARGO_FUZZ_VERSION: &str = "0.13.2";
+
 /// Python packages for the independent gRPC peers (grpcio clients and servers).
 const PYTHON_PACKAGES: &[&str] = &[
     "grpcio==1.85.*",
@@ -71,6 +74,11 @@ const STEPS: &[Step] = &[
         name: "rustfmt and clippy",
         missing: missing_rust_components,
         install: install_rust_components,
+    },
+    Step {
+        name: "cargo-fuzz (the fuzz tier)",
+        missing: missing_cargo_fuzz,
+        install: install_cargo_fuzz,
     },
     Step {
         name: "kubectl (renders deploy/ with kustomize)",
@@ -291,6 +299,27 @@ fn missing_rust_components() -> Option<String> {
 
 fn install_rust_components() -> Result<()> {
     run(Command::new("rustup").args(["component", "add", "rustfmt", "clippy"]))
+}
+
+fn missing_cargo_fuzz() -> Option<String> {
+    match output(Command::new("rustup").args(["run", "stable", "cargo", "fuzz", "--version"])) {
+        Ok(v) if v.contains(CARGO_FUZZ_VERSION) => None,
+        Ok(v) => Some(format!("found {}, need {CARGO_FUZZ_VERSION}", v.trim())),
+        Err(_) => Some(format!("building cargo-fuzz {CARGO_FUZZ_VERSION}")),
+    }
+}
+
+fn install_cargo_fuzz() -> Result<()> {
+    run(Command::new("rustup").args([
+        "run",
+        "stable",
+        "cargo",
+        "install",
+        "cargo-fuzz",
+        "--version",
+        CARGO_FUZZ_VERSION,
+        "--locked",
+    ]))
 }
 
 /// Runs a command with inherited output (so its progress is visible) and fails with the

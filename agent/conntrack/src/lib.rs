@@ -45,6 +45,10 @@ const RCVBUF: usize = 4 * 1024 * 1024;
 const RECV_BUF: usize = 64 * 1024;
 /// `TCP_CONNTRACK_ESTABLISHED` (include/uapi/linux/netfilter/nf_conntrack_tcp.h).
 const TCP_CONNTRACK_ESTABLISHED: u8 = 3;
+/// Message types below this are netlink's own (NOOP, ERROR, DONE, OVERRUN).
+const NLMSG_MIN_TYPE: u16 = 0x10;
+/// `NFNL_SUBSYS_CTNETLINK`: the high byte of a conntrack message's type.
+const NFNL_SUBSYS_CTNETLINK: u16 = 1;
 const ENOENT: i32 = 2;
 const EEXIST: i32 = 17;
 
@@ -219,6 +223,22 @@ pub fn decode(buf: &[u8]) -> Result<Vec<Reply>, Error> {
                 declared,
                 left,
             });
+        }
+        // Only ctnetlink (and netlink's own control messages) is handed to the decoder: the
+        // netfilter crate's other subsystems are not ours to parse, and its nftables parser
+        // panics on attribute lengths under 4 (found by the fuzz target).
+        let kind = u16::from_ne_bytes([buf[offset + 4], buf[offset + 5]]);
+        if kind >= NLMSG_MIN_TYPE && kind >> 8 != NFNL_SUBSYS_CTNETLINK {
+            out.push(Reply::Skipped {
+                seq: u32::from_ne_bytes([
+                    buf[offset + 8],
+                    buf[offset + 9],
+                    buf[offset + 10],
+                    buf[offset + 11],
+                ]),
+            });
+            offset += declared.next_multiple_of(4).min(left);
+            continue;
         }
         let msg = NetlinkMessage::<NetfilterMessage>::deserialize(&buf[offset..offset + declared])
             .map_err(|source| Error::Decode { offset, source })?;
@@ -645,6 +665,22 @@ mod tests {
                 },
                 Reply::Status { seq: 10, errno: 0 },
             ]
+        );
+    }
+
+    #[test]
+    fn messages_of_other_netfilter_subsystems_are_skipped_unparsed() {
+        // Found by the fuzz target: an nftables message (subsystem 10) whose attribute
+        // declares a length under 4 made the netfilter crate's parser panic.
+        let crash: [u8; 50] = [
+            0x29, 0x00, 0x00, 0x00, 0x09, 0x0a, 0x00, 0xf7, 0x00, 0xc7, 0x00, 0x00, 0x00, 0x00,
+            0x02, 0x00, 0x00, 0x10, 0x00, 0x00, 0x15, 0x00, 0x11, 0x00, 0x00, 0x00, 0x00, 0x00,
+            0x00, 0x25, 0x03, 0x00, 0x00, 0x00, 0x00, 0x03, 0x00, 0xff, 0x14, 0x00, 0x01, 0x00,
+            0x00, 0x03, 0x00, 0x00, 0x00, 0x00, 0x80, 0x00,
+        ];
+        assert_eq!(
+            decode(&crash).expect("a foreign message is skipped, not an error"),
+            [Reply::Skipped { seq: 0xc700 }]
         );
     }
 
