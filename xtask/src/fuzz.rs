@@ -38,13 +38,18 @@ pub(crate) const TARGETS: &[(&str, &str, &str)] = &[
         "grpc-timeout and grpc-status values",
     ),
     (
+        "agent/balancer/fuzz",
+        "relay",
+        "both peers of connection mode's relay, rotated at any point",
+    ),
+    (
         "agent/frame/fuzz",
         "frames",
         "HTTP/2 frames and gRPC messages (skewless-frame)",
     ),
 ];
 
-/// Seconds per target in `cargo xtask test`: 5 targets, under 3 minutes of fuzzing.
+/// Seconds per target in `cargo xtask test`: 6 targets, 3 minutes of fuzzing.
 pub(crate) const TEST_SECS: u64 = 30;
 
 /// The command that fuzzes one target for `secs` seconds.
