@@ -147,8 +147,12 @@ impl Echo for EchoImpl {
         // A bounded channel keeps a slow reader from making the server buffer every reply.
         let (tx, rx) = mpsc::channel(4);
         let this = self.clone();
+        let interval = Duration::from_millis(u64::from(req.interval_ms));
         tokio::spawn(async move {
-            for _ in 0..req.count {
+            for i in 0..req.count {
+                if i > 0 && !interval.is_zero() {
+                    tokio::time::sleep(interval).await;
+                }
                 if tx.send(Ok(this.reply(req.clone()))).await.is_err() {
                     // The client went away (cancelled); stop producing.
                     return;
@@ -216,6 +220,39 @@ pub async fn serve(
     initial_delay: Duration,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), EchoError> {
+    let options = ServeOptions {
+        initial_delay,
+        ..ServeOptions::default()
+    };
+    serve_with(listener, name, options, control_tx, shutdown).await
+}
+
+/// How [`serve_with`] serves, beyond the listener and the name.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ServeOptions {
+    /// The per-call delay at start ([`EchoControl::set_delay`] changes it later).
+    pub initial_delay: Duration,
+    /// Like a gRPC server's MaxConnectionAge: each client connection gets a graceful GOAWAY
+    /// (h2's two-phase GOAWAY with a PING) once it is this old, and its calls finish. `None`:
+    /// connections live as long as the client keeps them.
+    pub max_connection_age: Option<Duration>,
+}
+
+/// [`serve`] with every option.
+///
+/// # Errors
+/// When the gRPC server fails.
+pub async fn serve_with(
+    listener: TcpListener,
+    name: &str,
+    options: ServeOptions,
+    control_tx: oneshot::Sender<EchoControl>,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), EchoError> {
+    let ServeOptions {
+        initial_delay,
+        max_connection_age,
+    } = options;
     let (health, health_service) = tonic_health::server::health_reporter();
     let control = EchoControl {
         delay_us: Arc::new(AtomicU64::new(0)),
@@ -240,7 +277,11 @@ pub async fn serve(
         }
         conn
     });
-    tonic::transport::Server::builder()
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(age) = max_connection_age {
+        builder = builder.max_connection_age(age);
+    }
+    builder
         .add_service(health_service)
         .add_service(service)
         .serve_with_incoming_shutdown(incoming, shutdown)

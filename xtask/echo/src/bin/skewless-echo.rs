@@ -20,6 +20,10 @@ struct Args {
     /// Initial per-call delay in milliseconds (like the seed benchmark's ARTIFICIAL_DELAY_MS).
     #[arg(long, env = "ARTIFICIAL_DELAY_MS", default_value_t = 0)]
     delay_ms: u64,
+    /// Send each client connection a graceful GOAWAY once it is this old, in milliseconds
+    /// (a gRPC server's MaxConnectionAge; 0: never).
+    #[arg(long, default_value_t = 0)]
+    max_connection_age_ms: u64,
     /// Optional HTTP/1 admin address (`PUT /delay/<ms>`, `PUT /health/not-serving`, ...).
     #[arg(long)]
     admin: Option<SocketAddr>,
@@ -34,6 +38,7 @@ async fn main() -> anyhow::Result<()> {
         listen,
         name,
         delay_ms,
+        max_connection_age_ms,
         admin,
     } = Args::parse();
     let listener = TcpListener::bind(listen)
@@ -46,14 +51,12 @@ async fn main() -> anyhow::Result<()> {
     let server = tokio::spawn({
         let name = name.clone();
         async move {
-            skewless_echo::serve(
-                listener,
-                &name,
-                control_tx,
-                Duration::from_millis(delay_ms),
-                shutdown,
-            )
-            .await
+            let options = skewless_echo::ServeOptions {
+                initial_delay: Duration::from_millis(delay_ms),
+                max_connection_age: (max_connection_age_ms > 0)
+                    .then(|| Duration::from_millis(max_connection_age_ms)),
+            };
+            skewless_echo::serve_with(listener, &name, options, control_tx, shutdown).await
         }
     });
     let control = control_rx.await.context("echo server exited early")?;
