@@ -71,6 +71,11 @@ const STEPS: &[Step] = &[
         install: install_venv,
     },
     Step {
+        name: "Node.js with @grpc/grpc-js",
+        missing: missing_node_clients,
+        install: install_node_clients,
+    },
+    Step {
         name: "rustfmt and clippy",
         missing: missing_rust_components,
         install: install_rust_components,
@@ -263,6 +268,92 @@ fn install_venv() -> Result<()> {
             "off",
         ])
         .args(PYTHON_PACKAGES))
+}
+
+/// Where the grpc-js client's npm packages live (`node_modules` below it): outside the
+/// checkout like the venv, so fresh clones on the same machine reuse it.
+pub fn node_dir() -> PathBuf {
+    venv().with_file_name("node")
+}
+
+/// The npm packages of the grpc-js client, exactly as xtask/node/package-lock.json pins them
+/// (and their dependencies with them). The check reads these versions back from the installed
+/// packages.
+pub const NODE_PACKAGES: &[(&str, &str)] =
+    &[("@grpc/grpc-js", "1.14.7"), ("@grpc/proto-loader", "0.8.1")];
+
+fn node_manifest_dir() -> PathBuf {
+    crate::workspace_root().join("xtask/node")
+}
+
+fn missing_node_clients() -> Option<String> {
+    if output(Command::new("node").arg("--version")).is_err()
+        || output(Command::new("npm").arg("--version")).is_err()
+    {
+        return Some("installing Debian's nodejs and npm, then the grpc-js client".to_owned());
+    }
+    let wrong: Vec<String> = NODE_PACKAGES
+        .iter()
+        .filter(|(name, version)| {
+            let manifest = node_dir()
+                .join("node_modules")
+                .join(name)
+                .join("package.json");
+            let found = std::fs::read_to_string(&manifest).unwrap_or_default();
+            !found.contains(&format!("\"version\": \"{version}\""))
+        })
+        .map(|(name, version)| format!("{name}@{version}"))
+        .collect();
+    // The lock file is what `npm ci` installed from: a changed one is a reinstall.
+    let lock = std::fs::read(node_manifest_dir().join("package-lock.json")).ok();
+    let installed_lock = std::fs::read(node_dir().join("package-lock.json")).ok();
+    if !wrong.is_empty() || lock != installed_lock {
+        return Some(format!(
+            "npm ci of {} into {}",
+            NODE_PACKAGES
+                .iter()
+                .map(|(n, v)| format!("{n}@{v}"))
+                .collect::<Vec<_>>()
+                .join(" "),
+            node_dir().display()
+        ));
+    }
+    None
+}
+
+fn install_node_clients() -> Result<()> {
+    if output(Command::new("node").arg("--version")).is_err()
+        || output(Command::new("npm").arg("--version")).is_err()
+    {
+        run(Command::new("apt-get")
+            .args([
+                "install",
+                "-y",
+                "-q",
+                "--no-install-recommends",
+                "nodejs",
+                "npm",
+            ])
+            .env("DEBIAN_FRONTEND", "noninteractive"))?;
+    }
+    let dir = node_dir();
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    for file in ["package.json", "package-lock.json"] {
+        let from = node_manifest_dir().join(file);
+        std::fs::copy(&from, dir.join(file))
+            .with_context(|| format!("copying {} to {}", from.display(), dir.display()))?;
+    }
+    // `npm ci`: exactly the lock file's versions, node_modules replaced whole. No install
+    // scripts: none of these packages needs one to work (protobufjs's only checks versions).
+    run(Command::new("npm")
+        .args([
+            "ci",
+            "--no-audit",
+            "--no-fund",
+            "--ignore-scripts",
+            "--loglevel=http",
+        ])
+        .current_dir(&dir))
 }
 
 /// These machines' image ships kubectl; where it does not, Debian's `kubernetes-client`
