@@ -2,7 +2,8 @@
 // result (xtask/clients' ClientResult) as xtask/py/echo_client.py.
 //
 // Usage: node echo_client.js --proto DIR --target HOST:PORT [--calls N] [--concurrency C]
-//            [--duration S] [--timeout S] [--channels K] [--payload BYTES] [--large-calls N]
+//            [--duration S] [--timeout S] [--channels K] [--payload BYTES] [--delay-ms MS]
+//            [--large-calls N]
 //            [--large-bytes BYTES] [--stream-ms MS] [--bidi-ms MS] [--keepalive-ms MS]
 //            [--reconnect-backoff-ms MS]
 //
@@ -23,7 +24,7 @@ const MAX_LISTED_FAILURES = 20;
 function parseArgs(argv) {
   const args = {
     proto: null, target: null, calls: 200, concurrency: 4, duration: 0, timeout: 5,
-    channels: 1, payload: 2, 'large-calls': 0, 'large-bytes': 4 * 1024 * 1024,
+    channels: 1, payload: 2, 'delay-ms': 0, 'large-calls': 0, 'large-bytes': 4 * 1024 * 1024,
     'stream-ms': 0, 'bidi-ms': 0, 'keepalive-ms': 0, 'reconnect-backoff-ms': 0,
   };
   for (let i = 0; i < argv.length; i += 2) {
@@ -144,7 +145,7 @@ async function main() {
 
   let issued = 0;
   const unaryWorker = async () => {
-    const request = { payload: Buffer.alloc(args.payload, 'h') };
+    const request = { payload: Buffer.alloc(args.payload, 'h'), delay_ms: args['delay-ms'] };
     while (issued < args.calls && !expired()) {
       const client = clients[issued % clients.length];
       issued += 1;
@@ -184,19 +185,20 @@ async function main() {
     collect(call, res, resolve);
   });
 
+  // Time-bounded, not count-bounded: a busy client sends fewer messages, never a longer
+  // stream. `expected` is what was sent.
   const runBidi = () => new Promise((resolve) => {
-    const count = Math.max(1, Math.floor(args['bidi-ms'] / STREAM_INTERVAL_MS));
-    const res = { expected: count, messages: 0, pods: {}, code: 'OK', message: '' };
+    const res = { expected: 0, messages: 0, pods: {}, code: 'OK', message: '' };
     const call = clients[0].Bidi({ deadline: deadlineIn(args['bidi-ms'] / 1000 + 30) });
     collect(call, res, resolve);
-    let sent = 0;
+    const end = elapsed() + args['bidi-ms'] / 1000;
     const tick = () => {
-      if (sent >= count) {
+      res.expected += 1;
+      call.write({ payload: Buffer.from('b') });
+      if (elapsed() + STREAM_INTERVAL_MS / 1000 >= end) {
         call.end();
         return;
       }
-      sent += 1;
-      call.write({ payload: Buffer.from('b') });
       setTimeout(tick, STREAM_INTERVAL_MS);
     };
     tick();

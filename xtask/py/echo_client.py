@@ -5,14 +5,16 @@ resolves the Service name once and sends every call over one HTTP/2 connection. 
 --channels K it opens K channels, each its own connection (local subchannel pools).
 
 Usage: echo_client.py --gen DIR --target HOST:PORT [--calls N] [--concurrency C]
-           [--duration S] [--timeout S] [--channels K] [--payload BYTES]
+           [--duration S] [--timeout S] [--channels K] [--payload BYTES] [--delay-ms MS]
            [--large-calls N] [--large-bytes BYTES] [--stream-ms MS] [--bidi-ms MS]
            [--keepalive-ms MS] [--reconnect-backoff-ms MS] [--log FILE] [--json]
 
 Unary calls: C in flight until N are done or S seconds have passed (whichever comes first).
+--delay-ms: the server waits that long in each of them (a bounded rate at C in flight).
 --large-calls: that many more unary calls of --large-bytes each way (default 4 MiB), one at a
 time, next to the others. --stream-ms: one server-streaming call held open that long (a reply
-every 50 ms). --bidi-ms: one bidi stream that long (a message every 50 ms, each answered).
+every 50 ms). --bidi-ms: one bidi stream that long (a message every 50 ms, each answered; then
+the client half-closes, and every message sent must have been answered).
 --keepalive-ms: the client's own keepalive PINGs at that interval.
 
 Output: with --json one JSON object (the ClientResult of xtask/clients, the same for the
@@ -94,6 +96,7 @@ def main():
     ap.add_argument("--duration", type=float, default=0.0)
     ap.add_argument("--channels", type=int, default=1)
     ap.add_argument("--payload", type=int, default=2)
+    ap.add_argument("--delay-ms", type=int, default=0)
     ap.add_argument("--large-calls", type=int, default=0)
     ap.add_argument("--large-bytes", type=int, default=4 * 1024 * 1024)
     ap.add_argument("--stream-ms", type=int, default=0)
@@ -149,7 +152,7 @@ def main():
         slots.release()
 
     def issue_unary():
-        request = echo_pb2.EchoRequest(payload=b"h" * args.payload)
+        request = echo_pb2.EchoRequest(payload=b"h" * args.payload, delay_ms=args.delay_ms)
         i = 0
         while i < args.calls and not expired():
             slots.acquire()
@@ -213,13 +216,18 @@ def main():
         streams["server_stream"] = res
 
     def run_bidi():
-        count = max(1, args.bidi_ms // STREAM_INTERVAL_MS)
-        res = {"expected": count, "messages": 0, "pods": {}, "code": "OK", "message": ""}
+        # Time-bounded, not count-bounded: a busy client sends fewer messages, never a
+        # longer stream. `expected` is what was sent.
+        res = {"expected": 0, "messages": 0, "pods": {}, "code": "OK", "message": ""}
 
         def requests():
-            for _ in range(count):
+            end = time.monotonic() + args.bidi_ms / 1000.0
+            while True:
+                res["expected"] += 1
                 yield echo_pb2.EchoRequest(payload=b"b")
                 time.sleep(STREAM_INTERVAL_MS / 1000.0)
+                if time.monotonic() >= end:
+                    return
 
         try:
             for reply in stubs[0].Bidi(requests(), timeout=args.bidi_ms / 1000.0 + 30.0):

@@ -67,8 +67,8 @@ pub fn node_modules() -> PathBuf {
     home.join(".cache/skewless/node/node_modules")
 }
 
-/// Builds this crate's binaries (once per process; a no-op when they are fresh) and returns
-/// the directory they are in. A test of another package cannot name them with
+/// Builds this crate's binaries and the tonic echo backend `skewless-echo` (once per
+/// process; a no-op when they are fresh) and returns the directory they are in. A test of another package cannot name them with
 /// `CARGO_BIN_EXE_*`, so it asks cargo.
 ///
 /// # Errors
@@ -83,12 +83,12 @@ pub fn bin_dir() -> Result<PathBuf> {
         let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
         let out = Command::new(cargo)
             .current_dir(workspace_root())
+            .args(["build", "--quiet", "--bins"])
             .args([
-                "build",
-                "--quiet",
                 "--package",
                 "skewless-clients",
-                "--bins",
+                "--package",
+                "skewless-echo",
             ])
             .stdin(Stdio::null())
             .output()
@@ -128,7 +128,8 @@ impl Harness {
         &self.gen_dir
     }
 
-    /// A binary of this crate (`skewless-framelog`, `skewless-tonic-client`).
+    /// A binary of this crate (`skewless-framelog`, `skewless-tonic-client`) or
+    /// `skewless-echo`.
     #[must_use]
     pub fn bin(&self, name: &str) -> PathBuf {
         self.bin_dir.join(name)

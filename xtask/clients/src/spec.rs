@@ -52,13 +52,17 @@ pub struct ClientSpec {
     pub channels: u32,
     /// Request payload of the small calls, bytes.
     pub payload: u32,
+    /// Server-side delay of each small call (the echo request's `delay_ms`): keeps
+    /// `concurrency` calls in flight at a bounded rate.
+    pub call_delay: Option<Duration>,
     /// Large unary calls (one at a time, next to the others).
     pub large_calls: u32,
     /// Their request and reply size, bytes.
     pub large_bytes: u32,
     /// Hold one server-streaming call open this long (a reply every 50 ms).
     pub stream: Option<Duration>,
-    /// Run one bidi stream this long (a message every 50 ms, each answered).
+    /// Run one bidi stream this long: a message every 50 ms (or as often as the client
+    /// manages), each answered, then the client half-closes.
     pub bidi: Option<Duration>,
     /// The client's own keepalive PINGs at this interval.
     pub keepalive: Option<Duration>,
@@ -81,6 +85,7 @@ impl ClientSpec {
             timeout: Duration::from_secs(5),
             channels: 1,
             payload: 2,
+            call_delay: None,
             large_calls: 0,
             large_bytes: FOUR_MIB,
             stream: None,
@@ -114,6 +119,7 @@ impl ClientSpec {
             timeout,
             channels,
             payload,
+            call_delay,
             large_calls,
             large_bytes,
             stream,
@@ -138,6 +144,8 @@ impl ClientSpec {
             channels.to_string(),
             "--payload".into(),
             payload.to_string(),
+            "--delay-ms".into(),
+            ms(call_delay),
             "--large-calls".into(),
             large_calls.to_string(),
             "--large-bytes".into(),

@@ -180,6 +180,9 @@ pub async fn run(spec: &ClientSpec) -> Result<ClientResult, TonicClientError> {
     for _ in 0..spec.concurrency.max(1) {
         let (clients, unary, issued) = (clients.clone(), unary.clone(), issued.clone());
         let (calls, timeout, payload) = (spec.calls, spec.timeout, spec.payload as usize);
+        let delay_ms = spec
+            .call_delay
+            .map_or(0, |d| u32::try_from(d.as_millis()).unwrap_or(u32::MAX));
         tasks.spawn(async move {
             loop {
                 let i = issued.fetch_add(1, Ordering::Relaxed);
@@ -189,6 +192,7 @@ pub async fn run(spec: &ClientSpec) -> Result<ClientResult, TonicClientError> {
                 let mut client = clients[usize::try_from(i).unwrap_or(0) % clients.len()].clone();
                 let req = EchoRequest {
                     payload: vec![b'h'; payload],
+                    delay_ms,
                     ..EchoRequest::default()
                 };
                 let start = Instant::now();
@@ -303,28 +307,38 @@ async fn server_stream(mut client: EchoClient<Channel>, d: Duration) -> StreamRe
     res
 }
 
+/// Time-bounded, not count-bounded: a busy client sends fewer messages, never a longer
+/// stream. `expected` is what was sent.
 async fn bidi(mut client: EchoClient<Channel>, d: Duration) -> StreamResult {
-    let count = stream_count(d);
     let mut res = StreamResult {
-        expected: u64::from(count),
+        expected: 0,
         messages: 0,
         pods: BTreeMap::new(),
         code: "OK".into(),
         message: String::new(),
     };
+    let sent = Arc::new(AtomicU64::new(0));
     let (tx, rx) = tokio::sync::mpsc::channel(4);
-    tokio::spawn(async move {
-        for _ in 0..count {
-            let msg = EchoRequest {
-                payload: b"b".to_vec(),
-                ..EchoRequest::default()
-            };
-            if tx.send(msg).await.is_err() {
-                return;
+    let sender = {
+        let sent = sent.clone();
+        tokio::spawn(async move {
+            let end = Instant::now() + d;
+            loop {
+                let msg = EchoRequest {
+                    payload: b"b".to_vec(),
+                    ..EchoRequest::default()
+                };
+                if tx.send(msg).await.is_err() {
+                    return;
+                }
+                sent.fetch_add(1, Ordering::Relaxed);
+                tokio::time::sleep(STREAM_INTERVAL).await;
+                if Instant::now() >= end {
+                    return;
+                }
             }
-            tokio::time::sleep(STREAM_INTERVAL).await;
-        }
-    });
+        })
+    };
     let outbound = tokio_stream::wrappers::ReceiverStream::new(rx);
     let mut fail = |status: &tonic::Status| {
         code_name(status.code()).clone_into(&mut res.code);
@@ -352,6 +366,8 @@ async fn bidi(mut client: EchoClient<Channel>, d: Duration) -> StreamResult {
             }
         }
     }
+    sender.abort();
+    res.expected = sent.load(Ordering::Relaxed);
     res
 }
 

@@ -25,6 +25,9 @@ struct Args {
     channels: u32,
     #[arg(long, default_value_t = 2)]
     payload: u32,
+    /// Server-side delay of each small call, milliseconds.
+    #[arg(long, default_value_t = 0)]
+    delay_ms: u64,
     #[arg(long, default_value_t = 0)]
     large_calls: u32,
     #[arg(long, default_value_t = skewless_clients::FOUR_MIB)]
@@ -58,6 +61,7 @@ async fn main() -> anyhow::Result<()> {
         timeout,
         channels,
         payload,
+        delay_ms,
         large_calls,
         large_bytes,
         stream_ms,
@@ -73,6 +77,7 @@ async fn main() -> anyhow::Result<()> {
         timeout: secs(timeout)?,
         channels,
         payload,
+        call_delay: ms(delay_ms),
         large_calls,
         large_bytes,
         stream: ms(stream_ms),
