@@ -124,6 +124,7 @@ async function main() {
     clients.push(new Echo(args.target, grpc.credentials.createInsecure(), options));
   }
   const t0 = process.hrtime.bigint();
+  const startUnix = Date.now() / 1000;
   const elapsed = () => Number(process.hrtime.bigint() - t0) / 1e9;
   const expired = () => args.duration > 0 && elapsed() >= args.duration;
   const unary = new Tally(t0);
@@ -216,6 +217,7 @@ async function main() {
   process.stdout.write(`${JSON.stringify({
     client: 'grpc-js',
     version,
+    start_unix_s: startUnix,
     elapsed_s: Math.round(total * 1000) / 1000,
     unary,
     large,

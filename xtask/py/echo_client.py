@@ -129,7 +129,7 @@ def main():
     channels = [grpc.insecure_channel(args.target, options=options)
                 for _ in range(max(1, args.channels))]
     stubs = [echo_pb2_grpc.EchoStub(c) for c in channels]
-    t0 = time.monotonic()
+    t0, start_unix = time.monotonic(), time.time()
     deadline = t0 + args.duration if args.duration else None
     unary, large = Tally(t0), Tally(t0)
     log = []
@@ -257,6 +257,7 @@ def main():
         print(json.dumps({
             "client": "grpcio",
             "version": grpc.__version__,
+            "start_unix_s": start_unix,
             "elapsed_s": round(elapsed, 3),
             "unary": unary.to_json(),
             "large": large.to_json(),

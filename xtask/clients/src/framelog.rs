@@ -23,7 +23,9 @@ use std::{
 };
 
 use serde::{Deserialize, Serialize};
-use skewless_frame::{GoAway, HEADER_LEN, Head, Kind, MAX_MAX_FRAME_SIZE, PREFACE, Ping};
+use skewless_frame::{
+    GoAway, HEADER_LEN, Head, Kind, MAX_MAX_FRAME_SIZE, PREFACE, Ping, RstStream,
+};
 use tokio::{
     io::{AsyncReadExt as _, AsyncWriteExt as _},
     net::{TcpListener, TcpStream},
@@ -109,6 +111,9 @@ pub struct FrameRecord {
     /// PING: ACK flag and opaque data as hex.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ping: Option<(bool, String)>,
+    /// RST_STREAM: its error code (7 is REFUSED_STREAM, 8 CANCEL).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rst: Option<u32>,
 }
 
 impl LogLine {
@@ -393,6 +398,10 @@ fn record(
             let hex: String = p.opaque.iter().map(|b| format!("{b:02x}")).collect();
             (p.ack, hex)
         });
+    let rst = (head.kind == Kind::RstStream)
+        .then(|| RstStream::decode(head, payload).ok())
+        .flatten()
+        .map(|r| r.error_code.0);
     FrameRecord {
         conn,
         t_ms,
@@ -404,6 +413,7 @@ fn record(
         dropped,
         goaway,
         ping,
+        rst,
     }
 }
 
@@ -424,6 +434,7 @@ mod tests {
             dropped: false,
             goaway: Some((2_147_483_647, 0, String::new())),
             ping: None,
+            rst: None,
         });
         let text = serde_json::to_string(&line).unwrap();
         assert!(text.contains(r#""event":"frame""#), "{text}");

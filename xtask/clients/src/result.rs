@@ -15,6 +15,9 @@ pub struct ClientResult {
     pub client: String,
     /// The client library's version, as the library itself reports it.
     pub version: String,
+    /// The client's start (its `t0`, what every `*_s` time counts from), seconds since the
+    /// Unix epoch: lines its times up with a test's own events.
+    pub start_unix_s: f64,
     /// Seconds from the client's start to its last call's end.
     pub elapsed_s: f64,
     /// The small unary calls (`--calls`, `--concurrency` in flight).
@@ -163,7 +166,7 @@ mod tests {
 
     #[test]
     fn a_missing_field_is_a_parse_error_not_a_zero() {
-        let text = r#"{"client":"grpcio","version":"1","elapsed_s":1.0,"unary":{"ok":1}}"#;
+        let text = r#"{"client":"grpcio","version":"1","start_unix_s":0.0,"elapsed_s":1.0,"unary":{"ok":1}}"#;
         assert!(
             serde_json::from_str::<ClientResult>(text).is_err(),
             "a client that leaves fields out must fail the contract"

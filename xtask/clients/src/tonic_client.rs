@@ -153,6 +153,9 @@ fn request_timeout<T>(msg: T, timeout: Duration) -> tonic::Request<T> {
 /// When the target is not a valid address.
 pub async fn run(spec: &ClientSpec) -> Result<ClientResult, TonicClientError> {
     let t0 = Instant::now();
+    let start_unix_s = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64());
     let mut clients = Vec::new();
     for _ in 0..spec.channels.max(1) {
         let mut endpoint = Endpoint::from_shared(format!("http://{}", spec.target))
@@ -249,6 +252,7 @@ pub async fn run(spec: &ClientSpec) -> Result<ClientResult, TonicClientError> {
     Ok(ClientResult {
         client: "tonic".into(),
         version: TONIC_VERSION.into(),
+        start_unix_s,
         elapsed_s: (t0.elapsed().as_secs_f64() * 1000.0).round() / 1000.0,
         unary: unary.finish(),
         large: large.finish(),

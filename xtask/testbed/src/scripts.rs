@@ -35,6 +35,9 @@ pub const DOWNLOAD: &str = script!("download.py");
 pub const TCP_CHECK: &str = script!("tcp_check.py");
 /// `HTTP_GET URL`: prints the body of a GET.
 pub const HTTP_GET: &str = script!("http_get.py");
+/// `RAW_PEER HOST PORT KIND`: a broken client (`http1`, `bad-frame`, `oversized`, `garbage`);
+/// prints how and when the server closed: `<fin|reset|open> <seconds> <bytes received>`.
+pub const RAW_PEER: &str = script!("raw_peer.py");
 
 #[cfg(test)]
 mod tests {
@@ -52,6 +55,7 @@ mod tests {
             super::DOWNLOAD,
             super::TCP_CHECK,
             super::HTTP_GET,
+            super::RAW_PEER,
         ] {
             let path = std::path::Path::new(path);
             assert!(path.is_file(), "{} must exist", path.display());
