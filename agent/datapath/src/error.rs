@@ -37,6 +37,14 @@ pub enum Error {
         #[source]
         source: io::Error,
     },
+    #[error("finding this process's cgroup v2 directory ({what})")]
+    OwnCgroup {
+        what: &'static str,
+        #[source]
+        source: io::Error,
+    },
+    #[error("the cgroup exclusion map is full ({capacity} cgroups); {} is not excluded", path.display())]
+    ExcludedCgroupsFull { path: PathBuf, capacity: u32 },
     #[error("reading CLOCK_MONOTONIC")]
     Clock(#[source] io::Error),
     #[error("enabling eBPF run time statistics")]

@@ -15,6 +15,8 @@
 //! - [`Datapath::attach`] / [`Datapath::detach`]: per cgroup, all or nothing (`attach.rs`).
 //! - [`Datapath::set_redirect`] and friends: the redirect maps, one generic path for IPv4 and
 //!   IPv6 (`redirect.rs`, byte order in `wire.rs`).
+//! - [`Datapath::exclude_cgroup`]: cgroups never redirected, the agent's own ([`own_cgroup`],
+//!   `exclude.rs`).
 //! - [`Datapath::beat`]: the heartbeat the hooks need fresh to redirect (`heartbeat.rs`).
 //! - [`Datapath::counters`]: the programs' counters, one value per [`Counter`].
 //! - [`Datapath::connections`]: every client TCP connection of the attached pods, IPv4 and
@@ -29,6 +31,7 @@ mod connections;
 pub mod conntrack;
 mod counters;
 mod error;
+mod exclude;
 mod heartbeat;
 mod programs;
 mod redirect;
@@ -41,8 +44,8 @@ use aya::{
     maps::{Array, HashMap, MapData, PerCpuArray},
 };
 use skewless_common::{
-    CONNS_MAP, COUNTERS_MAP, Conn, HEARTBEAT_MAP, REDIRECT4_CAPACITY, REDIRECT4_MAP,
-    REDIRECT6_CAPACITY, REDIRECT6_MAP,
+    CONNS_MAP, COUNTERS_MAP, Conn, EXCLUDED_CGROUPS_MAP, HEARTBEAT_MAP, REDIRECT4_CAPACITY,
+    REDIRECT4_MAP, REDIRECT6_CAPACITY, REDIRECT6_MAP,
 };
 use tracing::info;
 
@@ -50,6 +53,7 @@ pub use attach::{Attachment, ensure_child_cgroup};
 pub use connections::Connection;
 pub use counters::{Counter, Counters};
 pub use error::Error;
+pub use exclude::own_cgroup;
 pub use programs::{ProgramStats, enable_stats};
 
 use crate::{programs::take_map, redirect::RedirectMap};
@@ -62,6 +66,7 @@ pub struct Datapath {
     heartbeat: Array<MapData, u64>,
     counters: PerCpuArray<MapData, u64>,
     conns: HashMap<MapData, u64, Conn>,
+    excluded: HashMap<MapData, u64, u32>,
 }
 
 impl std::fmt::Debug for Datapath {
@@ -84,6 +89,7 @@ impl Datapath {
         let heartbeat = take_map(&mut ebpf, HEARTBEAT_MAP)?;
         let counters = take_map(&mut ebpf, COUNTERS_MAP)?;
         let conns = take_map(&mut ebpf, CONNS_MAP)?;
+        let excluded = take_map(&mut ebpf, EXCLUDED_CGROUPS_MAP)?;
         info!("eBPF programs loaded");
         Ok(Self {
             ebpf,
@@ -92,6 +98,7 @@ impl Datapath {
             heartbeat,
             counters,
             conns,
+            excluded,
         })
     }
 }

@@ -135,7 +135,7 @@ impl Datapath {
     }
 }
 
-fn is_full(err: &MapError) -> bool {
+pub(crate) fn is_full(err: &MapError) -> bool {
     matches!(
         err,
         MapError::SyscallError(e) if e.io_error.raw_os_error() == Some(E2BIG)

@@ -129,6 +129,17 @@ pub async fn run(args: Args) -> Result<()> {
     for Redirect { service, target } in &redirects {
         datapath.set_redirect(*service, *target)?;
     }
+    // The hooks cover every pod, this agent's own included: its own connects (its Kubernetes
+    // client to the `kubernetes` VIP) must never be redirected to its own balancers.
+    match skewless_datapath::own_cgroup()
+        .and_then(|cg| datapath.exclude_cgroup(&cg).map(|id| (cg, id)))
+    {
+        Ok((cg, id)) => info!(cgroup = %cg.display(), id, "own cgroup excluded from redirects"),
+        Err(error) => tracing::warn!(
+            error = %error,
+            "own cgroup not excluded: an opted-in Service this agent itself uses would be redirected"
+        ),
+    }
     for cg in &cgroups {
         // Attachments stay for the agent's lifetime; they end with the process.
         let _attachment = datapath.attach(cg)?;

@@ -33,6 +33,13 @@ pub const HEARTBEAT_MAP: &str = "HEARTBEAT";
 /// cannot strand new connections on a balancer that no longer serves. The agent beats every
 /// 200 ms, so this tolerates a few late beats and still fails open within 1 s.
 pub const HEARTBEAT_STALE_NS: u64 = 750_000_000;
+/// Name of the hash map of cgroup v2 ids (`u64` -> `u32`, the value unused) whose processes
+/// are never redirected: the agent's own cgroup. The hooks attach to the parent of every pod,
+/// the agent's pod included, and an opted-in `kubernetes` Service must never send the agent's
+/// own API client to its balancer (which needs that API to have endpoints).
+pub const EXCLUDED_CGROUPS_MAP: &str = "EXCLUDED_CGROUPS";
+/// Capacity of [`EXCLUDED_CGROUPS_MAP`].
+pub const EXCLUDED_CGROUPS_CAPACITY: u32 = 16;
 /// Name of the per-CPU counter array (indexed by [`Counter::index`]).
 pub const COUNTERS_MAP: &str = "COUNTERS";
 /// Name of the map of observed client TCP connections (socket cookie `u64` -> [`Conn`]),
@@ -209,6 +216,9 @@ counters! {
     ConnEstablished6,
     /// Received packets whose socket's record was refreshed by the cgroup_skb program.
     ConnIngressRefreshed,
+    /// connects to a redirected Service from an excluded cgroup (the agent's own), passed
+    /// through untouched.
+    ConnectExcluded,
 }
 
 impl Counter {

@@ -31,17 +31,19 @@ mod programs {
             BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB, BPF_SOCK_OPS_RTT_CB, BPF_SOCK_OPS_RTT_CB_FLAG,
             BPF_SOCK_OPS_STATE_CB, BPF_SOCK_OPS_STATE_CB_FLAG, BPF_TCP_CLOSE, bpf_sock_addr,
         },
-        helpers::{bpf_get_socket_cookie, bpf_ktime_get_ns, bpf_tcp_sock},
+        helpers::{
+            bpf_get_current_cgroup_id, bpf_get_socket_cookie, bpf_ktime_get_ns, bpf_tcp_sock,
+        },
         macros::{cgroup_skb, cgroup_sock_addr, map, sock_ops},
         maps::{Array, HashMap, LruHashMap, PerCpuArray},
         programs::{SkBuffContext, SockAddrContext, SockOpsContext},
     };
     use skewless_common::{
-        CONNS_CAPACITY, CONNS_MAP, COUNTERS_LEN, COUNTERS_MAP, Conn, Counter, FAMILY_INET,
-        FAMILY_INET6, HEARTBEAT_MAP, HEARTBEAT_STALE_NS, ORIGDST_CAPACITY, ORIGDST_MAP,
-        ORIGDST6_CAPACITY, ORIGDST6_MAP, REDIRECT4_CAPACITY, REDIRECT4_MAP, REDIRECT6_CAPACITY,
-        REDIRECT6_MAP, Redirect, Redirect4, Redirect6, ServiceKey, ServiceKey4, ServiceKey6,
-        same_name,
+        CONNS_CAPACITY, CONNS_MAP, COUNTERS_LEN, COUNTERS_MAP, Conn, Counter,
+        EXCLUDED_CGROUPS_CAPACITY, EXCLUDED_CGROUPS_MAP, FAMILY_INET, FAMILY_INET6, HEARTBEAT_MAP,
+        HEARTBEAT_STALE_NS, ORIGDST_CAPACITY, ORIGDST_MAP, ORIGDST6_CAPACITY, ORIGDST6_MAP,
+        REDIRECT4_CAPACITY, REDIRECT4_MAP, REDIRECT6_CAPACITY, REDIRECT6_MAP, Redirect, Redirect4,
+        Redirect6, ServiceKey, ServiceKey4, ServiceKey6, same_name,
     };
 
     /// Verdict for cgroup sock_addr programs: 1 lets the syscall proceed (with whatever address
@@ -79,6 +81,8 @@ mod programs {
     named_map!(HEARTBEAT: Array<u64> = Array::with_max_entries(1, 0), as HEARTBEAT_MAP);
     named_map!(CONNS: LruHashMap<u64, Conn> =
         LruHashMap::with_max_entries(CONNS_CAPACITY, 0), as CONNS_MAP);
+    named_map!(EXCLUDED_CGROUPS: HashMap<u64, u32> =
+        HashMap::with_max_entries(EXCLUDED_CGROUPS_CAPACITY, 0), as EXCLUDED_CGROUPS_MAP);
     named_map!(COUNTERS: PerCpuArray<u64> =
         PerCpuArray::with_max_entries(COUNTERS_LEN, 0), as COUNTERS_MAP);
 
@@ -107,6 +111,16 @@ mod programs {
             return false;
         }
         true
+    }
+
+    /// Whether the connecting task's cgroup is excluded from redirects (the agent's own).
+    /// connect() runs in the caller's context, so the current task's cgroup is the socket
+    /// owner's.
+    #[inline(always)]
+    fn excluded() -> bool {
+        // SAFETY: bpf_get_current_cgroup_id has no preconditions.
+        let id = unsafe { bpf_get_current_cgroup_id() };
+        EXCLUDED_CGROUPS.get_ptr(id).is_some()
     }
 
     /// A sock_addr program's context, read and written only through raw field pointers: no
@@ -216,6 +230,10 @@ mod programs {
             return false;
         };
         if !live(target.enabled) {
+            return false;
+        }
+        if excluded() {
+            count(Counter::ConnectExcluded);
             return false;
         }
         if origdst.insert(sa.cookie(), key, 0).is_err() {
