@@ -157,8 +157,9 @@ struct Args {
     /// Convergence: seconds before the scale-up.
     #[arg(long, default_value_t = 5.0)]
     convergence_before: f64,
-    /// Convergence: seconds after the scale-up.
-    #[arg(long, default_value_t = 60.0)]
+    /// Convergence: seconds after the scale-up (with the defaults connection mode holds 30 s,
+    /// then rotates at most 6 connections a minute: 8 moves take about 110 s).
+    #[arg(long, default_value_t = 150.0)]
     convergence_after: f64,
     /// Convergence: runs per target (interleaved).
     #[arg(long, default_value_t = 1)]
@@ -645,12 +646,31 @@ fn convergence(bench: &Bench) -> anyhow::Result<()> {
     // Request mode spreads at once; connection mode has to rotate the pinned connections.
     let mut targets: Vec<(String, Vec<String>)> = vec![(a.name(Target::Skewless), Vec::new())];
     if a.connection_mode {
+        let args = |extra: &[&str]| -> Vec<String> {
+            ["--mode", "connection"]
+                .iter()
+                .chain(extra)
+                .map(|s| (*s).to_owned())
+                .collect()
+        };
+        // The annotations' defaults (hold 30 s, 6 rotations a minute, connections younger
+        // than 10 s left alone), and a Service tuned to move faster.
+        targets.push((a.name(Target::Connection), args(&[])));
         targets.push((
-            a.name(Target::Connection),
-            vec!["--mode".to_owned(), "connection".to_owned()],
+            format!("{} (hold 5 s, 30/min)", a.name(Target::Connection)),
+            args(&[
+                "--hold-time",
+                "5",
+                "--max-rotations-per-minute",
+                "30",
+                "--min-connection-age",
+                "2",
+            ]),
         ));
     }
-    targets.retain(|(name, _)| a.targets.is_empty() || a.targets.contains(name));
+    targets.retain(|(name, _)| {
+        a.targets.is_empty() || a.targets.iter().any(|t| name.split(' ').next() == Some(t))
+    });
     if targets.is_empty() {
         bail!("--targets leaves no convergence target (skewless, skewless-connection)");
     }
