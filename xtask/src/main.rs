@@ -32,6 +32,9 @@ enum Cmd {
     /// Benchmarks: the connect4 hook's run time per call (kernel accounting, needs root), then
     /// skewless-proxy side by side with direct, HAProxy and nginx (docs/benchmarks.md).
     Bench(BenchArgs),
+    /// Regenerate deploy/monitoring/prometheusrule.yaml from the rules file
+    /// (deploy/monitoring/skewless.rules.yaml, the source).
+    Monitoring,
     /// Testbed maintenance.
     Testbed {
         #[command(subcommand)]
@@ -111,6 +114,7 @@ fn main() -> Result<()> {
             }
             Ok(())
         }
+        Cmd::Monitoring => monitoring(),
         Cmd::Testbed {
             cmd: TestbedCmd::Clean,
         } => {
@@ -119,6 +123,21 @@ fn main() -> Result<()> {
             Ok(())
         }
     }
+}
+
+/// Writes the PrometheusRule generated from the rules file.
+fn monitoring() -> Result<()> {
+    use anyhow::Context as _;
+    use skewless_admin::monitoring;
+    let dir = monitoring::dir();
+    let rules_path = dir.join(monitoring::RULES_FILE);
+    let rules = std::fs::read_to_string(&rules_path)
+        .with_context(|| format!("reading {}", rules_path.display()))?;
+    let out = dir.join(monitoring::PROMETHEUS_RULE_FILE);
+    std::fs::write(&out, monitoring::prometheus_rule(&rules))
+        .with_context(|| format!("writing {}", out.display()))?;
+    println!("wrote {}", out.display());
+    Ok(())
 }
 
 fn hook_bench() -> Result<()> {

@@ -9,13 +9,13 @@ use std::sync::{Arc, Mutex};
 
 use prometheus_client::{
     collector::Collector,
-    encoding::{DescriptorEncoder, EncodeMetric},
+    encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric, MetricEncoder, NoLabelSet},
     metrics::{counter::ConstCounter, gauge::ConstGauge},
     registry::Registry,
 };
 
 use crate::{
-    json::{EndpointStatus, ObservedBackend, ObservedService, ServiceStatus},
+    json::{EndpointStatus, Histogram, ObservedBackend, ObservedService, ServiceStatus},
     names::{self, Family},
 };
 
@@ -30,14 +30,25 @@ pub struct Kernel {
     pub observed_record_failed: u64,
 }
 
+/// How full one eBPF map is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MapUsage {
+    /// A bounded label value: `redirect4`, `redirect6`, `conns`.
+    pub map: &'static str,
+    pub entries: u64,
+    pub capacity: u64,
+}
+
 /// Everything one scrape reports besides the model's counters.
 #[derive(Clone, Debug, Default)]
 pub struct Scrape {
     /// Whether the agent has its first complete model (see [`names::MODEL_READY`]).
     pub model_ready: bool,
     pub kernel: Kernel,
+    pub maps: Vec<MapUsage>,
     /// Connections the balancers refused (peer outside the pod CIDRs).
     pub refused_peers: u64,
+    /// Redirected Service ports, with the recent window applied ([`crate::window`]).
     pub services: Vec<ServiceStatus>,
     pub observed: Vec<ObservedService>,
 }
@@ -53,9 +64,10 @@ pub struct Metrics {
 }
 
 impl Metrics {
-    /// The registry with the model's counters registered under their [`names`].
+    /// The registry with the model's counters registered under their [`names`], and the
+    /// agent's `version` for `skewless_build_info`.
     #[must_use]
-    pub fn new(model: &skewless_model::Metrics) -> Self {
+    pub fn new(model: &skewless_model::Metrics, version: &'static str) -> Self {
         let mut registry = Registry::with_prefix(names::PREFIX);
         let rejected = names::SERVICE_CONFIG_REJECTED;
         registry.register(
@@ -76,7 +88,10 @@ impl Metrics {
             model.warning_events_dropped_counter(),
         );
         let current = Arc::new(Mutex::new(Scrape::default()));
-        registry.register_collector(Box::new(AgentCollector(Arc::clone(&current))));
+        registry.register_collector(Box::new(AgentCollector {
+            scrape: Arc::clone(&current),
+            version,
+        }));
         Self {
             registry,
             current,
@@ -104,44 +119,98 @@ impl Metrics {
 }
 
 #[derive(Debug)]
-struct AgentCollector(Arc<Mutex<Scrape>>);
+struct AgentCollector {
+    scrape: Arc<Mutex<Scrape>>,
+    version: &'static str,
+}
 
-type Labels = Vec<(&'static str, String)>;
+/// Starts a family: its descriptor, from the table.
+fn descriptor<'a>(
+    encoder: &'a mut DescriptorEncoder,
+    f: Family,
+) -> Result<MetricEncoder<'a>, std::fmt::Error> {
+    let help = f.help();
+    encoder.encode_descriptor(f.name, &help, None, f.kind.metric_type())
+}
 
 /// Encodes one family from (labels, value) rows.
-fn family<M: EncodeMetric>(
+fn family<'r, L: EncodeLabelSet + 'r, M: EncodeMetric + 'r>(
     encoder: &mut DescriptorEncoder,
     f: Family,
-    rows: impl IntoIterator<Item = (Labels, M)>,
+    rows: impl IntoIterator<Item = (L, M)>,
 ) -> Result<(), std::fmt::Error> {
-    let help = f.help();
-    let mut m = encoder.encode_descriptor(f.name, &help, None, f.kind.metric_type())?;
+    let mut m = descriptor(encoder, f)?;
     for (labels, value) in rows {
         value.encode(m.encode_family(&labels)?)?;
     }
     Ok(())
 }
 
+/// Encodes one histogram family from (labels, histogram) rows over `bounds`.
+fn histograms<'r, L: EncodeLabelSet + 'r>(
+    encoder: &mut DescriptorEncoder,
+    f: Family,
+    bounds: &[f64],
+    rows: impl IntoIterator<Item = (L, &'r Histogram)>,
+) -> Result<(), std::fmt::Error> {
+    let mut m = descriptor(encoder, f)?;
+    let mut buckets: Vec<(f64, u64)> = Vec::with_capacity(bounds.len() + 1);
+    for (labels, h) in rows {
+        buckets.clear();
+        // The encoder writes `+Inf` for f64::MAX.
+        let upper = bounds.iter().copied().chain(std::iter::once(f64::MAX));
+        buckets.extend(upper.zip(h.counts.iter().copied().chain(std::iter::repeat(0))));
+        m.encode_family(&labels)?.encode_histogram::<NoLabelSet>(
+            h.sum,
+            h.count(),
+            &buckets,
+            None,
+        )?;
+    }
+    Ok(())
+}
+
+fn gauge(n: u64) -> ConstGauge<i64> {
+    ConstGauge::new(i64::try_from(n).unwrap_or(i64::MAX))
+}
+
 fn count(n: usize) -> ConstGauge<i64> {
     ConstGauge::new(i64::try_from(n).unwrap_or(i64::MAX))
 }
 
-fn service_labels(service: &str, vip: &str) -> Labels {
-    vec![("service", service.to_owned()), ("vip", vip.to_owned())]
+type ServiceLabels<'a> = [(&'static str, &'a str); 2];
+type BackendLabels<'a> = [(&'static str, &'a str); 3];
+type ReasonLabels<'a> = [(&'static str, &'a str); 3];
+
+fn service_labels<'a>(service: &'a str, vip: &'a str) -> ServiceLabels<'a> {
+    [("service", service), ("vip", vip)]
 }
 
-fn backend_labels(service: &str, vip: &str, backend: &str) -> Labels {
-    let mut l = service_labels(service, vip);
-    l.push(("backend", backend.to_owned()));
-    l
+fn backend_labels<'a>(service: &'a str, vip: &'a str, backend: &'a str) -> BackendLabels<'a> {
+    [("service", service), ("vip", vip), ("backend", backend)]
+}
+
+/// The exported value of a backend state (the balancer's names, snake_case). Unknown names
+/// map to `unknown`, so the label stays bounded.
+#[must_use]
+pub fn state_label(state: &str) -> &'static str {
+    match state {
+        "Connecting" | "connecting" => "connecting",
+        "NotServing" | "not_serving" => "not_serving",
+        "Active" | "active" => "active",
+        "Degraded" | "degraded" => "degraded",
+        "Ejected" | "ejected" => "ejected",
+        _ => "unknown",
+    }
 }
 
 impl Collector for AgentCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let s = self
-            .0
+            .scrape
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
+        descriptor(&mut encoder, names::BUILD)?.encode_info(&[("version", self.version)])?;
         let k = s.kernel;
         let kernel = [
             (names::CONNECT_SEEN, k.connect_seen),
@@ -154,10 +223,18 @@ impl Collector for AgentCollector {
         ];
         for (f, v) in kernel {
             // No labels: encoded directly, so the line reads `name_total 3`, not `name_total{} 3`.
-            let help = f.help();
-            let m = encoder.encode_descriptor(f.name, &help, None, f.kind.metric_type())?;
-            ConstCounter::new(v).encode(m)?;
+            ConstCounter::new(v).encode(descriptor(&mut encoder, f)?)?;
         }
+        family(
+            &mut encoder,
+            names::MAP_ENTRIES,
+            s.maps.iter().map(|m| ([("map", m.map)], gauge(m.entries))),
+        )?;
+        family(
+            &mut encoder,
+            names::MAP_CAPACITY,
+            s.maps.iter().map(|m| ([("map", m.map)], gauge(m.capacity))),
+        )?;
 
         let ready = names::MODEL_READY;
         let help = ready.help();
@@ -183,15 +260,124 @@ impl Collector for AgentCollector {
         )?;
         family(
             &mut encoder,
-            names::BACKEND_SHARE,
-            backends().map(|(l, e)| (l, ConstGauge::new(e.share))),
+            names::BACKEND_IN_FLIGHT,
+            backends().map(|(l, e)| (l, gauge(e.in_flight))),
         )?;
         family(
             &mut encoder,
-            names::SERVICE_READY_BACKENDS,
+            names::BACKEND_UPSTREAM_CONNECTIONS,
+            backends().map(|(l, e)| (l, gauge(e.upstream_connections))),
+        )?;
+        family(
+            &mut encoder,
+            names::BACKEND_STATE,
+            backends().map(|([service, vip, backend], e)| {
+                (
+                    [service, vip, backend, ("state", state_label(&e.state))],
+                    gauge(1),
+                )
+            }),
+        )?;
+        family(
+            &mut encoder,
+            names::BACKEND_LATENCY_P99,
+            backends().filter_map(|(l, e)| e.recent_p99.map(|p| (l, ConstGauge::new(p)))),
+        )?;
+
+        let services = || {
             s.services
                 .iter()
-                .map(|x| (service_labels(&x.service, &x.vip), count(x.ready_endpoints))),
+                .map(|x| (service_labels(&x.service, &x.vip), x))
+        };
+        // Every opted-in Service port once: a balanced Service whose old connections are
+        // still observed is in both lists.
+        let observed_only = s.observed.iter().filter(|o| {
+            !s.services
+                .iter()
+                .any(|x| x.service == o.service && x.vip == o.vip)
+        });
+        family(
+            &mut encoder,
+            names::SERVICE_READY_BACKENDS,
+            services()
+                .map(|(l, x)| (l, count(x.ready_endpoints)))
+                .chain(
+                    observed_only
+                        .map(|o| (service_labels(&o.service, &o.vip), count(o.ready_backends))),
+                ),
+        )?;
+        // Each Service carries its bounds; they are the balancer's constants, the same for all.
+        let latency_bounds = s
+            .services
+            .first()
+            .map_or(&[][..], |x| &x.latency_bounds[..]);
+        histograms(
+            &mut encoder,
+            names::REQUEST_DURATION,
+            latency_bounds,
+            services().map(|(l, x)| (l, &x.latency)),
+        )?;
+        family(
+            &mut encoder,
+            names::REQUEST_FAILURES,
+            services().flat_map(|([service, vip], x)| {
+                x.failures.by_reason().into_iter().map(move |(reason, n)| {
+                    let l: ReasonLabels<'_> = [service, vip, ("reason", reason)];
+                    (l, ConstCounter::new(n))
+                })
+            }),
+        )?;
+        family(
+            &mut encoder,
+            names::REQUEST_RETRIES,
+            services().map(|(l, x)| (l, ConstCounter::new(x.retries))),
+        )?;
+        family(
+            &mut encoder,
+            names::EJECTIONS,
+            services().map(|(l, x)| (l, ConstCounter::new(x.ejections))),
+        )?;
+        family(
+            &mut encoder,
+            names::EJECTED_BACKENDS,
+            services().map(|(l, x)| {
+                let ejected = x
+                    .endpoints
+                    .iter()
+                    .filter(|e| state_label(&e.state) == "ejected")
+                    .count();
+                (l, count(ejected))
+            }),
+        )?;
+        family(
+            &mut encoder,
+            names::ROTATIONS,
+            services().flat_map(|([service, vip], x)| {
+                x.rotations.iter().map(move |r| {
+                    let l: ReasonLabels<'_> = [service, vip, ("reason", r.reason.as_str())];
+                    (l, ConstCounter::new(r.count))
+                })
+            }),
+        )?;
+        family(
+            &mut encoder,
+            names::CLIENT_CONNECTIONS,
+            services().map(|(l, x)| (l, gauge(x.client_connections))),
+        )?;
+        let connection_bounds = s
+            .services
+            .first()
+            .map_or(&[][..], |x| &x.connection_bounds[..]);
+        histograms(
+            &mut encoder,
+            names::CLIENT_CONNECTION_DURATION,
+            connection_bounds,
+            services().map(|(l, x)| (l, &x.connection_duration)),
+        )?;
+        family(
+            &mut encoder,
+            names::BALANCER_SKEW,
+            services().filter_map(|(l, x)| x.balancer_skew.map(|k| (l, ConstGauge::new(k)))),
         )?;
 
         let observed_backends = || {
@@ -235,7 +421,25 @@ impl Collector for AgentCollector {
 mod tests {
     use super::*;
 
+    /// The balancer's bounds (skewless-balancer owns them; the JSON carries them).
+    const LATENCY_BOUNDS: &[f64] = &[
+        0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+    ];
+    const CONNECTION_BOUNDS: &[f64] = &[0.1, 1.0, 10.0, 60.0, 3600.0];
+
     fn sample() -> Scrape {
+        let latency = Histogram {
+            counts: {
+                let mut c = vec![0; LATENCY_BOUNDS.len() + 1];
+                c[2] = 40;
+                c[8] = 2;
+                c
+            },
+            sum: 0.62,
+        };
+        let mut connection_duration = Histogram::empty(CONNECTION_BOUNDS);
+        connection_duration.counts[3] = 1;
+        connection_duration.sum = 12.0;
         Scrape {
             model_ready: true,
             kernel: Kernel {
@@ -243,6 +447,11 @@ mod tests {
                 connect_redirected: 5,
                 ..Kernel::default()
             },
+            maps: vec![MapUsage {
+                map: "conns",
+                entries: 3,
+                capacity: 65536,
+            }],
             refused_peers: 1,
             services: vec![ServiceStatus {
                 service: "ns/echo".to_owned(),
@@ -253,12 +462,32 @@ mod tests {
                 endpoints: vec![EndpointStatus {
                     name: "echo-0".to_owned(),
                     addr: "10.1.0.1:80".to_owned(),
-                    state: "Active".to_owned(),
+                    state: "NotServing".to_owned(),
                     requests: 42,
                     failures: 2,
                     share: 1.0,
                     latency_ms: Some(1.5),
+                    in_flight: 3,
+                    upstream_connections: 1,
+                    latency: latency.clone(),
+                    recent_p99: Some(0.2),
                 }],
+                latency_bounds: LATENCY_BOUNDS.to_vec(),
+                latency,
+                failures: crate::json::Failures {
+                    deadline: 2,
+                    ..crate::json::Failures::default()
+                },
+                retries: 4,
+                ejections: 1,
+                rotations: vec![crate::json::Rotation {
+                    reason: "max_age".to_owned(),
+                    count: 6,
+                }],
+                client_connections: 2,
+                connection_bounds: CONNECTION_BOUNDS.to_vec(),
+                connection_duration,
+                balancer_skew: Some(1.0),
             }],
             observed: vec![ObservedService {
                 service: "ns/obs".to_owned(),
@@ -313,7 +542,7 @@ mod tests {
 
     #[test]
     fn every_listed_family_is_exported_and_nothing_else() {
-        let text = Metrics::new(&model()).encode(sample()).unwrap();
+        let text = Metrics::new(&model(), "1.2.3").encode(sample()).unwrap();
         let exported = families(&text, "# TYPE ");
         let listed: Vec<String> = names::ALL
             .iter()
@@ -333,12 +562,43 @@ mod tests {
         assert!(text.contains(
             "skewless_backend_requests_total{service=\"ns/echo\",vip=\"10.0.0.1:80\",backend=\"echo-0\"} 42"
         ));
-        assert!(text.contains("skewless_connect_seen_total 7\n"));
+        for line in [
+            "skewless_connect_seen_total 7\n",
+            "skewless_build_info{version=\"1.2.3\"} 1\n",
+            "skewless_map_capacity{map=\"conns\"} 65536\n",
+            "skewless_backend_state{service=\"ns/echo\",vip=\"10.0.0.1:80\",backend=\"echo-0\",state=\"not_serving\"} 1\n",
+            "skewless_request_duration_seconds_count{service=\"ns/echo\",vip=\"10.0.0.1:80\"} 42\n",
+            // Cumulative buckets with the bounds as the SLO points are written.
+            "skewless_request_duration_seconds_bucket{le=\"0.0025\",service=\"ns/echo\",vip=\"10.0.0.1:80\"} 40\n",
+            "skewless_request_duration_seconds_bucket{le=\"0.25\",service=\"ns/echo\",vip=\"10.0.0.1:80\"} 42\n",
+            "skewless_request_duration_seconds_bucket{le=\"+Inf\",service=\"ns/echo\",vip=\"10.0.0.1:80\"} 42\n",
+            "skewless_request_failures_total{service=\"ns/echo\",vip=\"10.0.0.1:80\",reason=\"deadline\"} 2\n",
+            "skewless_request_failures_total{service=\"ns/echo\",vip=\"10.0.0.1:80\",reason=\"refused\"} 0\n",
+            "skewless_rotations_total{service=\"ns/echo\",vip=\"10.0.0.1:80\",reason=\"max_age\"} 6\n",
+            // The observed Service's ready backends, the balanced one's from its balancer.
+            "skewless_service_ready_backends{service=\"ns/obs\",vip=\"10.0.0.2:80\"} 2\n",
+            "skewless_service_ready_backends{service=\"ns/echo\",vip=\"10.0.0.1:80\"} 1\n",
+        ] {
+            assert!(text.contains(line), "{line} in {text}");
+        }
+    }
+
+    #[test]
+    fn a_balanced_service_still_observed_has_its_ready_backends_once() {
+        let mut scrape = sample();
+        scrape.observed[0].service = "ns/echo".to_owned();
+        scrape.observed[0].vip = "10.0.0.1:80".to_owned();
+        let text = Metrics::new(&model(), "1").encode(scrape).unwrap();
+        let ready = text
+            .lines()
+            .filter(|l| l.starts_with("skewless_service_ready_backends{"))
+            .count();
+        assert_eq!(ready, 1, "one series per Service port: {text}");
     }
 
     #[test]
     fn every_help_text_ends_with_exactly_one_period() {
-        let text = Metrics::new(&model()).encode(sample()).unwrap();
+        let text = Metrics::new(&model(), "1.2.3").encode(sample()).unwrap();
         let helps: Vec<&str> = text.lines().filter(|l| l.starts_with("# HELP ")).collect();
         assert_eq!(helps.len(), names::ALL.len(), "one HELP per family: {text}");
         for h in helps {

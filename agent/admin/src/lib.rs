@@ -6,7 +6,9 @@
 //!   `skewless status` (which reads it).
 //! - [`collector`]: turns one [`collector::Scrape`] (plain numbers gathered at scrape time from
 //!   the balancers, the kernel counters and the observer) into OpenMetrics families.
+//! - [`window`]: the recent window behind the balancer skew and per-backend p99 gauges.
 //! - [`render`]: the `skewless status` text.
+//! - [`monitoring`]: the dashboard, rules and PrometheusRule in `deploy/monitoring/`.
 //!
 //! Pure logic, no I/O: the HTTP server and client live in the `skewless` binary. This crate
 //! must not depend on the datapath or the balancer; the binary converts their numbers into
@@ -16,5 +18,7 @@
 
 pub mod collector;
 pub mod json;
+pub mod monitoring;
 pub mod names;
 pub mod render;
+pub mod window;

@@ -19,6 +19,9 @@ pub const PREFIX: &str = "skewless";
 pub enum Kind {
     Counter,
     Gauge,
+    Histogram,
+    /// A constant 1 whose labels carry the information (`name_info`).
+    Info,
 }
 
 impl Kind {
@@ -27,6 +30,8 @@ impl Kind {
         match self {
             Self::Counter => MetricType::Counter,
             Self::Gauge => MetricType::Gauge,
+            Self::Histogram => MetricType::Histogram,
+            Self::Info => MetricType::Info,
         }
     }
 }
@@ -77,6 +82,11 @@ impl Family {
         match self.kind {
             Kind::Counter => vec![format!("{base}_total")],
             Kind::Gauge => vec![base],
+            Kind::Histogram => ["bucket", "sum", "count"]
+                .iter()
+                .map(|suffix| format!("{base}_{suffix}"))
+                .collect(),
+            Kind::Info => vec![format!("{base}_info")],
         }
     }
 }
@@ -84,6 +94,7 @@ impl Family {
 const SERVICE: &[&str] = &["service", "vip"];
 const BACKEND: &[&str] = &["service", "vip", "backend"];
 
+// The kernel hooks (no labels; IPv4 and IPv6 summed).
 pub const CONNECT_SEEN: Family = Family::new(
     "connect_seen",
     Kind::Counter,
@@ -126,30 +137,122 @@ pub const OBSERVED_RECORD_FAILED: Family = Family::new(
     &[],
     "Pod TCP connections the hooks could not record or keep current (map update or callback setup failed); they go unobserved, never blocked",
 );
+pub const MAP_ENTRIES: Family = Family::new(
+    "map_entries",
+    Kind::Gauge,
+    &["map"],
+    "Entries in an eBPF map of the agent (redirect4, redirect6: Service addresses redirected; conns: recorded pod connections)",
+);
+pub const MAP_CAPACITY: Family = Family::new(
+    "map_capacity",
+    Kind::Gauge,
+    &["map"],
+    "Most entries an eBPF map of the agent can hold",
+);
+pub const BUILD: Family = Family::new("build", Kind::Info, &["version"], "The agent's version");
+
+// Request mode, per backend (the per-backend table; nothing else per backend, see
+// docs/metrics.md on cardinality).
 pub const BACKEND_REQUESTS: Family = Family::new(
     "backend_requests",
     Kind::Counter,
     BACKEND,
-    "Requests the balancer sent to a backend (probes included)",
+    "Requests the balancer sent to a backend (probes and retries included)",
 );
 pub const BACKEND_FAILURES: Family = Family::new(
     "backend_failures",
     Kind::Counter,
     BACKEND,
-    "Requests that failed on a backend",
+    "Requests that failed on a backend (transport failure, refusal, UNAVAILABLE or HTTP 5xx answer)",
 );
-pub const BACKEND_SHARE: Family = Family::new(
-    "backend_share",
+pub const BACKEND_IN_FLIGHT: Family = Family::new(
+    "backend_in_flight",
     Kind::Gauge,
     BACKEND,
-    "A backend's fraction of the requests its Service port's balancer sent (0..1)",
+    "Requests in flight on a backend",
 );
+pub const BACKEND_UPSTREAM_CONNECTIONS: Family = Family::new(
+    "backend_upstream_connections",
+    Kind::Gauge,
+    BACKEND,
+    "Open HTTP/2 connections from the balancer to a backend",
+);
+pub const BACKEND_STATE: Family = Family::new(
+    "backend_state",
+    Kind::Gauge,
+    &["service", "vip", "backend", "state"],
+    "A backend's current state in the balancer: 1 on the series of that state (connecting, not_serving, active, degraded, ejected), the other states are not exported",
+);
+pub const BACKEND_LATENCY_P99: Family = Family::new(
+    "backend_latency_p99_seconds",
+    Kind::Gauge,
+    BACKEND,
+    "The 99th percentile of a backend's request durations over the last 30 to 60 s, estimated from its request duration buckets",
+);
+
+// Request mode, per Service port.
 pub const SERVICE_READY_BACKENDS: Family = Family::new(
     "service_ready_backends",
     Kind::Gauge,
     SERVICE,
-    "Ready backends of a redirected Service port, from the model",
+    "Ready backends of an opted-in Service port, from the model",
 );
+pub const REQUEST_DURATION: Family = Family::new(
+    "request_duration_seconds",
+    Kind::Histogram,
+    SERVICE,
+    "Durations of the calls the balancer answered, from the client's request headers to the end of the response (where the request's load completes), local answers included",
+);
+pub const REQUEST_FAILURES: Family = Family::new(
+    "request_failures",
+    Kind::Counter,
+    &["service", "vip", "reason"],
+    "Calls that failed, by reason (unavailable, deadline, reset, connect, refused)",
+);
+pub const REQUEST_RETRIES: Family = Family::new(
+    "request_retries",
+    Kind::Counter,
+    SERVICE,
+    "Attempts re-sent to another endpoint (the first was refused or unprocessed, or failed on a retryable method)",
+);
+pub const EJECTIONS: Family = Family::new(
+    "ejections",
+    Kind::Counter,
+    SERVICE,
+    "Times a backend was ejected from the rotation for failing",
+);
+pub const EJECTED_BACKENDS: Family = Family::new(
+    "ejected_backends",
+    Kind::Gauge,
+    SERVICE,
+    "Backends ejected from the rotation now",
+);
+pub const ROTATIONS: Family = Family::new(
+    "rotations",
+    Kind::Counter,
+    &["service", "vip", "reason"],
+    "Client connections the balancer told to go away (two-phase GOAWAY), by reason",
+);
+pub const CLIENT_CONNECTIONS: Family = Family::new(
+    "client_connections",
+    Kind::Gauge,
+    SERVICE,
+    "Client connections open on the balancer",
+);
+pub const CLIENT_CONNECTION_DURATION: Family = Family::new(
+    "client_connection_duration_seconds",
+    Kind::Histogram,
+    SERVICE,
+    "Lifetimes of the client connections to the balancer that closed",
+);
+pub const BALANCER_SKEW: Family = Family::new(
+    "balancer_skew",
+    Kind::Gauge,
+    SERVICE,
+    "Largest request share over the ready backends / fair share (1 = even), as the balancer sent requests over the last 30 to 60 s",
+);
+
+// Observed Services (eBPF, no balancer).
 pub const OBSERVED_SKEW: Family = Family::new(
     "observed_skew",
     Kind::Gauge,
@@ -174,6 +277,8 @@ pub const OBSERVED_BACKEND_CONNECTIONS: Family = Family::new(
     BACKEND,
     "Open connections from this node's pods pinned to a backend of an observed Service",
 );
+
+// The model.
 pub const SERVICE_CONFIG_REJECTED: Family = Family::new(
     "service_config_rejected",
     Kind::Counter,
@@ -204,6 +309,7 @@ pub const ALL: &[Family] = &[
     SERVICE_CONFIG_REJECTED,
     SOURCE_ERRORS,
     WARNING_EVENTS_DROPPED,
+    BUILD,
     CONNECT_SEEN,
     CONNECT_REDIRECTED,
     BALANCER_REFUSED,
@@ -211,11 +317,25 @@ pub const ALL: &[Family] = &[
     ORIGDST_UPDATE_FAILED,
     OBSERVED_CONNECTIONS,
     OBSERVED_RECORD_FAILED,
+    MAP_ENTRIES,
+    MAP_CAPACITY,
     MODEL_READY,
     BACKEND_REQUESTS,
     BACKEND_FAILURES,
-    BACKEND_SHARE,
+    BACKEND_IN_FLIGHT,
+    BACKEND_UPSTREAM_CONNECTIONS,
+    BACKEND_STATE,
+    BACKEND_LATENCY_P99,
     SERVICE_READY_BACKENDS,
+    REQUEST_DURATION,
+    REQUEST_FAILURES,
+    REQUEST_RETRIES,
+    EJECTIONS,
+    EJECTED_BACKENDS,
+    ROTATIONS,
+    CLIENT_CONNECTIONS,
+    CLIENT_CONNECTION_DURATION,
+    BALANCER_SKEW,
     OBSERVED_SKEW,
     OBSERVED_BACKENDS_RECEIVING,
     OBSERVED_BACKEND_SHARE,
@@ -246,6 +366,18 @@ mod tests {
             );
             assert!(
                 !f.name.ends_with("_total") && !f.name.ends_with("_count"),
+                "{}: the encoder adds the type suffix",
+                f.name
+            );
+            if f.kind == Kind::Histogram {
+                assert!(
+                    f.name.ends_with("_seconds"),
+                    "{}: histograms are in base units",
+                    f.name
+                );
+            }
+            assert!(
+                !f.name.ends_with("_info") && !f.name.ends_with("_bucket"),
                 "{}: the encoder adds the type suffix",
                 f.name
             );

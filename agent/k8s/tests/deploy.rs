@@ -41,6 +41,7 @@ enum Object {
     DaemonSet(Box<DaemonSet>),
     Service(Box<Service>),
     ServiceMonitor(Box<DynamicObject>),
+    PrometheusRule(Box<DynamicObject>),
 }
 
 impl Object {
@@ -53,6 +54,7 @@ impl Object {
             Object::DaemonSet(o) => ("DaemonSet", &o.metadata),
             Object::Service(o) => ("Service", &o.metadata),
             Object::ServiceMonitor(o) => ("ServiceMonitor", &o.metadata),
+            Object::PrometheusRule(o) => ("PrometheusRule", &o.metadata),
         };
         format!("{kind}/{}", meta.name.as_deref().unwrap_or_default())
     }
@@ -85,6 +87,10 @@ fn parse_objects(text: &str, what: &str) -> Vec<Object> {
                 // A CRD: no k8s-openapi type; parsed as a DynamicObject, fields checked below.
                 ("monitoring.coreos.com/v1", "ServiceMonitor") => {
                     Object::ServiceMonitor(typed(v, &what))
+                }
+                // Its rules are checked by skewless-admin's tests (promtool).
+                ("monitoring.coreos.com/v1", "PrometheusRule") => {
+                    Object::PrometheusRule(typed(v, &what))
                 }
                 _ => panic!("{what}: unexpected object in deploy/"),
             }
@@ -129,7 +135,9 @@ fn every_manifest_is_listed_in_a_kustomization_and_parses() {
             let p = entry.expect("entry").path();
             let is_yaml = p.extension().is_some_and(|e| e == "yaml");
             let is_kustomization = p.file_name().is_some_and(|n| n == "kustomization.yaml");
-            if is_yaml && !is_kustomization {
+            // A Prometheus rules file: the PrometheusRule's source, not a manifest.
+            let is_rules = p.to_string_lossy().ends_with(".rules.yaml");
+            if is_yaml && !is_kustomization && !is_rules {
                 assert!(listed.contains(&p), "{p:?} is not in any kustomization");
             }
         }
@@ -146,8 +154,14 @@ fn every_manifest_is_listed_in_a_kustomization_and_parses() {
             "Service/skewless-agent-metrics",
         ]
     );
-    let monitoring = objects_of(&dir.join("monitoring"));
-    assert_eq!(monitoring.len(), 1);
+    let monitoring: Vec<String> = objects_of(&dir.join("monitoring"))
+        .iter()
+        .map(Object::id)
+        .collect();
+    assert_eq!(
+        monitoring,
+        ["ServiceMonitor/skewless-agent", "PrometheusRule/skewless"]
+    );
 }
 
 #[test]

@@ -15,8 +15,9 @@ use http_body_util::Full;
 use hyper::{Request, Response, StatusCode, body::Bytes, service::service_fn};
 use hyper_util::rt::TokioIo;
 use skewless_admin::{
-    collector::{Kernel, Metrics, Scrape},
-    json::{ObservedService, RedirectStatus, Status},
+    collector::{Kernel, MapUsage, Metrics, Scrape},
+    json::{ObservedService, RedirectStatus, ServiceStatus, Status},
+    window::{self, Window},
 };
 use skewless_datapath::{Counter, Counters, Datapath};
 use tokio::net::TcpListener;
@@ -42,6 +43,8 @@ pub struct State {
     datapath: Arc<Mutex<Datapath>>,
     reconciler: Arc<tokio::sync::Mutex<Reconciler>>,
     metrics: Metrics,
+    /// The balancers' numbers of the last 30 to 60 s, for the gauges that need a window.
+    window: Mutex<Window>,
     /// With a model source: whether it has delivered its first complete model.
     model: Option<Readiness>,
     /// The observer's latest per-Service reports.
@@ -64,9 +67,32 @@ impl State {
             datapath,
             reconciler,
             metrics,
+            window: Mutex::new(Window::default()),
             model,
             observed,
         }
+    }
+
+    /// Takes a reading of the balancers every [`window::PERIOD`], forever.
+    pub async fn follow_window(self: Arc<Self>) {
+        let mut tick = tokio::time::interval(window::PERIOD);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let services = self.reconciler.lock().await.status();
+            if let Ok(mut w) = self.window.lock() {
+                w.rotate(&services);
+            }
+        }
+    }
+
+    /// Every redirected Service port, with the window's gauges filled in.
+    async fn services(&self) -> Vec<ServiceStatus> {
+        let mut services = self.reconciler.lock().await.status();
+        if let Ok(w) = self.window.lock() {
+            w.apply(&mut services);
+        }
+        services
     }
 }
 
@@ -134,20 +160,34 @@ async fn route(req: &Request<hyper::body::Incoming>, state: &State) -> Response<
     }
 }
 
-fn kernel(state: &State) -> Result<(Counters, Vec<RedirectStatus>)> {
+/// The kernel's counters, the redirect entries, and how full the redirect maps are.
+fn kernel(state: &State) -> Result<(Counters, Vec<RedirectStatus>, Vec<MapUsage>)> {
     let dp = state
         .datapath
         .lock()
         .map_err(|_| anyhow::anyhow!("datapath lock poisoned"))?;
-    let redirects = dp
-        .redirects()
+    let redirects = dp.redirects();
+    let entries = |v6: bool| redirects.iter().filter(|(s, _)| s.is_ipv6() == v6).count() as u64;
+    let maps = vec![
+        MapUsage {
+            map: "redirect4",
+            entries: entries(false),
+            capacity: skewless_common::REDIRECT4_CAPACITY.into(),
+        },
+        MapUsage {
+            map: "redirect6",
+            entries: entries(true),
+            capacity: skewless_common::REDIRECT6_CAPACITY.into(),
+        },
+    ];
+    let redirects = redirects
         .into_iter()
         .map(|(service, target)| RedirectStatus {
             service: service.to_string(),
             target: target.to_string(),
         })
         .collect();
-    Ok((dp.counters()?, redirects))
+    Ok((dp.counters()?, redirects, maps))
 }
 
 /// The kernel's counters as exported: IPv4 and IPv6 summed.
@@ -165,8 +205,8 @@ fn exported(c: &Counters) -> Kernel {
 }
 
 async fn status_of(state: &State) -> Result<Status> {
-    let services = state.reconciler.lock().await.status();
-    let (counters, redirects) = kernel(state)?;
+    let services = state.services().await;
+    let (counters, redirects, _) = kernel(state)?;
     let k = exported(&counters);
     Ok(Status {
         node: state.node.clone(),
@@ -184,11 +224,12 @@ fn observed_of(state: &State) -> Vec<ObservedService> {
 }
 
 async fn metrics_of(state: &State) -> Result<String> {
-    let services = state.reconciler.lock().await.status();
-    let (counters, _) = kernel(state)?;
+    let services = state.services().await;
+    let (counters, _, maps) = kernel(state)?;
     let scrape = Scrape {
         model_ready: state.model.as_ref().is_none_or(Readiness::ready),
         kernel: exported(&counters),
+        maps,
         refused_peers: state.peers.refused(),
         services,
         observed: observed_of(state),

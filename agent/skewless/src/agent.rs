@@ -154,7 +154,8 @@ pub async fn run(args: Args) -> Result<()> {
         heartbeat(Arc::clone(&datapath), Arc::clone(&workers)).instrument(info_span!("heartbeat")),
     );
     let model_metrics = skewless_model::Metrics::default();
-    let metrics = skewless_admin::collector::Metrics::new(&model_metrics);
+    let metrics =
+        skewless_admin::collector::Metrics::new(&model_metrics, env!("CARGO_PKG_VERSION"));
     if pod_cidrs.is_empty() && !kubernetes {
         tracing::warn!(
             "no --pod-cidr: the balancers admit connections from any peer that reaches them"
@@ -273,6 +274,11 @@ pub async fn run(args: Args) -> Result<()> {
         model,
         observed,
     ));
+    tokio::spawn(
+        Arc::clone(&state)
+            .follow_window()
+            .instrument(info_span!("window")),
+    );
     let server = tokio::spawn(admin::serve(admin_addr, Arc::clone(&state)));
 
     let mut term = signal(SignalKind::terminate())?;

@@ -273,8 +273,11 @@ impl Reconciler {
                         failures: e.failures,
                         share: e.share,
                         latency_ms: e.latency.map(|l| l.as_secs_f64() * 1000.0),
+                        in_flight: e.in_flight.into(),
+                        ..EndpointStatus::default()
                     })
                     .collect(),
+                ..ServiceStatus::default()
             })
             .collect()
     }

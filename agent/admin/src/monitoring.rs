@@ -1,0 +1,64 @@
+//! The monitoring artifacts in `deploy/monitoring/`: where they are, and the PrometheusRule
+//! generated from the plain Prometheus rules file (the source; `cargo xtask monitoring`
+//! writes the PrometheusRule, and a test keeps the two identical).
+
+use std::path::{Path, PathBuf};
+
+/// `deploy/monitoring/` of this checkout.
+#[must_use]
+pub fn dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/monitoring")
+}
+
+/// The rules file, the source of the PrometheusRule.
+pub const RULES_FILE: &str = "skewless.rules.yaml";
+/// The generated PrometheusRule.
+pub const PROMETHEUS_RULE_FILE: &str = "prometheusrule.yaml";
+/// The Grafana dashboard.
+pub const DASHBOARD_FILE: &str = "dashboard.json";
+/// The rules' promtool unit tests.
+pub const RULES_TESTS_FILE: &str = "tests/rules.test.yaml";
+
+/// The PrometheusRule object for the rules file's text: its groups under `spec`, as they are
+/// (comments after the header included), so a reader of either file sees the same rules.
+#[must_use]
+pub fn prometheus_rule(rules: &str) -> String {
+    let mut out = String::from(
+        "# Generated from skewless.rules.yaml by `cargo xtask monitoring`: edit that file, not this\n\
+         # one (a test fails while the two differ). Needs the Prometheus Operator's CRDs.\n\
+         apiVersion: monitoring.coreos.com/v1\n\
+         kind: PrometheusRule\n\
+         metadata:\n  \
+           name: skewless\n  \
+           namespace: skewless-system\n  \
+           labels:\n    \
+             app.kubernetes.io/name: skewless\n\
+         spec:\n",
+    );
+    // The header comment describes the source file; the rules start at `groups:`.
+    let body = rules
+        .lines()
+        .skip_while(|l| l.starts_with('#') || l.trim().is_empty());
+    for line in body {
+        if !line.is_empty() {
+            out.push_str("  ");
+            out.push_str(line);
+        }
+        out.push('\n');
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_rules_go_under_spec_indented() {
+        let rule = prometheus_rule("# header\n\ngroups:\n  - name: g\n    rules: []\n");
+        assert!(
+            rule.ends_with("spec:\n  groups:\n    - name: g\n      rules: []\n"),
+            "{rule}"
+        );
+    }
+}
