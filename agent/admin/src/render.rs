@@ -1,19 +1,85 @@
 //! The `skewless status` text, from the `/status` document.
+//!
+//! Rates, percentiles and success rates come from two documents taken some time apart: the
+//! counters are cumulative (the same numbers `/metrics` exports), so what happened in between
+//! is their difference. With one document only, those columns show `-`.
 
-use std::fmt::Write as _;
+use std::{fmt::Write as _, time::Duration};
 
-use crate::json::Status;
+use crate::json::{EndpointStatus, Histogram, ServiceStatus, Status};
 
-/// The human-readable form of `/status`.
+/// The human-readable form of `now`; with `earlier` (a document taken `interval` before), also
+/// calls per second, success rate and p50/p99 per Service and backend over that interval.
 #[must_use]
-pub fn status_text(s: &Status) -> String {
+pub fn status_text(now: &Status, earlier: Option<(&Status, Duration)>) -> String {
     let mut out = String::new();
     // Writing to a String cannot fail.
-    let _ = write_status(&mut out, s);
+    let _ = write_status(&mut out, now, earlier);
     out
 }
 
-fn write_status(out: &mut String, s: &Status) -> std::fmt::Result {
+/// What happened to a histogram and its failures between two documents.
+struct Recent {
+    per_sec: f64,
+    success: Option<f64>,
+    p50: Option<f64>,
+    p99: Option<f64>,
+}
+
+impl Recent {
+    fn of(
+        bounds: &[f64],
+        now: &Histogram,
+        then: Option<&Histogram>,
+        failed: u64,
+        interval: Duration,
+    ) -> Self {
+        let h = then.map_or_else(|| now.clone(), |t| now.since(t));
+        let calls = h.count();
+        #[expect(clippy::cast_precision_loss, reason = "counts far below 2^52")]
+        let (per_sec, success) = (
+            calls as f64 / interval.as_secs_f64().max(1e-9),
+            (calls > 0).then(|| 1.0 - failed.min(calls) as f64 / calls as f64),
+        );
+        Self {
+            per_sec,
+            success,
+            p50: h.quantile(bounds, 0.5),
+            p99: h.quantile(bounds, 0.99),
+        }
+    }
+
+    fn columns(this: Option<&Self>) -> String {
+        let ms = |v: Option<f64>| v.map_or_else(|| "-".to_owned(), |s| format!("{:.1}", s * 1e3));
+        match this {
+            None => format!("{:>9} {:>8} {:>7} {:>7}", "-", "-", "-", "-"),
+            Some(r) => format!(
+                "{:>9.1} {:>8} {:>7} {:>7}",
+                r.per_sec,
+                r.success
+                    .map_or_else(|| "-".to_owned(), |s| format!("{:.2}%", s * 100.0)),
+                ms(r.p50),
+                ms(r.p99),
+            ),
+        }
+    }
+}
+
+fn find<'a>(s: &'a Status, svc: &ServiceStatus) -> Option<&'a ServiceStatus> {
+    s.services
+        .iter()
+        .find(|x| x.service == svc.service && x.vip == svc.vip && x.listener == svc.listener)
+}
+
+fn find_endpoint<'a>(svc: &'a ServiceStatus, e: &EndpointStatus) -> Option<&'a EndpointStatus> {
+    svc.endpoints.iter().find(|x| x.addr == e.addr)
+}
+
+fn write_status(
+    out: &mut String,
+    s: &Status,
+    earlier: Option<(&Status, Duration)>,
+) -> std::fmt::Result {
     writeln!(
         out,
         "node {}: {} connect()s seen, {} redirected",
@@ -61,21 +127,142 @@ fn write_status(out: &mut String, s: &Status) -> std::fmt::Result {
             "\nservice {} ({}) {} -> {}: {} ready, {} receiving traffic, largest share {:.2}",
             svc.service, svc.mode, svc.vip, svc.listener, svc.ready_endpoints, receiving, largest
         )?;
+        let then = earlier.and_then(|(e, interval)| find(e, svc).map(|t| (t, interval)));
+        let recent = then.map(|(t, interval)| {
+            let failed = svc.failures.total().saturating_sub(t.failures.total());
+            Recent::of(
+                &svc.latency_bounds,
+                &svc.latency,
+                Some(&t.latency),
+                failed,
+                interval,
+            )
+        });
+        if let (Some(r), Some((_, interval))) = (&recent, then) {
+            let ms =
+                |v: Option<f64>| v.map_or_else(|| "-".to_owned(), |v| format!("{:.1} ms", v * 1e3));
+            writeln!(
+                out,
+                "  calls {:.1}/s, success {}, p50 {}, p99 {} (last {:.1} s)",
+                r.per_sec,
+                r.success
+                    .map_or_else(|| "-".to_owned(), |v| format!("{:.2}%", v * 100.0)),
+                ms(r.p50),
+                ms(r.p99),
+                interval.as_secs_f64(),
+            )?;
+        }
         writeln!(
             out,
-            "  {:<12} {:<22} {:<10} {:>9} {:>8} {:>7} {:>10}",
-            "BACKEND", "ADDRESS", "STATE", "REQUESTS", "FAILED", "SHARE", "EWMA ms"
+            "  {:<12} {:<22} {:<10} {:>9} {:>8} {:>7} {:>10} {:>9} {:>8} {:>7} {:>7}",
+            "BACKEND",
+            "ADDRESS",
+            "STATE",
+            "REQUESTS",
+            "FAILED",
+            "SHARE",
+            "EWMA ms",
+            "RPS",
+            "SUCCESS",
+            "p50 ms",
+            "p99 ms"
         )?;
         for e in &svc.endpoints {
             let latency = e
                 .latency_ms
                 .map_or_else(|| "-".to_owned(), |l| format!("{l:.1}"));
+            let recent = then.map(|(t, interval)| {
+                let before = find_endpoint(t, e);
+                let failed = e.failures.saturating_sub(before.map_or(0, |b| b.failures));
+                Recent::of(
+                    &svc.latency_bounds,
+                    &e.latency,
+                    before.map(|b| &b.latency),
+                    failed,
+                    interval,
+                )
+            });
             writeln!(
                 out,
-                "  {:<12} {:<22} {:<10} {:>9} {:>8} {:>7.3} {:>10}",
-                e.name, e.addr, e.state, e.requests, e.failures, e.share, latency
+                "  {:<12} {:<22} {:<10} {:>9} {:>8} {:>7.3} {:>10} {}",
+                e.name,
+                e.addr,
+                e.state,
+                e.requests,
+                e.failures,
+                e.share,
+                latency,
+                Recent::columns(recent.as_ref())
             )?;
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BOUNDS: &[f64] = &[0.001, 0.01, 0.1];
+
+    fn status(requests: u64, fast: u64, slow: u64, failures: u64) -> Status {
+        let latency = Histogram {
+            counts: vec![fast, 0, slow, 0],
+            sum: 0.0,
+        };
+        Status {
+            node: "n1".into(),
+            redirects: Vec::new(),
+            connect_seen: 0,
+            connect_redirected: 0,
+            refused_peers: 0,
+            services: vec![ServiceStatus {
+                service: "ns/echo".into(),
+                mode: "request".into(),
+                vip: "10.0.0.1:80".into(),
+                listener: "169.254.77.1:4000".into(),
+                ready_endpoints: 1,
+                endpoints: vec![EndpointStatus {
+                    name: "echo-0".into(),
+                    addr: "10.1.0.1:80".into(),
+                    state: "Active".into(),
+                    requests,
+                    failures,
+                    share: 1.0,
+                    latency: latency.clone(),
+                    ..EndpointStatus::default()
+                }],
+                latency_bounds: BOUNDS.to_vec(),
+                latency,
+                failures: crate::json::Failures {
+                    reset: failures,
+                    ..crate::json::Failures::default()
+                },
+                ..ServiceStatus::default()
+            }],
+            observed: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn rates_and_percentiles_cover_the_interval_between_two_documents() {
+        // 100 fast calls long ago; then 200 in 2 s: 100 fast, 100 slow, 20 failed.
+        let then = status(100, 100, 0, 0);
+        let now = status(300, 200, 100, 20);
+        let text = status_text(&now, Some((&then, Duration::from_secs(2))));
+        assert!(
+            text.contains("calls 100.0/s, success 90.00%, p50 1.0 ms, p99 98.2 ms (last 2.0 s)"),
+            "{text}"
+        );
+        let row = text.lines().find(|l| l.contains("echo-0")).unwrap();
+        assert!(row.ends_with("    100.0   90.00%     1.0    98.2"), "{row}");
+    }
+
+    #[test]
+    fn one_document_shows_no_rates() {
+        let text = status_text(&status(1, 1, 0, 0), None);
+        assert!(!text.contains("calls "), "{text}");
+        let row = text.lines().find(|l| l.contains("echo-0")).unwrap();
+        assert!(row.ends_with("        -        -       -       -"), "{row}");
+    }
 }
