@@ -68,10 +68,10 @@ struct FuzzArgs {
 #[derive(clap::Args)]
 struct BenchArgs {
     /// Only the connect4 hook benchmark.
-    #[arg(long, conflicts_with = "proxies_only")]
+    #[arg(long, conflicts_with_all = ["proxies_only", "scrape_only"])]
     hook_only: bool,
     /// Only the proxy comparison (no root needed).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "scrape_only")]
     proxies_only: bool,
     /// Also build skewless-proxy at this git revision (into target/bench-baseline/, its own
     /// target directory) and run it beside this tree's as `skewless@REV`, compared run by run:
@@ -79,6 +79,10 @@ struct BenchArgs {
     /// skewless,skewless@ae9ca9d`.
     #[arg(long, value_name = "REV")]
     baseline: Vec<String>,
+    /// Only the metrics cardinality benchmark: one scrape at 100 Services x 50 backends
+    /// (series, bytes, encode time; no root needed).
+    #[arg(long)]
+    scrape_only: bool,
     /// Passed to skewless-bench, e.g. `-- --delays 50 --connections 1,2 --repeats 1` (see
     /// `cargo run -p skewless-bench --bin skewless-bench -- --help`).
     #[arg(last = true)]
@@ -106,10 +110,13 @@ fn main() -> Result<()> {
         }
         Cmd::Bench(args) => {
             setup::ensure_installed(false)?;
-            if !args.proxies_only {
+            if !args.proxies_only && !args.scrape_only {
                 hook_bench()?;
             }
-            if !args.hook_only {
+            if !args.hook_only && !args.proxies_only {
+                scrape_bench()?;
+            }
+            if !args.hook_only && !args.scrape_only {
                 proxy_bench(&args)?;
             }
             Ok(())
@@ -138,6 +145,26 @@ fn monitoring() -> Result<()> {
         .with_context(|| format!("writing {}", out.display()))?;
     println!("wrote {}", out.display());
     Ok(())
+}
+
+/// The metrics cardinality benchmark (skewless-admin's `scrape_bench` example): fails when
+/// a scrape at 100 Services x 50 backends exceeds 40,000 series or 50 ms.
+fn scrape_bench() -> Result<()> {
+    println!("==> bench: one /metrics scrape at 100 Services x 50 backends");
+    build(
+        "bench: building the scrape benchmark",
+        &[
+            "--release",
+            "--package",
+            "skewless-admin",
+            "--example",
+            "scrape_bench",
+        ],
+    )?;
+    let mut cmd = cargo();
+    cmd.args(["run", "--release", "--quiet", "--package", "skewless-admin"])
+        .args(["--example", "scrape_bench"]);
+    setup::run(&mut cmd)
 }
 
 fn hook_bench() -> Result<()> {
