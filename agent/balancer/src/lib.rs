@@ -42,6 +42,7 @@ mod error;
 pub mod grpc;
 mod health;
 mod io;
+pub mod metrics;
 pub mod picker;
 mod pool;
 mod proxy;
@@ -140,10 +141,20 @@ impl Balancer {
         self.pool.stats()
     }
 
-    /// Balancer-wide counters (retries, locally generated errors).
+    /// Balancer-wide counters (retries, locally generated errors, ejections).
     #[must_use]
     pub fn counters(&self) -> BalancerCounters {
-        self.pool.counters.snapshot()
+        BalancerCounters {
+            ejections: self.pool.ejections(),
+            ..self.pool.counters.snapshot()
+        }
+    }
+
+    /// The Service port's call latency, failures by reason, rotations and client connections
+    /// on this balancer's worker.
+    #[must_use]
+    pub fn metrics(&self) -> metrics::ServiceSnapshot {
+        self.pool.metrics.snapshot()
     }
 
     /// Serves client connections from `listener` until `shutdown` resolves, then drains: every

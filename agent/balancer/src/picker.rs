@@ -44,6 +44,7 @@ use tokio::time::Instant;
 
 use crate::config::PickerConfig;
 use crate::endpoints::{EndpointId, EndpointSet, Entry};
+use crate::metrics::HistogramSnapshot;
 use crate::stats::{EndpointState, EndpointStats};
 
 /// The result of a pick.
@@ -156,6 +157,8 @@ pub struct Picker<R> {
     cursor: usize,
     rng: R,
     total_requests: u64,
+    /// Endpoints ejected since the picker started (for metrics).
+    ejections: u64,
 }
 
 impl<R: Rng> Picker<R> {
@@ -166,7 +169,14 @@ impl<R: Rng> Picker<R> {
             cursor: 0,
             rng,
             total_requests: 0,
+            ejections: 0,
         }
+    }
+
+    /// Endpoints ejected for failing since the picker started.
+    #[must_use]
+    pub fn ejections(&self) -> u64 {
+        self.ejections
     }
 
     /// Replaces the tuning. Every decision from now on uses it; what was learned (latency
@@ -520,6 +530,7 @@ impl<R: Rng> Picker<R> {
                     probing_after_ejection,
                     may_take_out || health != Health::Active,
                 ) {
+                    self.ejections += 1;
                     tracing::info!(
                         addr = %endpoint.addr, name = %endpoint.name,
                         failures, ejection_ms = time.as_millis(),
@@ -553,6 +564,9 @@ impl<R: Rng> Picker<R> {
                     in_flight: s.in_flight,
                     share: s.requests as f64 / total,
                     latency: s.ewma.map(|(v, _)| Duration::from_nanos(v as u64)),
+                    // The pool fills these in: they are its, not the picker's.
+                    upstream_connections: 0,
+                    latency_histogram: HistogramSnapshot::default(),
                 }
             })
             .collect()

@@ -20,6 +20,7 @@ use crate::endpoint::Endpoint;
 use crate::endpoints::{EndpointId, EndpointSet};
 use crate::error::{ConnectError, ForwardError};
 use crate::io::Watched;
+use crate::metrics::{EndpointMetrics, ServiceMetrics};
 use crate::picker::{Outcome, Picker, Slot};
 use crate::stats::{Counters, EndpointStats};
 
@@ -34,6 +35,8 @@ pub(crate) struct Pool {
     /// Woken whenever an endpoint becomes ready or the endpoint set changes.
     changed: Notify,
     pub(crate) counters: Counters,
+    /// The Service port's latency, failure, rotation and connection numbers on this worker.
+    pub(crate) metrics: Arc<ServiceMetrics>,
 }
 
 struct State {
@@ -56,6 +59,8 @@ struct Member {
     task: AbortHandle,
     /// The picker's load and latency estimate.
     slot: Slot,
+    /// Its latency histogram: the handle every lease on it records into.
+    metrics: Arc<EndpointMetrics>,
 }
 
 impl AsRef<Slot> for Member {
@@ -95,6 +100,7 @@ pub(crate) struct Lease {
     pub(crate) sender: SendRequest<Bytes>,
     streams: Arc<AtomicU32>,
     sent_at: Instant,
+    metrics: Arc<EndpointMetrics>,
     done: bool,
 }
 
@@ -109,6 +115,7 @@ impl Pool {
             config: watch::Sender::new(Arc::new(config)),
             changed: Notify::new(),
             counters: Counters::default(),
+            metrics: Arc::new(ServiceMetrics::default()),
         })
     }
 
@@ -148,7 +155,18 @@ impl Pool {
 
     pub(crate) fn stats(&self) -> Vec<EndpointStats> {
         let state = self.lock();
-        state.picker.stats(&state.endpoints)
+        let mut stats = state.picker.stats(&state.endpoints);
+        // The picker knows the load; the pool knows the connections and the latency cells.
+        for (s, entry) in stats.iter_mut().zip(&state.endpoints) {
+            s.upstream_connections = u32::try_from(entry.value.upstreams.len()).unwrap_or(u32::MAX);
+            s.latency_histogram = entry.value.metrics.latency.snapshot();
+        }
+        stats
+    }
+
+    /// Endpoints ejected since the pool started.
+    pub(crate) fn ejections(&self) -> u64 {
+        self.lock().picker.ejections()
     }
 
     /// Applies a new endpoint set: starts connecting to new endpoints, drops removed ones
@@ -169,6 +187,7 @@ impl Pool {
                 warm: false,
                 task,
                 slot: Slot::new(now),
+                metrics: Arc::new(EndpointMetrics::default()),
             }
         });
         drop(state);
@@ -328,6 +347,7 @@ impl Pool {
                 member.grow.notify_one();
             }
             let sample = std::mem::replace(&mut member.warm, true);
+            let metrics = member.metrics.clone();
             return Ok(Some(Lease {
                 pool: self.clone(),
                 id: pick.id,
@@ -338,6 +358,7 @@ impl Pool {
                 sender,
                 streams,
                 sent_at: now,
+                metrics,
                 done: false,
             }));
         }
@@ -385,16 +406,23 @@ impl Lease {
         self.finish_inner(outcome);
     }
 
+    /// Where the request's load on its endpoint completes: the end of the response (or of
+    /// the attempt). Its duration since the pick goes into the endpoint's histogram, so the
+    /// histogram counts exactly the requests the picker counted.
     fn finish_inner(&mut self, outcome: Outcome) {
         if std::mem::replace(&mut self.done, true) {
             return;
         }
         self.streams.fetch_sub(1, Ordering::Relaxed);
+        let now = Instant::now();
+        self.metrics
+            .latency
+            .record(now.saturating_duration_since(self.sent_at));
         let mut state = self.pool.lock();
         let State {
             picker, endpoints, ..
         } = &mut *state;
-        picker.complete(endpoints, self.id, self.probe, outcome, Instant::now());
+        picker.complete(endpoints, self.id, self.probe, outcome, now);
     }
 }
 

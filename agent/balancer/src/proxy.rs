@@ -23,6 +23,7 @@ use tokio::time::Instant;
 use crate::endpoints::EndpointId;
 use crate::error::ForwardError;
 use crate::grpc::{self, Code};
+use crate::metrics::{FailureReason, ServiceMetrics};
 use crate::picker::Outcome;
 use crate::pool::{Lease, Pool};
 use crate::stats::Counters;
@@ -38,6 +39,9 @@ pub(crate) async fn handle(
     req: Request<RecvStream>,
     mut respond: SendResponse<Bytes>,
 ) {
+    // Records the call's duration when the call is over, however it ends: the end of the
+    // response, where the request's load on its endpoint completes too (`Lease::finish`).
+    let _call = pool.metrics.call_started();
     let deadline = req
         .headers()
         .get(grpc::GRPC_TIMEOUT)
@@ -68,6 +72,7 @@ pub(crate) async fn handle(
                 | ForwardError::ClientGone => &pool.counters.local_unavailable,
             };
             Counters::bump(cell);
+            pool.metrics.failed(failure_reason(&error));
             if let Err(error) = respond.send_response(rescue(&error, is_grpc), true) {
                 tracing::debug!(%error, "client went away before the local reply");
             }
@@ -88,6 +93,9 @@ pub(crate) async fn handle(
         }
     };
     if let Some(outcome) = outcome {
+        if outcome == Outcome::Failure {
+            pool.metrics.failed(FailureReason::Unavailable);
+        }
         lease.finish(outcome);
         return;
     }
@@ -97,6 +105,7 @@ pub(crate) async fn handle(
         lease: Some(lease),
         grpc,
         status,
+        metrics: &pool.metrics,
     };
     poll_fn(|cx| {
         if expired.as_mut().poll(cx).is_ready() {
@@ -118,6 +127,29 @@ async fn expiry(deadline: Option<Instant>) {
     match deadline {
         Some(deadline) => tokio::time::sleep_until(deadline).await,
         None => std::future::pending().await,
+    }
+}
+
+/// Why a call that was not forwarded failed (a bounded metric label).
+fn failure_reason(error: &ForwardError) -> FailureReason {
+    match error {
+        ForwardError::DeadlineExceeded => FailureReason::Deadline,
+        ForwardError::Upstream(h2) => transport_failure(h2),
+        ForwardError::NoEndpoints | ForwardError::NoReadyEndpoint | ForwardError::ClientGone => {
+            FailureReason::Unavailable
+        }
+    }
+}
+
+/// Why an upstream stream failed: refused (provably not processed), the connection (I/O or a
+/// connection-level error), or the stream itself (reset).
+fn transport_failure(error: &h2::Error) -> FailureReason {
+    if not_processed(error) {
+        FailureReason::Refused
+    } else if error.is_io() || error.is_go_away() {
+        FailureReason::Connect
+    } else {
+        FailureReason::Reset
     }
 }
 
@@ -482,17 +514,23 @@ impl RequestPump {
 
 /// The upstream's response body on its way to the client; holds the endpoint's lease until
 /// the response ends.
-struct ResponsePump {
+struct ResponsePump<'a> {
     upstream: RecvStream,
     client: SendStream<Bytes>,
     lease: Option<Lease>,
     grpc: bool,
     status: StatusCode,
+    metrics: &'a ServiceMetrics,
 }
 
-impl ResponsePump {
+impl ResponsePump<'_> {
+    /// The response is over: the lease ends with `outcome` (the endpoint's load completes)
+    /// and a failure by the endpoint counts as the call's.
     fn finish(&mut self, outcome: Outcome) {
         if let Some(lease) = self.lease.take() {
+            if outcome == Outcome::Failure {
+                self.metrics.failed(FailureReason::Unavailable);
+            }
             lease.finish(outcome);
         }
     }
@@ -507,6 +545,7 @@ impl ResponsePump {
     /// upstream stream, which resets it (the cancellation goes upstream).
     fn deadline_exceeded(&mut self) {
         self.finish(Outcome::Cancelled);
+        self.metrics.failed(FailureReason::Deadline);
         if self.grpc {
             let _ = self.client.send_trailers(grpc::status_headers(
                 Code::DeadlineExceeded,
@@ -584,11 +623,21 @@ impl ResponsePump {
     fn upstream_failed(&mut self, error: &h2::Error) {
         // The server gave up on the call (CANCEL): says nothing about the endpoint's health.
         let cancelled = error.reason() == Some(Reason::CANCEL);
-        self.finish(if cancelled {
+        // The endpoint's outcome, and the call's failure reason (counted here, not as the
+        // Failure outcome's "unavailable").
+        let outcome = if cancelled {
             Outcome::Cancelled
         } else {
             Outcome::Failure
-        });
+        };
+        if let Some(lease) = self.lease.take() {
+            lease.finish(outcome);
+            self.metrics.failed(if cancelled {
+                FailureReason::Reset
+            } else {
+                transport_failure(error)
+            });
+        }
         tracing::debug!(%error, "upstream response stream failed");
         if self.grpc {
             let code = if cancelled {

@@ -46,6 +46,10 @@ impl NewConnection for crate::Balancer {
         self.pool.random_unit()
     }
 
+    fn metrics(&self) -> Arc<crate::metrics::ServiceMetrics> {
+        self.pool.metrics.clone()
+    }
+
     fn serve_connection(
         &self,
         stream: TcpStream,

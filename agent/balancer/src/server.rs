@@ -21,6 +21,7 @@ use tokio::task::JoinSet;
 use tracing::Instrument as _;
 
 use crate::error::BalancerError;
+use crate::metrics::{RotationReason, ServiceMetrics};
 
 /// The settings of the client-connection lifecycle, read from a mode's configuration.
 pub trait Lifecycle {
@@ -50,6 +51,10 @@ pub trait NewConnection {
     /// A uniform number in [0, 1) from the balancer's (injectable) RNG, for the max-age jitter.
     fn random_unit(&self) -> f64;
 
+    /// The Service port's numbers: [`serve`] counts client connections, their lifetimes and
+    /// the rotations of the lifecycle (max age, drain) into them.
+    fn metrics(&self) -> Arc<ServiceMetrics>;
+
     /// Serves one admitted client connection until it is over. `stop` resolves when the
     /// connection should wind down; the mode then closes it gracefully within
     /// [`Stop::grace`].
@@ -68,6 +73,8 @@ pub struct Stop<C> {
     drain: watch::Receiver<bool>,
     /// The connection's own factor on the max age (0.9..1.1).
     jitter: f64,
+    /// Where the rotation is counted when the connection is told to wind down.
+    metrics: Option<Arc<ServiceMetrics>>,
 }
 
 impl<C: Lifecycle> Stop<C> {
@@ -79,6 +86,7 @@ impl<C: Lifecycle> Stop<C> {
             config,
             drain,
             jitter,
+            metrics: None,
         }
     }
 
@@ -87,6 +95,17 @@ impl<C: Lifecycle> Stop<C> {
     /// connection is open. Poll the same future for the life of the connection: it arms its
     /// timers once per configuration, not once per poll.
     pub async fn stopped(&mut self) -> StopReason {
+        let reason = self.wait().await;
+        if let Some(m) = &self.metrics {
+            m.rotated(match reason {
+                StopReason::Drain => RotationReason::Drain,
+                StopReason::MaxAge => RotationReason::MaxAge,
+            });
+        }
+        reason
+    }
+
+    async fn wait(&mut self) -> StopReason {
         let jitter = self.jitter;
         let mut since = tokio::time::Instant::now();
         let mut max_age = self.config.borrow_and_update().max_connection_age();
@@ -164,15 +183,24 @@ pub async fn serve<N: NewConnection>(
             continue;
         }
         let _ = stream.set_nodelay(true);
+        let metrics = new.metrics();
+        let open = metrics.connection_opened();
         let stop = Stop {
             config: new.config(),
             drain: drain_rx.clone(),
             // +-10% jitter so connections accepted together do not all rotate together.
             jitter: 0.9 + 0.2 * new.random_unit(),
+            metrics: Some(metrics),
         };
+        let connection = new.serve_connection(stream, peer, stop);
         conns.spawn(
-            new.serve_connection(stream, peer, stop)
-                .instrument(tracing::debug_span!("client", %peer)),
+            async move {
+                // Counted open until the connection's handler is done (or cut at the end of
+                // the drain grace, which drops it too).
+                let _open = open;
+                connection.await;
+            }
+            .instrument(tracing::debug_span!("client", %peer)),
         );
     };
     drop(listener);

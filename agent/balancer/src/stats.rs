@@ -1,6 +1,8 @@
 //! Plain statistics the admin crate turns into metrics (bounded by services x endpoints).
 
 use std::net::SocketAddr;
+
+use crate::metrics::HistogramSnapshot;
 use std::time::Duration;
 
 /// Where an endpoint stands in the rotation.
@@ -39,6 +41,10 @@ pub struct EndpointStats {
     pub share: f64,
     /// Its peak-EWMA latency estimate, once it has one.
     pub latency: Option<Duration>,
+    /// Open HTTP/2 connections to it.
+    pub upstream_connections: u32,
+    /// Durations of its requests, pick to end of response (the requests the picker counted).
+    pub latency_histogram: HistogramSnapshot,
 }
 
 impl EndpointStats {
@@ -59,6 +65,8 @@ impl EndpointStats {
                         m.failures += e.failures;
                         m.probes += e.probes;
                         m.in_flight += e.in_flight;
+                        m.upstream_connections += e.upstream_connections;
+                        m.latency_histogram.add(&e.latency_histogram);
                         if e.requests > *best {
                             *best = e.requests;
                             m.state = e.state;
@@ -107,6 +115,8 @@ pub struct BalancerCounters {
     pub upstream_failures: u64,
     /// Calls the balancer answered itself with DEADLINE_EXCEEDED.
     pub local_deadline_exceeded: u64,
+    /// Endpoints ejected for failing.
+    pub ejections: u64,
 }
 
 /// Lock-free cells behind [`BalancerCounters`].
@@ -134,6 +144,8 @@ impl Counters {
             local_unavailable: get(&self.local_unavailable),
             upstream_failures: get(&self.upstream_failures),
             local_deadline_exceeded: get(&self.local_deadline_exceeded),
+            // The picker counts these; the pool adds them to the snapshot.
+            ejections: 0,
         }
     }
 }
@@ -153,6 +165,11 @@ mod tests {
             in_flight: 2,
             share: 0.0,
             latency: Some(Duration::from_millis(latency_ms)),
+            upstream_connections: 1,
+            latency_histogram: HistogramSnapshot {
+                counts: vec![requests, 0],
+                sum: 0.0,
+            },
         }
     }
 
@@ -175,6 +192,8 @@ mod tests {
         assert_eq!(merged[0].requests, 30);
         assert_eq!(merged[0].failures, 2);
         assert_eq!(merged[0].in_flight, 4);
+        assert_eq!(merged[0].upstream_connections, 2);
+        assert_eq!(merged[1].latency_histogram.counts, [70, 0]);
         assert_eq!(merged[0].latency, Some(Duration::from_millis(5)));
         assert_eq!(merged[1].requests, 70);
         // The second worker sent b the most: its view wins.

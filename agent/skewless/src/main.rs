@@ -6,6 +6,7 @@ mod agent;
 mod observer;
 mod peers;
 mod reconcile;
+mod report;
 mod status;
 
 use clap::{Parser, Subcommand};

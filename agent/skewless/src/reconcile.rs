@@ -21,14 +21,14 @@ use std::{
     sync::{Arc, Mutex},
 };
 
-use skewless_admin::json::{EndpointStatus, ServiceStatus};
-use skewless_balancer::{Balancer, Config, Endpoint, EndpointStats, Served, Workers};
+use skewless_admin::json::ServiceStatus;
+use skewless_balancer::{Balancer, Config, Endpoint, Served, Workers};
 use skewless_datapath::{Datapath, Error};
 use skewless_model::{Mode, ServiceKey, ServiceState, Snapshot, Tuning};
 use tokio::{sync::watch, task::JoinHandle};
 use tracing::{info, info_span, warn};
 
-use crate::peers::PeerFilter;
+use crate::{peers::PeerFilter, report};
 
 struct Running {
     service: ServiceKey,
@@ -257,27 +257,15 @@ impl Reconciler {
     pub fn status(&self) -> Vec<ServiceStatus> {
         self.running
             .iter()
-            .map(|(vip, r)| ServiceStatus {
-                service: r.service.to_string(),
-                mode: "request".to_owned(),
-                vip: vip.to_string(),
-                listener: r.listener.to_string(),
-                ready_endpoints: r.state.port(r.port).map_or(0, |p| p.ready().count()),
-                endpoints: EndpointStats::merge_workers(r.balancers.iter().map(|b| b.stats()))
-                    .into_iter()
-                    .map(|e| EndpointStatus {
-                        name: e.name,
-                        addr: e.addr.to_string(),
-                        state: format!("{:?}", e.state),
-                        requests: e.requests,
-                        failures: e.failures,
-                        share: e.share,
-                        latency_ms: e.latency.map(|l| l.as_secs_f64() * 1000.0),
-                        in_flight: e.in_flight.into(),
-                        ..EndpointStatus::default()
-                    })
-                    .collect(),
-                ..ServiceStatus::default()
+            .map(|(vip, r)| {
+                report::service_status(report::Port {
+                    service: r.service.to_string(),
+                    mode: "request",
+                    vip: vip.to_string(),
+                    listener: r.listener.to_string(),
+                    ready_endpoints: r.state.port(r.port).map_or(0, |p| p.ready().count()),
+                    balancers: &r.balancers,
+                })
             })
             .collect()
     }

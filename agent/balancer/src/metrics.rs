@@ -1,0 +1,405 @@
+//! Lock-free numbers the data path updates and the agent reads when it is scraped.
+//!
+//! Every handle is created once, where its target appears (an endpoint when it is added, a
+//! balancer when it starts), and held by what records into it (the endpoint's lease, the
+//! call, the client connection): recording is a few relaxed atomic adds, with no lookup by
+//! label and no lock. Reading ([`Histogram::snapshot`], [`ServiceMetrics::snapshot`]) copies
+//! the cells; a reading taken while requests complete may be a request apart between two
+//! cells, never torn within one.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::time::Duration;
+
+/// Upper bounds (seconds) of the request duration buckets: 0.5 ms to 10 s, with the usual SLO
+/// points (2.5 ms, 25 ms, 250 ms, 2.5 s) as bounds, so an SLO threshold is a bucket.
+pub const LATENCY_BOUNDS: &[f64] = &[
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+];
+
+/// Upper bounds (seconds) of the client connection lifetime buckets: 100 ms to a day.
+pub const CONNECTION_BOUNDS: &[f64] = &[
+    0.1, 1.0, 10.0, 30.0, 60.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0, 21600.0, 86400.0,
+];
+
+const LATENCY_BUCKETS: usize = LATENCY_BOUNDS.len() + 1;
+const CONNECTION_BUCKETS: usize = CONNECTION_BOUNDS.len() + 1;
+
+/// A histogram over fixed bounds (`N` = bounds + 1, the last bucket is +Inf), in nanoseconds.
+#[derive(Debug)]
+pub struct Histogram<const N: usize> {
+    bounds_ns: [u64; N],
+    counts: [AtomicU64; N],
+    sum_ns: AtomicU64,
+}
+
+/// Request durations.
+pub type LatencyHistogram = Histogram<LATENCY_BUCKETS>;
+/// Client connection lifetimes.
+pub type ConnectionHistogram = Histogram<CONNECTION_BUCKETS>;
+
+impl<const N: usize> Histogram<N> {
+    /// Over `bounds` (seconds, ascending, `N - 1` of them).
+    fn with_bounds(bounds: &[f64]) -> Self {
+        debug_assert_eq!(bounds.len() + 1, N);
+        let mut bounds_ns = [u64::MAX; N];
+        for (b, s) in bounds_ns.iter_mut().zip(bounds) {
+            // Exact for these bounds: all are whole microseconds at most 1 day.
+            *b = Duration::from_secs_f64(*s)
+                .as_nanos()
+                .try_into()
+                .unwrap_or(u64::MAX);
+        }
+        Self {
+            bounds_ns,
+            counts: std::array::from_fn(|_| AtomicU64::new(0)),
+            sum_ns: AtomicU64::new(0),
+        }
+    }
+
+    /// Counts one observation, in the first bucket whose bound it does not exceed (`le`).
+    pub fn record(&self, d: Duration) {
+        let ns = u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+        let i = self.bounds_ns.partition_point(|&b| b < ns).min(N - 1);
+        self.counts[i].fetch_add(1, Relaxed);
+        self.sum_ns.fetch_add(ns, Relaxed);
+    }
+
+    /// The counts per bucket (not cumulative) and the sum in seconds.
+    #[must_use]
+    pub fn snapshot(&self) -> HistogramSnapshot {
+        #[expect(clippy::cast_precision_loss, reason = "a sum of durations in seconds")]
+        let sum = self.sum_ns.load(Relaxed) as f64 / 1e9;
+        HistogramSnapshot {
+            counts: self.counts.iter().map(|c| c.load(Relaxed)).collect(),
+            sum,
+        }
+    }
+}
+
+impl Default for LatencyHistogram {
+    fn default() -> Self {
+        Self::with_bounds(LATENCY_BOUNDS)
+    }
+}
+
+impl Default for ConnectionHistogram {
+    fn default() -> Self {
+        Self::with_bounds(CONNECTION_BOUNDS)
+    }
+}
+
+/// A reading of a histogram: counts per bucket, the last for +Inf, and the sum (seconds).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct HistogramSnapshot {
+    pub counts: Vec<u64>,
+    pub sum: f64,
+}
+
+impl HistogramSnapshot {
+    /// Observations in every bucket.
+    #[must_use]
+    pub fn count(&self) -> u64 {
+        self.counts.iter().sum()
+    }
+
+    /// Adds `other` bucket by bucket (another worker's reading of the same target).
+    pub fn add(&mut self, other: &Self) {
+        if self.counts.len() < other.counts.len() {
+            self.counts.resize(other.counts.len(), 0);
+        }
+        for (a, b) in self.counts.iter_mut().zip(&other.counts) {
+            *a += b;
+        }
+        self.sum += other.sum;
+    }
+}
+
+/// Why a call failed: a bounded set (a metric label).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailureReason {
+    /// Answered UNAVAILABLE without a transport fault: no ready endpoint, or the backend
+    /// itself answered UNAVAILABLE (or an HTTP 5xx).
+    Unavailable,
+    /// The caller's deadline ran out in the balancer.
+    Deadline,
+    /// The backend reset the stream, or it ended abnormally after it was sent.
+    Reset,
+    /// The upstream connection failed under the call.
+    Connect,
+    /// The backend refused the stream and no retry was left.
+    Refused,
+}
+
+/// Why a client connection was told to go away (a GOAWAY); a bounded set (a metric label).
+/// Request mode rotates for `MaxAge` and `Drain`; connection mode for all of them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RotationReason {
+    /// Its backend holds more than its share (connection mode).
+    Skew,
+    /// Its backend left the endpoint set (connection mode).
+    BackendRemoved,
+    /// Its backend's health check says NOT_SERVING (connection mode).
+    NotServing,
+    /// It reached its max connection age.
+    MaxAge,
+    /// The balancer is draining (opt-out, agent shutdown).
+    Drain,
+}
+
+impl RotationReason {
+    /// Every reason, in label order.
+    pub const ALL: [Self; 5] = [
+        Self::Skew,
+        Self::BackendRemoved,
+        Self::NotServing,
+        Self::MaxAge,
+        Self::Drain,
+    ];
+
+    /// The label value.
+    #[must_use]
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Skew => "skew",
+            Self::BackendRemoved => "backend_removed",
+            Self::NotServing => "not_serving",
+            Self::MaxAge => "max_age",
+            Self::Drain => "drain",
+        }
+    }
+}
+
+impl FailureReason {
+    /// Every reason, in label order.
+    pub const ALL: [Self; 5] = [
+        Self::Unavailable,
+        Self::Deadline,
+        Self::Reset,
+        Self::Connect,
+        Self::Refused,
+    ];
+
+    /// The label value.
+    #[must_use]
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Unavailable => "unavailable",
+            Self::Deadline => "deadline",
+            Self::Reset => "reset",
+            Self::Connect => "connect",
+            Self::Refused => "refused",
+        }
+    }
+}
+
+/// The numbers of one endpoint, created when the endpoint is added to a balancer.
+#[derive(Debug, Default)]
+pub struct EndpointMetrics {
+    /// Durations of its requests, from the attempt's send to the end of its response (where
+    /// the request's load on it completes).
+    pub latency: LatencyHistogram,
+}
+
+/// The numbers of one balancer (one Service port on one worker), created with it.
+#[derive(Debug, Default)]
+pub struct ServiceMetrics {
+    /// Every call, from the client's request headers to the end of the response.
+    pub latency: LatencyHistogram,
+    failures: [AtomicU64; 5],
+    rotations: [AtomicU64; RotationReason::ALL.len()],
+    client_connections: AtomicU64,
+    /// Lifetimes of the client connections that closed.
+    pub connection_duration: ConnectionHistogram,
+}
+
+/// A reading of [`ServiceMetrics`].
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ServiceSnapshot {
+    pub latency: HistogramSnapshot,
+    /// By [`FailureReason::ALL`].
+    pub failures: [u64; 5],
+    /// By [`RotationReason::ALL`].
+    pub rotations: [u64; RotationReason::ALL.len()],
+    pub client_connections: u64,
+    pub connection_duration: HistogramSnapshot,
+}
+
+impl ServiceSnapshot {
+    /// Adds another worker's reading of the same Service port.
+    pub fn add(&mut self, other: &Self) {
+        self.latency.add(&other.latency);
+        for (a, b) in self.failures.iter_mut().zip(other.failures) {
+            *a += b;
+        }
+        for (a, b) in self.rotations.iter_mut().zip(other.rotations) {
+            *a += b;
+        }
+        self.client_connections += other.client_connections;
+        self.connection_duration.add(&other.connection_duration);
+    }
+}
+
+impl ServiceMetrics {
+    /// Counts a failed call.
+    pub fn failed(&self, reason: FailureReason) {
+        let i = FailureReason::ALL
+            .iter()
+            .position(|r| *r == reason)
+            .unwrap_or(0);
+        self.failures[i].fetch_add(1, Relaxed);
+    }
+
+    /// Counts a GOAWAY sent to a client connection.
+    pub fn rotated(&self, reason: RotationReason) {
+        let i = RotationReason::ALL
+            .iter()
+            .position(|r| *r == reason)
+            .unwrap_or(0);
+        self.rotations[i].fetch_add(1, Relaxed);
+    }
+
+    /// A client connection opened; the guard counts it closed (and its lifetime) on drop.
+    #[must_use]
+    pub fn connection_opened(self: &Arc<Self>) -> ConnectionGuard {
+        self.client_connections.fetch_add(1, Relaxed);
+        ConnectionGuard {
+            metrics: Arc::clone(self),
+            opened: tokio::time::Instant::now(),
+        }
+    }
+
+    /// A call started; the guard records its duration when it is dropped (the call is over).
+    #[must_use]
+    pub fn call_started(&self) -> CallGuard<'_> {
+        CallGuard {
+            metrics: self,
+            started: tokio::time::Instant::now(),
+        }
+    }
+
+    /// Reads every cell.
+    #[must_use]
+    pub fn snapshot(&self) -> ServiceSnapshot {
+        ServiceSnapshot {
+            latency: self.latency.snapshot(),
+            failures: std::array::from_fn(|i| self.failures[i].load(Relaxed)),
+            rotations: std::array::from_fn(|i| self.rotations[i].load(Relaxed)),
+            client_connections: self.client_connections.load(Relaxed),
+            connection_duration: self.connection_duration.snapshot(),
+        }
+    }
+}
+
+/// One open client connection; dropping it counts the connection closed.
+#[derive(Debug)]
+pub struct ConnectionGuard {
+    metrics: Arc<ServiceMetrics>,
+    opened: tokio::time::Instant,
+}
+
+/// One call in progress; dropping it records the call's duration.
+#[derive(Debug)]
+pub struct CallGuard<'a> {
+    metrics: &'a ServiceMetrics,
+    started: tokio::time::Instant,
+}
+
+impl Drop for CallGuard<'_> {
+    fn drop(&mut self) {
+        self.metrics.latency.record(self.started.elapsed());
+    }
+}
+
+impl Drop for ConnectionGuard {
+    fn drop(&mut self) {
+        self.metrics.client_connections.fetch_sub(1, Relaxed);
+        self.metrics
+            .connection_duration
+            .record(self.opened.elapsed());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_observation_on_a_bound_goes_in_that_bucket() {
+        let h = LatencyHistogram::default();
+        h.record(Duration::from_micros(500)); // le="0.0005"
+        h.record(Duration::from_micros(501)); // le="0.001"
+        h.record(Duration::from_millis(250)); // le="0.25"
+        h.record(Duration::from_secs(11)); // +Inf
+        let s = h.snapshot();
+        assert_eq!(s.counts.len(), LATENCY_BOUNDS.len() + 1);
+        assert_eq!(s.counts[0], 1);
+        assert_eq!(s.counts[1], 1);
+        let quarter = LATENCY_BOUNDS.iter().position(|b| *b == 0.25).unwrap();
+        assert_eq!(s.counts[quarter], 1);
+        assert_eq!(s.counts[LATENCY_BOUNDS.len()], 1);
+        assert_eq!(s.count(), 4);
+        assert!((s.sum - 11.251_001).abs() < 1e-9, "sum {}", s.sum);
+    }
+
+    #[test]
+    fn bounds_ascend_and_cover_half_a_millisecond_to_ten_seconds() {
+        for bounds in [LATENCY_BOUNDS, CONNECTION_BOUNDS] {
+            assert!(bounds.windows(2).all(|w| w[0] < w[1]));
+        }
+        assert_eq!(LATENCY_BOUNDS.first(), Some(&0.0005));
+        assert_eq!(LATENCY_BOUNDS.last(), Some(&10.0));
+    }
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn a_connection_guard_counts_open_connections_and_their_lifetimes() {
+        let m = Arc::new(ServiceMetrics::default());
+        let a = m.connection_opened();
+        let b = m.connection_opened();
+        assert_eq!(m.snapshot().client_connections, 2);
+        tokio::time::advance(Duration::from_secs(45)).await;
+        drop(a);
+        let s = m.snapshot();
+        assert_eq!(s.client_connections, 1);
+        let thirty_to_sixty = CONNECTION_BOUNDS.iter().position(|b| *b == 60.0).unwrap();
+        assert_eq!(s.connection_duration.counts[thirty_to_sixty], 1);
+        drop(b);
+        assert_eq!(m.snapshot().client_connections, 0);
+    }
+
+    #[test]
+    fn readings_of_workers_add_up() {
+        let (a, b) = (ServiceMetrics::default(), ServiceMetrics::default());
+        a.failed(FailureReason::Deadline);
+        b.failed(FailureReason::Deadline);
+        b.failed(FailureReason::Refused);
+        a.rotated(RotationReason::Drain);
+        a.latency.record(Duration::from_millis(3));
+        b.latency.record(Duration::from_millis(3));
+        let mut s = a.snapshot();
+        s.add(&b.snapshot());
+        assert_eq!(s.failures, [0, 2, 0, 0, 1]);
+        assert_eq!(s.rotations, [0, 0, 0, 0, 1]);
+        assert_eq!(s.latency.count(), 2);
+    }
+
+    proptest::proptest! {
+        /// Every observation lands in exactly one bucket, the first whose bound is not below it.
+        #[test]
+        fn every_observation_lands_in_the_first_bucket_not_below_it(us in 0u64..20_000_000) {
+            let h = LatencyHistogram::default();
+            h.record(Duration::from_micros(us));
+            let s = h.snapshot();
+            proptest::prop_assert_eq!(s.count(), 1);
+            let i = s.counts.iter().position(|&c| c == 1).unwrap();
+            #[expect(clippy::cast_precision_loss, reason = "test values below 2^52")]
+            let secs = us as f64 / 1e6;
+            if let Some(&upper) = LATENCY_BOUNDS.get(i) {
+                proptest::prop_assert!(secs <= upper + 1e-12);
+            }
+            if i > 0 {
+                proptest::prop_assert!(secs > LATENCY_BOUNDS[i - 1] - 1e-12);
+            }
+        }
+    }
+}

@@ -1,0 +1,171 @@
+//! What the running balancers report, as the admin API's types: one Service port's numbers
+//! over all its data-plane workers (their counters and histograms add up).
+
+use std::sync::Arc;
+
+use skewless_admin::json::{EndpointStatus, Failures, Histogram, Rotation, ServiceStatus};
+use skewless_balancer::{
+    Balancer, EndpointStats,
+    metrics::{
+        CONNECTION_BOUNDS, FailureReason, HistogramSnapshot, LATENCY_BOUNDS, RotationReason,
+        ServiceSnapshot,
+    },
+};
+
+/// Where a Service port is balanced.
+pub struct Port<'a> {
+    pub service: String,
+    pub mode: &'static str,
+    pub vip: String,
+    pub listener: String,
+    pub ready_endpoints: usize,
+    /// One per data-plane worker.
+    pub balancers: &'a [Arc<Balancer>],
+}
+
+fn histogram(h: HistogramSnapshot) -> Histogram {
+    let HistogramSnapshot { counts, sum } = h;
+    Histogram { counts, sum }
+}
+
+/// The port's status: endpoints merged over the workers, Service numbers summed.
+pub fn service_status(port: Port<'_>) -> ServiceStatus {
+    let Port {
+        service,
+        mode,
+        vip,
+        listener,
+        ready_endpoints,
+        balancers,
+    } = port;
+    let mut total = ServiceSnapshot::default();
+    let (mut retries, mut ejections) = (0, 0);
+    for b in balancers {
+        total.add(&b.metrics());
+        let c = b.counters();
+        retries += c.retries;
+        ejections += c.ejections;
+    }
+    let ServiceSnapshot {
+        latency,
+        failures,
+        rotations,
+        client_connections,
+        connection_duration,
+    } = total;
+    let failed = |reason: FailureReason| {
+        FailureReason::ALL
+            .iter()
+            .position(|r| *r == reason)
+            .map_or(0, |i| failures[i])
+    };
+    ServiceStatus {
+        service,
+        mode: mode.to_owned(),
+        vip,
+        listener,
+        ready_endpoints,
+        endpoints: EndpointStats::merge_workers(balancers.iter().map(|b| b.stats()))
+            .into_iter()
+            .map(endpoint_status)
+            .collect(),
+        latency_bounds: LATENCY_BOUNDS.to_vec(),
+        latency: histogram(latency),
+        failures: Failures {
+            unavailable: failed(FailureReason::Unavailable),
+            deadline: failed(FailureReason::Deadline),
+            reset: failed(FailureReason::Reset),
+            connect: failed(FailureReason::Connect),
+            refused: failed(FailureReason::Refused),
+        },
+        retries,
+        ejections,
+        rotations: RotationReason::ALL
+            .iter()
+            .zip(rotations)
+            .map(|(r, count)| Rotation {
+                reason: r.label().to_owned(),
+                count,
+            })
+            .collect(),
+        client_connections,
+        connection_bounds: CONNECTION_BOUNDS.to_vec(),
+        connection_duration: histogram(connection_duration),
+        // Filled from the agent's recent window when /status or /metrics is served.
+        balancer_skew: None,
+    }
+}
+
+fn endpoint_status(e: EndpointStats) -> EndpointStatus {
+    let EndpointStats {
+        addr,
+        name,
+        state,
+        requests,
+        failures,
+        // Probes are requests too; the table does not show them apart.
+        probes: _,
+        in_flight,
+        share,
+        latency,
+        upstream_connections,
+        latency_histogram,
+    } = e;
+    EndpointStatus {
+        name,
+        addr: addr.to_string(),
+        state: format!("{state:?}"),
+        requests,
+        failures,
+        share,
+        latency_ms: latency.map(|l| l.as_secs_f64() * 1000.0),
+        in_flight: in_flight.into(),
+        upstream_connections: upstream_connections.into(),
+        latency: histogram(latency_histogram),
+        // Filled from the agent's recent window.
+        recent_p99: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The rules' SLO thresholds are `le` values: each must be a bound of the balancer's
+    /// buckets, written exactly as the agent's /metrics writes it.
+    #[test]
+    fn every_le_the_rules_use_is_a_bucket_bound_as_exported() {
+        let rules = std::fs::read_to_string(
+            skewless_admin::monitoring::dir().join(skewless_admin::monitoring::RULES_FILE),
+        )
+        .unwrap();
+        let status = ServiceStatus {
+            service: "ns/a".into(),
+            vip: "10.0.0.1:80".into(),
+            latency_bounds: LATENCY_BOUNDS.to_vec(),
+            latency: Histogram {
+                counts: vec![0; LATENCY_BOUNDS.len() + 1],
+                sum: 0.0,
+            },
+            ..ServiceStatus::default()
+        };
+        let text =
+            skewless_admin::collector::Metrics::new(&skewless_model::Metrics::default(), "t")
+                .encode(skewless_admin::collector::Scrape {
+                    services: vec![status],
+                    ..Default::default()
+                })
+                .unwrap();
+        let mut checked = 0;
+        for (i, _) in rules.match_indices("le=\"") {
+            let value = &rules[i + 4..];
+            let value = &value[..value.find('"').unwrap()];
+            assert!(
+                text.contains(&format!("le=\"{value}\"")),
+                "le=\"{value}\" in the rules is not a bucket the agent exports"
+            );
+            checked += 1;
+        }
+        assert!(checked > 0, "the rules use a latency bucket");
+    }
+}
