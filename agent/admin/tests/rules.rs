@@ -284,3 +284,43 @@ fn the_service_monitor_gives_the_job_label_the_alerts_expect() {
         }
     }
 }
+
+/// README's Metrics table lists exactly the exported families, with their types and labels.
+#[test]
+fn readme_metrics_table_lists_every_family() {
+    let readme = std::fs::read_to_string(monitoring::dir().join("../../README.md")).unwrap();
+    let section = readme
+        .split("\n## Metrics\n")
+        .nth(1)
+        .and_then(|s| s.split("\n## ").next())
+        .expect("README has a Metrics section");
+    let rows: BTreeSet<(String, String, String)> = section
+        .lines()
+        .filter_map(|l| l.strip_prefix("| `skewless_"))
+        .map(|l| {
+            let cells: Vec<&str> = l.split('|').map(str::trim).collect();
+            (
+                format!("skewless_{}", cells[0].trim_end_matches('`')),
+                cells[1].to_owned(),
+                cells[2].to_owned(),
+            )
+        })
+        .collect();
+    let expected: BTreeSet<(String, String, String)> = names::ALL
+        .iter()
+        .map(|f| {
+            let base = format!("{}_{}", names::PREFIX, f.name);
+            let (name, kind) = match f.kind {
+                names::Kind::Counter => (format!("{base}_total"), "counter"),
+                names::Kind::Gauge => (base, "gauge"),
+                names::Kind::Histogram => (base, "histogram"),
+                names::Kind::Info => (format!("{base}_info"), "info"),
+            };
+            (name, kind.to_owned(), f.labels.join(", "))
+        })
+        .collect();
+    assert_eq!(
+        rows, expected,
+        "README's Metrics table and names::ALL differ"
+    );
+}
