@@ -1,11 +1,16 @@
 //! Privileged: runs the real `skewless agent` binary in a testbed node. Run with
 //! `cargo xtask test` (as root).
 
+mod testbed_agent;
+
 use std::{net::SocketAddrV4, time::Duration};
 
-use skewless_testbed::{Place, fixtures::IdentBed, scripts};
-
-const ADMIN: &str = "127.0.0.1:9990";
+use skewless_testbed::{Place, fixtures::IdentBed};
+use testbed_agent::{
+    ADMIN, ECHO_PODS, TempPath, echo_bed, metric, services_in_status, spawn_file_agent,
+    spawn_long_client, status_json, wait_until, write_services, write_services_full,
+    write_services_ips,
+};
 
 /// Starts the agent in the node with a raw redirect of the IdentBed VIP to its balancer
 /// stand-in, attached to the client pod; waits for its admin API. Returns its PID.
@@ -99,123 +104,6 @@ fn agent_refuses_the_cgroup_root() {
         stderr.contains("refusing to attach"),
         "the error must say why: {stderr}"
     );
-}
-
-/// A file under the temp directory, removed when dropped (also when a test fails).
-struct TempPath(std::path::PathBuf);
-
-impl TempPath {
-    fn new(name: String) -> Self {
-        Self(std::env::temp_dir().join(name))
-    }
-}
-
-impl std::ops::Deref for TempPath {
-    type Target = std::path::Path;
-
-    fn deref(&self) -> &std::path::Path {
-        &self.0
-    }
-}
-
-impl AsRef<std::path::Path> for TempPath {
-    fn as_ref(&self) -> &std::path::Path {
-        &self.0
-    }
-}
-
-impl Drop for TempPath {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
-}
-
-/// Writes the services file the agent reads: one Service `echo` at `vip` over `pods`.
-fn write_services(
-    path: &std::path::Path,
-    tb: &skewless_testbed::Testbed,
-    vip: SocketAddrV4,
-    mode: &str,
-    pods: &[&str],
-) {
-    write_services_ips(path, tb, &[vip.ip().to_string()], vip.port(), mode, pods);
-}
-
-/// Like [`write_services`], with any ClusterIPs (a dual-stack Service lists both).
-fn write_services_ips(
-    path: &std::path::Path,
-    tb: &skewless_testbed::Testbed,
-    cluster_ips: &[String],
-    port: u16,
-    mode: &str,
-    pods: &[&str],
-) {
-    write_services_full(path, tb, cluster_ips, port, mode, pods, false);
-}
-
-/// The services file with any ClusterIPs; with `ipv6_endpoints` every pod is also listed
-/// with its IPv6 address (what a dual-stack Service's IPv6 EndpointSlice holds).
-fn write_services_full(
-    path: &std::path::Path,
-    tb: &skewless_testbed::Testbed,
-    cluster_ips: &[String],
-    port: u16,
-    mode: &str,
-    pods: &[&str],
-    ipv6_endpoints: bool,
-) {
-    let ips: Vec<String> = cluster_ips.iter().map(|ip| format!("\"{ip}\"")).collect();
-    let mut yaml = format!(
-        "services:\n  - name: echo\n    clusterIPs: [{}]\n    mode: {mode}\n    ports:\n      - port: {port}\n        targetPort: {port}\n    endpoints:\n",
-        ips.join(", ")
-    );
-    for p in pods {
-        let pod = tb.pod(p).unwrap();
-        yaml.push_str(&format!("      - {{address: {}, target: {p}}}\n", pod.ip));
-        if ipv6_endpoints {
-            yaml.push_str(&format!(
-                "      - {{address: \"{}\", target: {p}}}\n",
-                pod.ip6
-            ));
-        }
-    }
-    // Write-then-rename: the agent polls the file and must never read half of it.
-    let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, yaml).unwrap();
-    std::fs::rename(&tmp, path).unwrap();
-}
-
-fn services_in_status(tb: &skewless_testbed::Testbed) -> usize {
-    status_json(tb)["services"].as_array().map_or(0, Vec::len)
-}
-
-fn status_json(tb: &skewless_testbed::Testbed) -> serde_json::Value {
-    let out = tb
-        .command(
-            Place::Node(0),
-            &[
-                env!("CARGO_BIN_EXE_skewless"),
-                "status",
-                "--json",
-                "--admin-addr",
-                ADMIN,
-            ],
-        )
-        .unwrap()
-        .output()
-        .unwrap();
-    serde_json::from_slice(&out.stdout).unwrap_or_default()
-}
-
-fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
-    let deadline = std::time::Instant::now() + Duration::from_secs(15);
-    while !f() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "timed out waiting until {what}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
 }
 
 #[test]
@@ -358,33 +246,6 @@ fn stopped_agent_fails_open_within_a_second_and_resumes() {
     }
 }
 
-/// Four grpcio echo pods behind `vip`, a client pod, the Python stubs.
-fn echo_bed(vip: SocketAddrV4, pods: &[&str]) -> (skewless_testbed::Testbed, std::path::PathBuf) {
-    use skewless_testbed::{Testbed, grpc};
-    let mut b = Testbed::builder().nodes(1).pod("client", 0);
-    for p in pods {
-        b = b.pod(p, 0);
-    }
-    let mut tb = b
-        .service("echo", *vip.ip(), vip.port(), vip.port(), pods)
-        .build()
-        .expect("testbed builds (needs root)");
-    let gen_dir = grpc::generate_stubs().expect("python stubs (run `cargo xtask setup`)");
-    for p in pods {
-        grpc::spawn_echo_server(&mut tb, &gen_dir, p, vip.port(), 0).unwrap();
-    }
-    for p in pods {
-        let ip = tb.pod(p).unwrap().ip;
-        tb.wait_for_tcp(
-            Place::Node(0),
-            SocketAddrV4::new(ip, vip.port()),
-            Duration::from_secs(20),
-        )
-        .unwrap();
-    }
-    (tb, gen_dir)
-}
-
 /// A dual-stack echo Service: its IPv4 VIP `198.19.0.<octet>:50051`, the IPv6 twin the
 /// testbed gives it, and the path its services file goes to.
 struct DualStack {
@@ -438,62 +299,6 @@ fn spawn_dual_stack_agent(d: &mut DualStack, extra: &[&str]) {
     });
 }
 
-/// Starts the agent on a services file, attached to the client pod; waits for its admin API.
-fn spawn_file_agent(tb: &mut skewless_testbed::Testbed, services: &std::path::Path) -> u32 {
-    let cgroup = tb.pod("client").unwrap().cgroup.display().to_string();
-    let file = services.display().to_string();
-    let argv = [
-        env!("CARGO_BIN_EXE_skewless"),
-        "agent",
-        "--services-file",
-        &file,
-        "--cgroup",
-        &cgroup,
-        "--admin-addr",
-        ADMIN,
-    ];
-    let pid = tb.spawn(Place::Node(0), &argv).unwrap();
-    tb.wait_for_tcp(
-        Place::Node(0),
-        ADMIN.parse::<SocketAddrV4>().unwrap(),
-        Duration::from_secs(10),
-    )
-    .expect("agent serves its admin API");
-    pid
-}
-
-/// A long-running pick_first grpcio client in the client pod: one connection, calls until
-/// killed (or until `extra` args such as `--duration` say otherwise).
-fn spawn_long_client(
-    tb: &mut skewless_testbed::Testbed,
-    gen_dir: &std::path::Path,
-    vip: impl std::fmt::Display,
-    concurrency: u32,
-    extra: &[&str],
-) -> u32 {
-    use skewless_testbed::grpc;
-    let (py, client) = (grpc::python(), grpc::script("echo_client.py"));
-    let (gen_arg, target, conc) = (
-        gen_dir.display().to_string(),
-        vip.to_string(),
-        concurrency.to_string(),
-    );
-    let mut argv = vec![
-        py.to_str().unwrap(),
-        client.to_str().unwrap(),
-        "--gen",
-        &gen_arg,
-        "--target",
-        &target,
-        "--calls",
-        "1000000",
-        "--concurrency",
-        &conc,
-    ];
-    argv.extend_from_slice(extra);
-    tb.spawn(Place::Pod("client"), &argv).unwrap()
-}
-
 /// Waits up to 10 s for `/status` to show the Service's pod traffic all on one backend, and
 /// returns that report.
 fn wait_pinned(tb: &skewless_testbed::Testbed) -> serde_json::Value {
@@ -543,8 +348,6 @@ fn assert_pinned_to_a_pod(
     );
 }
 
-const ECHO_PODS: [&str; 4] = ["echo-0", "echo-1", "echo-2", "echo-3"];
-
 #[test]
 #[ignore = "privileged: needs root and the real kernel; run with `cargo xtask test`"]
 fn observe_mode_flags_a_pinned_pick_first_client_within_ten_seconds() {
@@ -567,27 +370,6 @@ fn observe_mode_flags_a_pinned_pick_first_client_within_ten_seconds() {
         metric(&tb, "skewless_observed_record_failed_total").abs() < f64::EPSILON,
         "no record may have failed"
     );
-}
-
-/// One unlabelled metric's value from the agent's /metrics.
-fn metric(tb: &skewless_testbed::Testbed, name: &str) -> f64 {
-    let out = tb
-        .run(
-            Place::Node(0),
-            &[
-                "python3",
-                scripts::HTTP_GET,
-                &format!("http://{ADMIN}/metrics"),
-            ],
-        )
-        .unwrap();
-    let metrics = String::from_utf8_lossy(&out.stdout);
-    metrics
-        .lines()
-        .find(|l| l.split_whitespace().next() == Some(name))
-        .and_then(|l| l.split_whitespace().last())
-        .and_then(|v| v.parse::<f64>().ok())
-        .unwrap_or_else(|| panic!("{name} in /metrics: {metrics}"))
 }
 
 #[test]
