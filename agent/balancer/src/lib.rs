@@ -36,6 +36,7 @@
 #![forbid(unsafe_code)]
 
 pub mod config;
+pub mod connection;
 pub mod endpoint;
 pub mod endpoints;
 mod error;
