@@ -63,6 +63,7 @@ use tokio::task::AbortHandle;
 use tracing::Instrument as _;
 
 pub use config::{Config, PickerConfig};
+pub use connection::{ConnectionBalancer, ConnectionConfig, ConnectionStats, RotationConfig};
 pub use endpoint::Endpoint;
 pub use error::BalancerError;
 pub use relay::RotateReason;

@@ -432,7 +432,9 @@ impl Drop for Lease {
     }
 }
 
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
+/// A task aborted when its handle is dropped.
+#[derive(Debug)]
+pub(crate) struct AbortOnDrop(pub(crate) tokio::task::JoinHandle<()>);
 
 impl Drop for AbortOnDrop {
     fn drop(&mut self) {
@@ -454,18 +456,21 @@ pub(crate) const MAX_HEADER_LIST: u32 = 16 * 1024;
 pub(crate) const MAX_SEND_BUFFER: usize = 400 * 1024;
 
 /// A connected, handshaken upstream connection.
-struct Connected {
-    sender: SendRequest<Bytes>,
+pub(crate) struct Connected {
+    pub(crate) sender: SendRequest<Bytes>,
     /// Resolves when the connection is over (closed by either side, or failed). It runs on its
     /// own task, so streams in flight finish however the balancer stops using it: h2 closes it
     /// once every handle and stream is gone.
-    ended: tokio::task::JoinHandle<()>,
+    pub(crate) ended: tokio::task::JoinHandle<()>,
     /// Notified when the server sends GOAWAY.
-    go_away: Arc<Notify>,
+    pub(crate) go_away: Arc<Notify>,
 }
 
 /// Connects and handshakes, and returns once the server has sent its first frame.
-async fn connect(addr: SocketAddr, timeout: Duration) -> Result<Connected, ConnectError> {
+pub(crate) async fn connect(
+    addr: SocketAddr,
+    timeout: Duration,
+) -> Result<Connected, ConnectError> {
     let attempt = async {
         let tcp = tokio::net::TcpStream::connect(addr)
             .await

@@ -1,5 +1,423 @@
 //! Connection mode: every redirected client connection is relayed 1:1 to one backend (the
 //! frame-level relay, [`crate::relay`]), placed by load, and rotated with a graceful two-phase
-//! GOAWAY when the Service's connections are pinned unevenly.
+//! GOAWAY when the Service's connections are pinned unevenly, so the client reconnects and is
+//! placed again.
+//!
+//! One [`ConnectionBalancer`] per Service, shared by every data-plane worker (placement is per
+//! connection, so a lock per accepted connection costs nothing per request, and one view of
+//! the Service makes its skew and placement right whichever worker the kernel gave a
+//! connection to). Its tasks run on the runtime it was made in (the agent's control plane):
+//! following the endpoint set, the active health checks (one HTTP/2 connection per backend of
+//! the balancer's own: a relayed connection belongs to its client), and a tick per second
+//! that samples the relays' request counters into the windows and runs the
+//! [`policy`](policy::RotationPolicy). Each worker relays its own connections.
+//!
+//! On accept: place (see [`controller`]), connect to the backend; a failed connect is retried
+//! on another backend before the client's first byte is read, and counts against the backend
+//! (passive ejection). Then the relay carries the connection until it ends; the server's
+//! [`Stop`] (max connection age, drain) and the controller (skew, backend removed or NOT_SERVING)
+//! rotate it.
 
+pub mod config;
+mod controller;
 pub mod policy;
+pub mod stats;
+mod window;
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::Duration;
+
+use rand::SeedableRng as _;
+use tokio::net::TcpStream;
+use tokio::sync::{Notify, watch};
+use tokio::task::AbortHandle;
+use tokio::time::Instant;
+use tracing::Instrument as _;
+
+pub use config::ConnectionConfig;
+pub use policy::{PolicyState, RotationConfig};
+pub use stats::{BackendStats, ConnectionStats, RotationCounts};
+
+use crate::endpoint::Endpoint;
+use crate::endpoints::EndpointId;
+use crate::pool::{self, AbortOnDrop};
+use crate::relay::{self, RelayHandle, RelaySettings, RotateReason};
+use crate::server::{NewConnection, Stop, StopReason};
+use controller::{Controller, Placement, Rotation};
+use policy::ConnId;
+
+/// The connection-mode balancer of one Service (see the module docs). Cheap to clone: every
+/// clone is the same balancer, so `Workers::serve(addr, || balancer.clone(), ..)` serves one
+/// Service on every worker with one shared view.
+#[derive(Clone)]
+pub struct ConnectionBalancer {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    config: watch::Sender<Arc<ConnectionConfig>>,
+    state: Mutex<Controller>,
+    /// Woken when a backend may have become usable (endpoint set or health change).
+    changed: Notify,
+    tasks: Mutex<Vec<AbortHandle>>,
+}
+
+impl std::fmt::Debug for ConnectionBalancer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConnectionBalancer").finish_non_exhaustive()
+    }
+}
+
+impl ConnectionBalancer {
+    /// A balancer over the endpoints published on `endpoints`, with an OS-seeded RNG. Must be
+    /// called inside a Tokio runtime: its tasks (endpoint set, health checks, policy ticks)
+    /// run there.
+    #[must_use]
+    pub fn new(config: ConnectionConfig, endpoints: watch::Receiver<Vec<Endpoint>>) -> Self {
+        Self::with_rng(config, endpoints, rand::rngs::SmallRng::from_os_rng())
+    }
+
+    /// Like [`ConnectionBalancer::new`] with the RNG supplied (placement, jitter), so tests are
+    /// deterministic.
+    #[must_use]
+    pub fn with_rng(
+        config: ConnectionConfig,
+        mut endpoints: watch::Receiver<Vec<Endpoint>>,
+        rng: impl rand::RngCore + Send + 'static,
+    ) -> Self {
+        let tick = config.tick;
+        let shared = Arc::new(Shared {
+            state: Mutex::new(Controller::new(&config, Box::new(rng))),
+            config: watch::Sender::new(Arc::new(config)),
+            changed: Notify::new(),
+            tasks: Mutex::new(Vec::new()),
+        });
+        // The current set now, so a connection accepted right away finds its backends.
+        shared.update(&endpoints.borrow_and_update());
+        let discovery = tokio::spawn(
+            discovery_task(Arc::downgrade(&shared), endpoints)
+                .instrument(tracing::debug_span!("discovery")),
+        );
+        let ticks = tokio::spawn(
+            tick_task(Arc::downgrade(&shared), tick).instrument(tracing::debug_span!("policy")),
+        );
+        shared
+            .lock_tasks()
+            .extend([discovery.abort_handle(), ticks.abort_handle()]);
+        Self { shared }
+    }
+
+    /// Applies `config` live: the rotation policy from its next tick (a hold under way counts
+    /// on unless the hold time changed), connect and health settings from the next connect or
+    /// health change, the max connection age for open connections counted from the change
+    /// (with jitter), the grace and PING timeout for rotations that start afterwards.
+    pub fn reconfigure(&self, config: ConnectionConfig) {
+        tracing::debug!(?config, "reconfigured");
+        let health_changed = self.shared.config.borrow().health_service != config.health_service;
+        self.shared.lock().reconfigure(&config);
+        self.shared.config.send_replace(Arc::new(config));
+        if health_changed {
+            self.shared.restart_health();
+        }
+        self.shared.changed.notify_waiters();
+    }
+
+    /// The configuration in effect.
+    #[must_use]
+    pub fn config(&self) -> Arc<ConnectionConfig> {
+        self.shared.config.borrow().clone()
+    }
+
+    /// The Service's figures (skew, rotations, per-backend connections and shares).
+    #[must_use]
+    pub fn stats(&self) -> ConnectionStats {
+        self.shared.lock().stats(Instant::now())
+    }
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, Controller> {
+        // A panic while holding the lock leaves consistent-enough state; keep serving.
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn lock_tasks(&self) -> MutexGuard<'_, Vec<AbortHandle>> {
+        self.tasks
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn health_service(&self) -> Option<String> {
+        self.config.borrow().health_service.clone()
+    }
+
+    /// Applies the watch's endpoint list (health checks start for new backends, removed ones'
+    /// connections rotate).
+    fn update(self: &Arc<Self>, endpoints: &[Endpoint]) {
+        let service = self.health_service();
+        let (_, rotations) = self.lock().update(endpoints, service.is_some(), |id, ep| {
+            service
+                .clone()
+                .map(|service| self.spawn_health(id, ep.addr, service))
+        });
+        rotate_all(rotations);
+        self.changed.notify_waiters();
+    }
+
+    fn spawn_health(
+        self: &Arc<Self>,
+        id: EndpointId,
+        addr: SocketAddr,
+        service: String,
+    ) -> AbortOnDrop {
+        AbortOnDrop(tokio::spawn(
+            health_task(Arc::downgrade(self), id, addr, service)
+                .instrument(tracing::debug_span!("health", %addr)),
+        ))
+    }
+
+    /// The health service changed: every backend's check stops and the new one starts (or
+    /// none); until it reports, every backend serves.
+    fn restart_health(self: &Arc<Self>) {
+        let service = self.health_service();
+        let mut state = self.lock();
+        state.reset_serving();
+        let backends: Vec<(EndpointId, SocketAddr)> = state
+            .backends
+            .iter()
+            .map(|e| (e.id(), e.endpoint().addr))
+            .collect();
+        for (id, addr) in backends {
+            let health = service
+                .clone()
+                .map(|service| self.spawn_health(id, addr, service));
+            if let Some(e) = state.backends.get_mut(id) {
+                // Dropping the old one aborts it before it can report again.
+                e.value.health = health;
+            }
+        }
+    }
+
+    fn set_serving(&self, id: EndpointId, serving: bool) {
+        let rotations = self.lock().set_serving(id, serving);
+        rotate_all(rotations);
+        if serving {
+            self.changed.notify_waiters();
+        }
+    }
+
+    /// Places a new client connection and connects to its backend, trying another backend
+    /// after a failed connect; waits up to the ready timeout for a usable backend, then tries
+    /// any listed one. `None` when every backend failed or there is none.
+    async fn connect_backend(&self) -> Option<(Placement, TcpStream)> {
+        let config = self.config.borrow().clone();
+        let fail_open_at = Instant::now() + config.ready_timeout;
+        let mut tried: Vec<EndpointId> = Vec::new();
+        loop {
+            let notified = self.changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let now = Instant::now();
+            let placed = self.lock().place(now, &tried, now >= fail_open_at);
+            let Some(placement) = placed else {
+                if now >= fail_open_at || self.lock().backends.all_excluded(&tried) {
+                    return None;
+                }
+                let _ = tokio::time::timeout_at(fail_open_at, notified).await;
+                continue;
+            };
+            let connected =
+                tokio::time::timeout(config.connect_timeout, TcpStream::connect(placement.addr))
+                    .await;
+            match connected {
+                Ok(Ok(stream)) => {
+                    // gRPC is latency bound: small messages must not wait for Nagle.
+                    let _ = stream.set_nodelay(true);
+                    return Some((placement, stream));
+                }
+                Ok(Err(error)) => {
+                    tracing::debug!(addr = %placement.addr, %error, "backend connect failed, trying another");
+                }
+                Err(_) => {
+                    tracing::debug!(addr = %placement.addr, "backend connect timed out, trying another");
+                }
+            }
+            self.lock().connect_failed(placement.conn, Instant::now());
+            tried.push(placement.backend);
+        }
+    }
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        for task in self.lock_tasks().iter() {
+            task.abort();
+        }
+    }
+}
+
+fn rotate_all(rotations: Vec<Rotation>) {
+    for (relay, reason) in rotations {
+        relay.rotate(reason);
+    }
+}
+
+impl NewConnection for ConnectionBalancer {
+    type Config = ConnectionConfig;
+
+    fn config(&self) -> watch::Receiver<Arc<ConnectionConfig>> {
+        self.shared.config.subscribe()
+    }
+
+    fn random_unit(&self) -> f64 {
+        self.shared.lock().random_unit()
+    }
+
+    fn serve_connection(
+        &self,
+        stream: TcpStream,
+        _peer: SocketAddr,
+        stop: Stop<ConnectionConfig>,
+    ) -> impl Future<Output = ()> + Send + 'static {
+        serve(self.shared.clone(), stream, stop)
+    }
+}
+
+/// Forgets the connection however its task ends (relay over, cancelled by the server).
+struct Registered {
+    shared: Arc<Shared>,
+    conn: ConnId,
+}
+
+impl Drop for Registered {
+    fn drop(&mut self) {
+        self.shared.lock().closed(self.conn);
+    }
+}
+
+async fn serve(shared: Arc<Shared>, client: TcpStream, mut stop: Stop<ConnectionConfig>) {
+    let Some((placement, backend)) = shared.connect_backend().await else {
+        tracing::debug!("no backend could be connected, closing the client connection");
+        shared.lock().gave_up();
+        // Nothing of the client's was read: it sees the connection close and reconnects.
+        return;
+    };
+    let registered = Registered {
+        shared: shared.clone(),
+        conn: placement.conn,
+    };
+    let handle = RelayHandle::new();
+    if let Some(reason) = shared
+        .lock()
+        .connected(placement.conn, Arc::new(handle.clone()))
+    {
+        handle.rotate(reason);
+    }
+    let settings = {
+        let config = shared.config.borrow();
+        RelaySettings {
+            ping_timeout: config.ping_timeout,
+            drain_grace: config.drain_grace,
+            ..RelaySettings::default()
+        }
+    };
+    tracing::debug!(backend = %placement.addr, "relaying");
+    let relayed = relay::relay(client, backend, &settings, handle.clone());
+    tokio::pin!(relayed);
+    let end = tokio::select! {
+        end = &mut relayed => end,
+        reason = stop.stopped() => {
+            let reason = match reason {
+                StopReason::Drain => RotateReason::Drain,
+                StopReason::MaxAge => RotateReason::MaxAge,
+            };
+            if shared.lock().rotate_for(placement.conn, reason) {
+                handle.rotate(reason);
+            }
+            relayed.await
+        }
+    };
+    match end {
+        Ok(end) => tracing::debug!(?end, "relayed connection over"),
+        Err(error) => tracing::debug!(%error, "relayed connection failed"),
+    }
+    drop(registered);
+}
+
+/// Follows the endpoint set published on `endpoints` until the sender goes away or the
+/// balancer is dropped.
+async fn discovery_task(shared: Weak<Shared>, mut endpoints: watch::Receiver<Vec<Endpoint>>) {
+    // The set current at construction was applied by the balancer itself.
+    while endpoints.changed().await.is_ok() {
+        let current = endpoints.borrow_and_update().clone();
+        let Some(s) = shared.upgrade() else { return };
+        s.update(&current);
+    }
+    // The publisher is gone: keep the last set.
+}
+
+/// Samples the relays and runs the policy every `tick`.
+async fn tick_task(shared: Weak<Shared>, tick: Duration) {
+    let mut ticks = tokio::time::interval(tick);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // The first tick of an interval is immediate; the windows start one tick in.
+    ticks.tick().await;
+    loop {
+        ticks.tick().await;
+        let Some(s) = shared.upgrade() else { return };
+        let rotations = s.lock().tick(Instant::now());
+        rotate_all(rotations);
+    }
+}
+
+/// The active health check of one backend, over a connection of the balancer's own: connects,
+/// watches (see `health`), and reconnects when that connection ends. A connection the backend
+/// closes gracefully (its own max connection age) is replaced without a report: only the
+/// watch's answers, and a watch that fails on a live connection, change the backend's state.
+async fn health_task(shared: Weak<Shared>, id: EndpointId, addr: SocketAddr, service: String) {
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        let Some(timeout) = shared.upgrade().map(|s| s.config.borrow().connect_timeout) else {
+            return;
+        };
+        match pool::connect(addr, timeout).await {
+            Ok(pool::Connected {
+                sender,
+                mut ended,
+                go_away,
+            }) => {
+                let started = Instant::now();
+                let report = {
+                    let shared = shared.clone();
+                    move |serving| {
+                        if let Some(s) = shared.upgrade() {
+                            s.set_serving(id, serving);
+                        }
+                    }
+                };
+                let watch = crate::health::watch(report, sender, addr.to_string(), service.clone());
+                tokio::pin!(watch);
+                tokio::select! {
+                    // Only when the server has no health service: it serves for good.
+                    () = &mut watch => { let _ = (&mut ended).await; }
+                    _ = &mut ended => {}
+                    () = go_away.notified() => tracing::debug!("health connection got GOAWAY, replacing it"),
+                }
+                // Replaced at once, unless connections keep dying young.
+                if started.elapsed() >= Duration::from_millis(100) {
+                    backoff = Duration::from_millis(100);
+                    continue;
+                }
+            }
+            Err(error) => {
+                tracing::debug!(%error, backoff_ms = backoff.as_millis(), "health connection failed");
+            }
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_secs(5));
+    }
+}

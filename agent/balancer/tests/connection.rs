@@ -1,0 +1,460 @@
+//! Connection mode end to end on loopback: a `ConnectionBalancer` served like the agent serves
+//! it, real echo pods (tonic servers with grpc.health.v1), and gRPC clients over h2 that handle
+//! a GOAWAY the way grpc-go does (no new stream on that connection, reconnect, one transparent
+//! retry of a refused call). Placement, connect-failure retry, rotation on skew after a
+//! scale-up, and the rotation of a removed or NOT_SERVING backend's connections, each with zero
+//! failed calls.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use bytes::{Buf as _, Bytes};
+use skewless_balancer::connection::{ConnectionBalancer, ConnectionConfig, RotationConfig};
+use skewless_balancer::{Endpoint, EndpointState};
+use skewless_echo::SpawnedEcho;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{oneshot, watch};
+use tokio::task::JoinHandle;
+
+struct Bed {
+    addr: SocketAddr,
+    balancer: ConnectionBalancer,
+    endpoints: watch::Sender<Vec<Endpoint>>,
+    shutdown: Option<oneshot::Sender<()>>,
+    task: JoinHandle<()>,
+}
+
+impl Bed {
+    async fn stop(mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        tokio::time::timeout(Duration::from_secs(30), &mut self.task)
+            .await
+            .expect("serve returns within the drain grace")
+            .expect("serve task");
+    }
+}
+
+/// Quick rotation settings for tests: a 200 ms tick, a 1 s hold, no budget to speak of.
+fn quick() -> ConnectionConfig {
+    ConnectionConfig {
+        rotation: RotationConfig {
+            hold_time: Duration::from_secs(1),
+            max_rotations_per_minute: 600,
+            min_connection_age: Duration::from_secs(1),
+            ..RotationConfig::default()
+        },
+        tick: Duration::from_millis(200),
+        ..ConnectionConfig::default()
+    }
+}
+
+async fn bed(config: ConnectionConfig, endpoints: Vec<Endpoint>) -> Bed {
+    // `RUST_LOG=skewless_balancer=debug cargo test ...` shows the balancer's view of a test.
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
+    let (tx, rx) = watch::channel(endpoints);
+    let balancer = ConnectionBalancer::new(config, rx);
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let (shutdown_tx, shutdown_rx) = oneshot::channel::<()>();
+    let b = balancer.clone();
+    let task = tokio::spawn(async move {
+        skewless_balancer::server::serve(
+            &b,
+            listener,
+            async {
+                let _ = shutdown_rx.await;
+            },
+            |_| true,
+        )
+        .await
+        .expect("serve");
+    });
+    Bed {
+        addr,
+        balancer,
+        endpoints: tx,
+        shutdown: Some(shutdown_tx),
+        task,
+    }
+}
+
+async fn pods(n: usize) -> Vec<SpawnedEcho> {
+    let mut v = Vec::new();
+    for i in 0..n {
+        v.push(
+            SpawnedEcho::start("127.0.0.1:0".parse().expect("addr"), &format!("pod-{i}"))
+                .await
+                .expect("echo starts"),
+        );
+    }
+    v
+}
+
+fn endpoints(pods: &[SpawnedEcho]) -> Vec<Endpoint> {
+    pods.iter()
+        .map(|p| Endpoint::new(p.addr, p.name.clone()))
+        .collect()
+}
+
+/// What one client saw.
+#[derive(Debug, Default, Clone)]
+struct Report {
+    /// Successful calls per pod.
+    pods: BTreeMap<String, u64>,
+    /// Calls that failed (after the one transparent retry).
+    failed: u64,
+    /// Calls retried once because their connection refused them (above the GOAWAY's last
+    /// stream id, or REFUSED_STREAM).
+    retried: u64,
+    /// Connections opened.
+    connections: u64,
+    /// The pod of the last successful call.
+    last_pod: Option<String>,
+}
+
+/// One unary Echo call; `Ok(None)` when the connection refused it (safe to retry elsewhere).
+async fn echo(send: &h2::client::SendRequest<Bytes>) -> Result<Option<String>, String> {
+    let mut send = match send.clone().ready().await {
+        Ok(send) => send,
+        // The connection takes no new stream (GOAWAY): nothing was sent.
+        Err(_) => return Ok(None),
+    };
+    let req = http::Request::post("http://echo/skewless.echo.v1.Echo/Echo")
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .header("user-agent", "grpc-go/1.60.0")
+        .body(())
+        .expect("request");
+    let (resp, mut body) = match send.send_request(req, false) {
+        Ok(ok) => ok,
+        Err(_) => return Ok(None),
+    };
+    // EchoRequest { payload: "x" }, in a gRPC frame.
+    body.send_data(Bytes::from_static(&[0, 0, 0, 0, 3, 0x0a, 1, b'x']), true)
+        .map_err(|e| format!("request body: {e}"))?;
+    let resp = match resp.await {
+        Ok(resp) => resp,
+        Err(e) if refused(&e) => return Ok(None),
+        Err(e) => return Err(format!("response: {e}")),
+    };
+    let mut body = resp.into_body();
+    let mut data = Vec::new();
+    while let Some(chunk) = body.data().await {
+        let chunk = chunk.map_err(|e| format!("response body: {e}"))?;
+        let _ = body.flow_control().release_capacity(chunk.len());
+        data.extend_from_slice(&chunk);
+    }
+    let trailers = body
+        .trailers()
+        .await
+        .map_err(|e| format!("trailers: {e}"))?
+        .unwrap_or_default();
+    let status = trailers
+        .get("grpc-status")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("?");
+    if status != "0" {
+        return Err(format!("grpc-status {status}"));
+    }
+    pod_of(&data)
+        .map(Some)
+        .ok_or_else(|| "undecodable reply".to_owned())
+}
+
+/// The stream was refused without being processed: REFUSED_STREAM, or above a GOAWAY's
+/// last-stream-id (grpc-go retries both transparently).
+fn refused(e: &h2::Error) -> bool {
+    e.reason() == Some(h2::Reason::REFUSED_STREAM) || (e.is_go_away() && e.is_remote())
+}
+
+/// The `pod` field (2) of an `EchoReply` in a gRPC frame.
+fn pod_of(frame: &[u8]) -> Option<String> {
+    let mut msg = frame.get(5..)?;
+    while msg.has_remaining() {
+        let key = msg.get_u8();
+        let len = usize::from(*msg.first()?);
+        msg.advance(1);
+        let value = msg.get(..len)?;
+        if key == 0x12 {
+            return String::from_utf8(value.to_vec()).ok();
+        }
+        msg.advance(len);
+    }
+    None
+}
+
+/// A client calling Echo back to back until `stop`, over one connection at a time.
+fn client(addr: SocketAddr, stop: watch::Receiver<bool>) -> JoinHandle<Report> {
+    tokio::spawn(async move {
+        let mut report = Report::default();
+        // Whether the call in hand was refused once already.
+        let mut retry = false;
+        'connections: while !*stop.borrow() {
+            let Ok(tcp) = TcpStream::connect(addr).await else {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            };
+            report.connections += 1;
+            let Ok((send, conn)) = h2::client::handshake(tcp).await else {
+                continue;
+            };
+            tokio::spawn(async move {
+                let _ = conn.await;
+            });
+            while !*stop.borrow() {
+                match echo(&send).await {
+                    Ok(Some(pod)) => {
+                        *report.pods.entry(pod.clone()).or_default() += 1;
+                        report.last_pod = Some(pod);
+                        retry = false;
+                    }
+                    Ok(None) if !retry => {
+                        // Retried once, on the next connection.
+                        report.retried += 1;
+                        retry = true;
+                        continue 'connections;
+                    }
+                    Ok(None) | Err(_) => {
+                        report.failed += 1;
+                        retry = false;
+                        continue 'connections;
+                    }
+                }
+            }
+        }
+        report
+    })
+}
+
+async fn until(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
+    tokio::time::timeout(limit, async {
+        while !done() {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("{what} within {limit:?}"));
+}
+
+async fn finish(stop: &watch::Sender<bool>, clients: Vec<JoinHandle<Report>>) -> Vec<Report> {
+    stop.send_replace(true);
+    let mut reports = Vec::new();
+    for c in clients {
+        reports.push(
+            tokio::time::timeout(Duration::from_secs(20), c)
+                .await
+                .expect("client ends")
+                .expect("client task"),
+        );
+    }
+    reports
+}
+
+fn failed(reports: &[Report]) -> u64 {
+    reports.iter().map(|r| r.failed).sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_are_spread_over_backends_by_load() {
+    let pods = pods(3).await;
+    let b = bed(quick(), endpoints(&pods)).await;
+    let (stop, stop_rx) = watch::channel(false);
+    let clients: Vec<_> = (0..9).map(|_| client(b.addr, stop_rx.clone())).collect();
+    until("every client relayed", Duration::from_secs(20), || {
+        b.balancer.stats().connections == 9
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let stats = b.balancer.stats();
+    let reports = finish(&stop, clients).await;
+    assert_eq!(failed(&reports), 0, "{reports:?}");
+    for s in &stats.backends {
+        assert!(
+            (2..=4).contains(&s.connections),
+            "nine connections over three pods by power of two choices: {stats:?}"
+        );
+    }
+    assert_eq!(stats.backends_receiving, 3, "{stats:?}");
+    b.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_connect_is_retried_on_another_backend_before_the_client_sees_anything() {
+    let pods = pods(2).await;
+    // A listed backend where nothing listens.
+    let dead: SocketAddr = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        l.local_addr().expect("addr")
+    };
+    let mut listed = vec![Endpoint::new(dead, "dead")];
+    listed.extend(endpoints(&pods));
+    let b = bed(quick(), listed).await;
+    let (stop, stop_rx) = watch::channel(false);
+    let clients: Vec<_> = (0..12).map(|_| client(b.addr, stop_rx.clone())).collect();
+    until("every client relayed", Duration::from_secs(20), || {
+        b.balancer.stats().connections == 12
+    })
+    .await;
+    let stats = b.balancer.stats();
+    let reports = finish(&stop, clients).await;
+    assert_eq!(failed(&reports), 0, "{reports:?}");
+    assert!(
+        reports.iter().all(|r| r.connections == 1),
+        "no client had to reconnect: {reports:?}"
+    );
+    let dead_stats = &stats.backends[0];
+    assert!(dead_stats.connect_failures >= 1, "{stats:?}");
+    assert_eq!(dead_stats.connections, 0);
+    assert_eq!(dead_stats.state, EndpointState::Ejected, "{stats:?}");
+    assert_eq!(stats.no_backend, 0);
+    b.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scale_up_rotates_pinned_connections_onto_the_new_pods_without_failing_calls() {
+    let pods = pods(3).await;
+    // Seed 001: the clients connected while the Service had one pod.
+    let b = bed(quick(), endpoints(&pods[..1])).await;
+    let (stop, stop_rx) = watch::channel(false);
+    let clients: Vec<_> = (0..6).map(|_| client(b.addr, stop_rx.clone())).collect();
+    until("every client relayed", Duration::from_secs(20), || {
+        b.balancer.stats().connections == 6
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        b.balancer.stats().rotations.skew,
+        0,
+        "one pod: nothing to rotate"
+    );
+    b.endpoints.send_replace(endpoints(&pods));
+    until(
+        "every pod holds connections",
+        Duration::from_secs(30),
+        || {
+            let s = b.balancer.stats();
+            s.backends.len() == 3 && s.backends.iter().all(|s| s.connections >= 1)
+        },
+    )
+    .await;
+    // Let the windows see the new placement.
+    until(
+        "the live skew is under the threshold",
+        Duration::from_secs(30),
+        || {
+            let s = b.balancer.stats();
+            s.live_skew > 0.0 && s.live_skew <= 1.5
+        },
+    )
+    .await;
+    let stats = b.balancer.stats();
+    let reports = finish(&stop, clients).await;
+    assert_eq!(
+        failed(&reports),
+        0,
+        "zero failed calls through rotations: {reports:?}"
+    );
+    assert!(
+        (2..=3).contains(&stats.rotations.skew),
+        "only as many rotations as needed (6-0-0 to at most 3-2-1): {stats:?}"
+    );
+    for pod in ["pod-1", "pod-2"] {
+        assert!(
+            reports
+                .iter()
+                .any(|r| r.pods.get(pod).copied().unwrap_or(0) > 0),
+            "{pod} receives traffic: {reports:?}"
+        );
+    }
+    b.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removed_backends_connections_move_to_the_others_without_failing_calls() {
+    let pods = pods(2).await;
+    let b = bed(quick(), endpoints(&pods)).await;
+    let (stop, stop_rx) = watch::channel(false);
+    let clients: Vec<_> = (0..6).map(|_| client(b.addr, stop_rx.clone())).collect();
+    until("every client relayed", Duration::from_secs(20), || {
+        b.balancer.stats().connections == 6
+    })
+    .await;
+    let on_pod1 = b.balancer.stats().backends[1].connections as u64;
+    assert!(on_pod1 > 0, "placement used both pods");
+    b.endpoints.send_replace(endpoints(&pods[..1]));
+    until("every connection on pod-0", Duration::from_secs(30), || {
+        let s = b.balancer.stats();
+        s.connections == 6 && s.backends.len() == 1
+    })
+    .await;
+    let stats = b.balancer.stats();
+    let reports = finish(&stop, clients).await;
+    assert_eq!(failed(&reports), 0, "{reports:?}");
+    assert_eq!(stats.rotations.backend_removed, on_pod1, "{stats:?}");
+    assert!(
+        reports
+            .iter()
+            .all(|r| r.last_pod.as_deref() == Some("pod-0")),
+        "{reports:?}"
+    );
+    b.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_not_serving_backend_gets_no_new_connections_and_its_connections_rotate() {
+    let pods = pods(2).await;
+    let config = ConnectionConfig {
+        health_service: Some(skewless_echo::SERVICE_NAME.to_owned()),
+        ..quick()
+    };
+    let b = bed(config, endpoints(&pods)).await;
+    until("both backends serving", Duration::from_secs(20), || {
+        b.balancer.stats().ready_backends == 2
+    })
+    .await;
+    let (stop, stop_rx) = watch::channel(false);
+    let clients: Vec<_> = (0..6).map(|_| client(b.addr, stop_rx.clone())).collect();
+    until("every client relayed", Duration::from_secs(20), || {
+        b.balancer.stats().connections == 6
+    })
+    .await;
+    let on_pod1 = b.balancer.stats().backends[1].connections as u64;
+    pods[1].control.set_serving(false).await;
+    until("pod-1 empty", Duration::from_secs(30), || {
+        let s = b.balancer.stats();
+        s.connections == 6 && s.backends[1].connections == 0
+    })
+    .await;
+    let stats = b.balancer.stats();
+    assert_eq!(stats.backends[1].state, EndpointState::NotServing);
+    assert_eq!(stats.rotations.not_serving, on_pod1, "{stats:?}");
+    let reports = finish(&stop, clients).await;
+    assert_eq!(failed(&reports), 0, "{reports:?}");
+    b.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drain_rotates_every_connection_and_serve_returns() {
+    let pods = pods(1).await;
+    let b = bed(quick(), endpoints(&pods)).await;
+    let (stop, stop_rx) = watch::channel(false);
+    let clients: Vec<_> = (0..4).map(|_| client(b.addr, stop_rx.clone())).collect();
+    until("every client relayed", Duration::from_secs(20), || {
+        b.balancer.stats().connections == 4
+    })
+    .await;
+    let balancer = b.balancer.clone();
+    b.stop().await;
+    let stats = balancer.stats();
+    assert_eq!(stats.rotations.drain, 4, "{stats:?}");
+    assert_eq!(stats.connections, 0, "{stats:?}");
+    // The clients keep trying to connect to a closed listener; none of their calls failed.
+    let reports = finish(&stop, clients).await;
+    assert_eq!(failed(&reports), 0, "{reports:?}");
+}
