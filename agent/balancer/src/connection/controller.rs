@@ -24,6 +24,7 @@ use super::stats::{BackendStats, ConnectionStats, RotationCounts};
 use super::window::Window;
 use crate::endpoint::Endpoint;
 use crate::endpoints::{EndpointId, EndpointSet};
+use crate::metrics::{RotationReason, ServiceMetrics};
 use crate::relay::RotateReason;
 use crate::stats::EndpointState;
 
@@ -122,7 +123,9 @@ pub(crate) struct Controller {
     /// Reconnects expected from skew rotations: (until, rate).
     expected: VecDeque<(Instant, f64)>,
     last: Evaluation,
-    rotations: RotationCounts,
+    /// Where rotations are counted (the lifecycle's max age and drain by the server, the
+    /// others here).
+    metrics: Arc<ServiceMetrics>,
     /// Client connections closed because no backend could be connected.
     no_backend: u64,
     /// Window length in ticks.
@@ -133,7 +136,11 @@ pub(crate) struct Controller {
 }
 
 impl Controller {
-    pub(crate) fn new(config: &ConnectionConfig, rng: Box<dyn RngCore + Send>) -> Self {
+    pub(crate) fn new(
+        config: &ConnectionConfig,
+        rng: Box<dyn RngCore + Send>,
+        metrics: Arc<ServiceMetrics>,
+    ) -> Self {
         let tick = config.tick.max(Duration::from_millis(10));
         Self {
             backends: EndpointSet::new(),
@@ -148,7 +155,7 @@ impl Controller {
                 live_skew: 0.0,
                 rotate: None,
             },
-            rotations: RotationCounts::default(),
+            metrics,
             no_backend: 0,
             window_ticks: ticks_in(WINDOW, tick),
             tick,
@@ -224,7 +231,7 @@ impl Controller {
     fn rotate_backend(&mut self, id: EndpointId, reason: RotateReason) -> Vec<Rotation> {
         let mut out = Vec::new();
         for conn in self.conns.values_mut().filter(|c| c.backend == id) {
-            if let Some(r) = start(conn, reason, &mut self.rotations) {
+            if let Some(r) = start(conn, reason, &self.metrics) {
                 out.push(r);
             }
         }
@@ -238,7 +245,7 @@ impl Controller {
             return false;
         };
         let first = c.rotation.is_none();
-        start(c, reason, &mut self.rotations);
+        start(c, reason, &self.metrics);
         first
     }
 
@@ -426,7 +433,7 @@ impl Controller {
         if let Some((id, after)) = eval.rotate {
             let rate = conns.iter().find(|c| c.id == id).map_or(0.0, |c| c.rate);
             if let Some(c) = self.conns.get_mut(&id)
-                && let Some(r) = start(c, RotateReason::Skew, &mut self.rotations)
+                && let Some(r) = start(c, RotateReason::Skew, &self.metrics)
             {
                 tracing::info!(
                     skew = eval.skew,
@@ -563,7 +570,7 @@ impl Controller {
                 .values()
                 .filter(|c| c.relay.as_ref().is_some_and(|r| r.unrotatable()))
                 .count(),
-            rotations: self.rotations,
+            rotations: RotationCounts::from_metrics(&self.metrics.snapshot().rotations),
             rotations_last_minute: self.policy.rotations_last_minute(now),
             as_even_as_possible: self.last.state == PolicyState::AsEvenAsPossible,
             no_backend: self.no_backend,
@@ -572,13 +579,19 @@ impl Controller {
     }
 }
 
-/// Starts `conn`'s rotation unless one is under way (and it has a relay to tell); counts it.
-fn start(conn: &mut Conn, reason: RotateReason, counts: &mut RotationCounts) -> Option<Rotation> {
+/// Starts `conn`'s rotation unless one is under way (and it has a relay to tell); counts the
+/// controller's own reasons (the server counts max age and drain when its `Stop` resolves).
+fn start(conn: &mut Conn, reason: RotateReason, metrics: &ServiceMetrics) -> Option<Rotation> {
     if conn.rotation.is_some() {
         return None;
     }
     conn.rotation = Some(reason);
-    counts.add(reason);
+    match reason {
+        RotateReason::Skew => metrics.rotated(RotationReason::Skew),
+        RotateReason::BackendRemoved => metrics.rotated(RotationReason::BackendRemoved),
+        RotateReason::NotServing => metrics.rotated(RotationReason::NotServing),
+        RotateReason::MaxAge | RotateReason::Drain => {}
+    }
     // A connection still connecting is told when its relay starts (see `mod.rs`).
     conn.relay.clone().map(|r| (r, reason))
 }
@@ -632,7 +645,11 @@ mod tests {
             rotation,
             ..ConnectionConfig::default()
         };
-        let mut c = Controller::new(&config, Box::new(SmallRng::seed_from_u64(11)));
+        let mut c = Controller::new(
+            &config,
+            Box::new(SmallRng::seed_from_u64(11)),
+            Arc::new(ServiceMetrics::default()),
+        );
         c.update(&eps(backends), false, |_, _| None);
         c
     }
@@ -825,13 +842,8 @@ mod tests {
                 .filter(|(p, _)| p.backend == first || p.backend == second)
                 .count() as u64
         );
-        assert_eq!(
-            stats.rotations.drain,
-            conns
-                .iter()
-                .filter(|(p, _)| p.backend != first && p.backend != second)
-                .count() as u64
-        );
+        // Drain and max age are the server's to count (its `Stop`), not the controller's.
+        assert_eq!(stats.rotations.drain, 0);
     }
 
     fn rotate_all_for_test(rotations: Vec<Rotation>) {

@@ -42,6 +42,7 @@ pub use stats::{BackendStats, ConnectionStats, RotationCounts};
 
 use crate::endpoint::Endpoint;
 use crate::endpoints::EndpointId;
+use crate::metrics::{ServiceMetrics, ServiceSnapshot};
 use crate::pool::{self, AbortOnDrop};
 use crate::relay::{self, RelayHandle, RelaySettings, RotateReason};
 use crate::server::{NewConnection, Stop, StopReason};
@@ -58,6 +59,7 @@ pub struct ConnectionBalancer {
 
 struct Shared {
     config: watch::Sender<Arc<ConnectionConfig>>,
+    metrics: Arc<ServiceMetrics>,
     state: Mutex<Controller>,
     /// Woken when a backend may have become usable (endpoint set or health change).
     changed: Notify,
@@ -88,8 +90,10 @@ impl ConnectionBalancer {
         rng: impl rand::RngCore + Send + 'static,
     ) -> Self {
         let tick = config.tick;
+        let metrics = Arc::new(ServiceMetrics::default());
         let shared = Arc::new(Shared {
-            state: Mutex::new(Controller::new(&config, Box::new(rng))),
+            state: Mutex::new(Controller::new(&config, Box::new(rng), metrics.clone())),
+            metrics,
             config: watch::Sender::new(Arc::new(config)),
             changed: Notify::new(),
             tasks: Mutex::new(Vec::new()),
@@ -134,6 +138,14 @@ impl ConnectionBalancer {
     #[must_use]
     pub fn stats(&self) -> ConnectionStats {
         self.shared.lock().stats(Instant::now())
+    }
+
+    /// The Service's metric cells (client connections and their lifetimes, rotations by
+    /// reason). One balancer serves every worker: read it once per Service port, not once
+    /// per worker.
+    #[must_use]
+    pub fn metrics(&self) -> ServiceSnapshot {
+        self.shared.metrics.snapshot()
     }
 }
 
@@ -275,6 +287,10 @@ impl NewConnection for ConnectionBalancer {
 
     fn random_unit(&self) -> f64 {
         self.shared.lock().random_unit()
+    }
+
+    fn metrics(&self) -> Arc<ServiceMetrics> {
+        self.shared.metrics.clone()
     }
 
     fn serve_connection(

@@ -4,6 +4,7 @@
 use std::net::SocketAddr;
 
 use super::policy::PolicyState;
+use crate::metrics::RotationReason;
 use crate::relay::RotateReason;
 use crate::stats::EndpointState;
 
@@ -30,15 +31,21 @@ impl RotationCounts {
         }
     }
 
-    pub(crate) fn add(&mut self, reason: RotateReason) {
-        let cell = match reason {
-            RotateReason::Skew => &mut self.skew,
-            RotateReason::BackendRemoved => &mut self.backend_removed,
-            RotateReason::NotServing => &mut self.not_serving,
-            RotateReason::MaxAge => &mut self.max_age,
-            RotateReason::Drain => &mut self.drain,
+    /// From the Service's metric cells (by [`RotationReason::ALL`]).
+    pub(crate) fn from_metrics(counts: &[u64; RotationReason::ALL.len()]) -> Self {
+        let get = |reason: RotationReason| {
+            RotationReason::ALL
+                .iter()
+                .position(|r| *r == reason)
+                .map_or(0, |i| counts[i])
         };
-        *cell += 1;
+        Self {
+            skew: get(RotationReason::Skew),
+            backend_removed: get(RotationReason::BackendRemoved),
+            not_serving: get(RotationReason::NotServing),
+            max_age: get(RotationReason::MaxAge),
+            drain: get(RotationReason::Drain),
+        }
     }
 
     /// Every reason with its count (the metric's label values).
