@@ -210,7 +210,13 @@ impl Collector for AgentCollector {
             .scrape
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        descriptor(&mut encoder, names::BUILD)?.encode_info(&[("version", self.version)])?;
+        // A gauge rather than OpenMetrics' info type: Prometheus' text tooling (promtool
+        // 2.42) does not know `info`, and `_info` gauges are the convention it does know.
+        family(
+            &mut encoder,
+            names::BUILD_INFO,
+            [([("version", self.version)], gauge(1))],
+        )?;
         let k = s.kernel;
         let kernel = [
             (names::CONNECT_SEEN, k.connect_seen),

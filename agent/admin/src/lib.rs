@@ -10,7 +10,8 @@
 //! - [`render`]: the `skewless status` text.
 //! - [`monitoring`]: the dashboard, rules and PrometheusRule in `deploy/monitoring/`.
 //!
-//! Pure logic, no I/O: the HTTP server and client live in the `skewless` binary. This crate
+//! Pure logic, no I/O (but for [`monitoring::promtool_check_metrics`], which runs promtool for
+//! the tests): the HTTP server and client live in the `skewless` binary. This crate
 //! must not depend on the datapath or the balancer; the binary converts their numbers into
 //! the plain types here.
 

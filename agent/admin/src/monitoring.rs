@@ -2,7 +2,13 @@
 //! generated from the plain Prometheus rules file (the source; `cargo xtask monitoring`
 //! writes the PrometheusRule, and a test keeps the two identical).
 
-use std::path::{Path, PathBuf};
+use std::{
+    io::Write as _,
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+};
+
+use crate::names;
 
 /// `deploy/monitoring/` of this checkout.
 #[must_use]
@@ -47,6 +53,38 @@ pub fn prometheus_rule(rules: &str) -> String {
         out.push('\n');
     }
     out
+}
+
+/// What `promtool check metrics` (Prometheus' linter of the naming guide) reports about an
+/// exposition, one problem a line, minus its known misreading of OpenMetrics counters as
+/// lacking help text (promtool 2.42 parses the classic text format). For the tests: it runs
+/// Debian's promtool.
+///
+/// # Errors
+/// If promtool cannot be run.
+pub fn promtool_check_metrics(text: &str) -> std::io::Result<Vec<String>> {
+    let mut child = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    if let Some(mut stdin) = child.stdin.take() {
+        stdin.write_all(text.as_bytes())?;
+    }
+    let out = child.wait_with_output()?;
+    let misread: Vec<String> = names::ALL
+        .iter()
+        .filter(|f| f.kind == names::Kind::Counter)
+        .map(|f| format!("{}_{}_total no help text", names::PREFIX, f.name))
+        .collect();
+    let report = [out.stdout, out.stderr].concat();
+    Ok(String::from_utf8_lossy(&report)
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !misread.iter().any(|m| l == m))
+        .map(str::to_owned)
+        .collect())
 }
 
 #[cfg(test)]

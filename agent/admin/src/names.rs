@@ -2,7 +2,7 @@
 //!
 //! Names are given without the `skewless_` prefix ([`PREFIX`], added by the registry) and
 //! without the suffixes the encoder adds (`_total` for counters, `_bucket`/`_sum`/`_count`
-//! for histograms, `_info` for info metrics); [`Family::series`] gives the names as a scrape
+//! for histograms); [`Family::series`] gives the names as a scrape
 //! shows them. The dashboard lint and the rule tests check every name they reference against
 //! [`ALL`].
 //!
@@ -20,8 +20,6 @@ pub enum Kind {
     Counter,
     Gauge,
     Histogram,
-    /// A constant 1 whose labels carry the information (`name_info`).
-    Info,
 }
 
 impl Kind {
@@ -31,7 +29,6 @@ impl Kind {
             Self::Counter => MetricType::Counter,
             Self::Gauge => MetricType::Gauge,
             Self::Histogram => MetricType::Histogram,
-            Self::Info => MetricType::Info,
         }
     }
 }
@@ -86,7 +83,6 @@ impl Family {
                 .iter()
                 .map(|suffix| format!("{base}_{suffix}"))
                 .collect(),
-            Kind::Info => vec![format!("{base}_info")],
         }
     }
 }
@@ -149,7 +145,12 @@ pub const MAP_CAPACITY: Family = Family::new(
     &["map"],
     "Most entries an eBPF map of the agent can hold",
 );
-pub const BUILD: Family = Family::new("build", Kind::Info, &["version"], "The agent's version");
+pub const BUILD_INFO: Family = Family::new(
+    "build_info",
+    Kind::Gauge,
+    &["version"],
+    "The agent's version, in its label; always 1",
+);
 
 // Request mode, per backend (the per-backend table; nothing else per backend, see
 // docs/metrics.md on cardinality).
@@ -309,7 +310,7 @@ pub const ALL: &[Family] = &[
     SERVICE_CONFIG_REJECTED,
     SOURCE_ERRORS,
     WARNING_EVENTS_DROPPED,
-    BUILD,
+    BUILD_INFO,
     CONNECT_SEEN,
     CONNECT_REDIRECTED,
     BALANCER_REFUSED,
@@ -377,7 +378,7 @@ mod tests {
                 );
             }
             assert!(
-                !f.name.ends_with("_info") && !f.name.ends_with("_bucket"),
+                !f.name.ends_with("_bucket"),
                 "{}: the encoder adds the type suffix",
                 f.name
             );

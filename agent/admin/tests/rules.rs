@@ -314,7 +314,6 @@ fn readme_metrics_table_lists_every_family() {
                 names::Kind::Counter => (format!("{base}_total"), "counter"),
                 names::Kind::Gauge => (base, "gauge"),
                 names::Kind::Histogram => (base, "histogram"),
-                names::Kind::Info => (format!("{base}_info"), "info"),
             };
             (name, kind.to_owned(), f.labels.join(", "))
         })
