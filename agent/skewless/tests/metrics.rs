@@ -7,6 +7,7 @@ mod testbed_agent;
 use std::{
     collections::BTreeMap,
     net::{Ipv4Addr, SocketAddrV4},
+    time::Duration,
 };
 
 use skewless_testbed::{Place, Testbed, grpc, scripts};
@@ -165,4 +166,471 @@ fn per_backend_counters_and_histograms_equal_the_clients_own_tallies() {
         open + closed >= 1.0,
         "the client connection is counted: {open} open, {closed} closed"
     );
+}
+
+/// Percent-encodes a query parameter.
+fn encode(s: &str) -> String {
+    s.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+/// A real Prometheus (Debian's) in the node's network namespace, on its loopback, scraping
+/// the agent every second and evaluating the rules file every second.
+struct Prometheus {
+    dir: TempPath,
+    addr: SocketAddrV4,
+}
+
+impl Prometheus {
+    fn start(tb: &mut Testbed) -> Self {
+        let dir = TempPath::new(format!("skewless-test-prometheus-{}", tb.id()));
+        std::fs::create_dir_all(&*dir).unwrap();
+        let rules = skewless_admin::monitoring::dir()
+            .join(skewless_admin::monitoring::RULES_FILE)
+            .canonicalize()
+            .unwrap();
+        let config = format!(
+            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n\
+             rule_files: [\"{}\"]\n\
+             scrape_configs:\n  - job_name: skewless\n    static_configs:\n      - targets: [\"{ADMIN}\"]\n        labels: {{node: node0}}\n",
+            rules.display()
+        );
+        std::fs::write(dir.join("prometheus.yml"), config).unwrap();
+        let addr = SocketAddrV4::new(Ipv4Addr::LOCALHOST, 9091);
+        let log = std::fs::File::create(dir.join("prometheus.log")).unwrap();
+        let mut cmd = tb
+            .command(
+                Place::Node(0),
+                &[
+                    "prometheus",
+                    &format!("--config.file={}", dir.join("prometheus.yml").display()),
+                    &format!("--storage.tsdb.path={}", dir.join("data").display()),
+                    &format!("--web.listen-address={addr}"),
+                ],
+            )
+            .unwrap();
+        cmd.stdout(log.try_clone().unwrap()).stderr(log);
+        tb.spawn_command(&mut cmd)
+            .expect("prometheus must be installed (`cargo xtask setup`)");
+        tb.wait_for_tcp(Place::Node(0), addr, Duration::from_secs(20))
+            .expect("prometheus listens");
+        Self { dir, addr }
+    }
+
+    fn api(&self, tb: &Testbed, path: &str) -> serde_json::Value {
+        let body = get(tb, &format!("http://{}/api/v1/{path}", self.addr));
+        let v: serde_json::Value = serde_json::from_str(&body).expect("JSON from Prometheus");
+        assert_eq!(v["status"], "success", "{path}: {v}");
+        v["data"].clone()
+    }
+
+    /// The instant vector `expr` evaluates to now.
+    fn query(&self, tb: &Testbed, expr: &str) -> Vec<serde_json::Value> {
+        self.api(tb, &format!("query?query={}", encode(expr)))["result"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("prometheus.log")).unwrap_or_default()
+    }
+}
+
+impl Drop for Prometheus {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&*self.dir);
+    }
+}
+
+/// The names `expr` references: identifiers outside label matchers and strings that name a
+/// skewless metric, a recorded series, or `up`.
+fn metric_names(expr: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let (mut in_braces, mut in_string) = (false, false);
+    let chars: Vec<char> = expr.chars().collect();
+    let is_ident = |c: char| c.is_ascii_alphanumeric() || c == '_' || c == ':';
+    let mut i = 0;
+    while i < chars.len() {
+        let c = chars[i];
+        if in_string {
+            in_string = c != '"';
+            i += 1;
+            continue;
+        }
+        match c {
+            '"' => in_string = true,
+            '{' => in_braces = true,
+            '}' => in_braces = false,
+            _ => {}
+        }
+        if in_braces || !is_ident(c) || (i > 0 && is_ident(chars[i - 1])) {
+            i += 1;
+            continue;
+        }
+        let start = i;
+        while i < chars.len() && is_ident(chars[i]) {
+            i += 1;
+        }
+        let word: String = chars[start..i].iter().collect();
+        let call = chars[i..].iter().find(|c| !c.is_whitespace()) == Some(&'(');
+        if (word.starts_with("skewless_") || word.contains(':') || word == "up") && !call {
+            out.push(word);
+        }
+    }
+    out
+}
+
+/// The services file of the end-to-end test: `echo` balanced (request mode) at `balanced`,
+/// `obs` observed at `observed` over the same pods, and `bad` with an invalid annotation (so
+/// the rejection counter has a series).
+fn write_two_services(
+    path: &std::path::Path,
+    tb: &Testbed,
+    balanced: SocketAddrV4,
+    observed: SocketAddrV4,
+) {
+    let mut yaml = String::from("services:\n");
+    for (name, vip, mode) in [("echo", balanced, "request"), ("obs", observed, "observe")] {
+        yaml.push_str(&format!(
+            "  - name: {name}\n    clusterIPs: [\"{}\"]\n    mode: {mode}\n    ports:\n      - port: {p}\n        targetPort: {p}\n    endpoints:\n",
+            vip.ip(),
+            p = vip.port()
+        ));
+        for pod in ECHO_PODS {
+            yaml.push_str(&format!(
+                "      - {{address: {}, target: {pod}}}\n",
+                tb.pod(pod).unwrap().ip
+            ));
+        }
+    }
+    yaml.push_str(
+        "  - name: bad\n    clusterIPs: [\"198.19.0.99\"]\n    mode: request\n    annotations:\n      skewless.io/hold-time: soon\n    ports:\n      - port: 80\n        targetPort: 80\n",
+    );
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, yaml).unwrap();
+    std::fs::rename(&tmp, path).unwrap();
+}
+
+#[test]
+#[ignore = "privileged: needs root and the real kernel; run with `cargo xtask test`"]
+fn a_real_prometheus_scrapes_the_agent_and_every_dashboard_query_and_rule_returns_data() {
+    use skewless_admin::monitoring;
+    let balanced = SocketAddrV4::new(Ipv4Addr::new(198, 19, 0, 42), 50051);
+    let observed = SocketAddrV4::new(Ipv4Addr::new(198, 19, 0, 43), 50051);
+    let mut b = Testbed::builder().nodes(1).pod("client", 0);
+    for p in ECHO_PODS {
+        b = b.pod(p, 0);
+    }
+    let mut tb = b
+        .service(
+            "echo",
+            *balanced.ip(),
+            balanced.port(),
+            balanced.port(),
+            &ECHO_PODS,
+        )
+        .service(
+            "obs",
+            *observed.ip(),
+            observed.port(),
+            observed.port(),
+            &ECHO_PODS,
+        )
+        .build()
+        .expect("testbed builds (needs root)");
+    let gen_dir = grpc::generate_stubs().expect("python stubs (run `cargo xtask setup`)");
+    // The last pod answers 20 ms late: the balancer sends it probes only, which the panels
+    // show (its share below the fair line, the balancer's skew at 4/3).
+    for (i, p) in ECHO_PODS.iter().enumerate() {
+        let delay = if i == ECHO_PODS.len() - 1 { 20 } else { 0 };
+        grpc::spawn_echo_server(&mut tb, &gen_dir, p, balanced.port(), delay).unwrap();
+    }
+    for p in ECHO_PODS {
+        let ip = tb.pod(p).unwrap().ip;
+        tb.wait_for_tcp(
+            Place::Node(0),
+            SocketAddrV4::new(ip, balanced.port()),
+            Duration::from_secs(20),
+        )
+        .unwrap();
+    }
+    let services = TempPath::new(format!("skewless-test-services-{}.yaml", tb.id()));
+    write_two_services(&services, &tb, balanced, observed);
+    let traffic_from = std::time::SystemTime::now();
+    spawn_file_agent(&mut tb, &services);
+    wait_until("the agent redirects the balanced Service", || {
+        services_in_status(&tb) == 1
+    });
+    let prometheus = Prometheus::start(&mut tb);
+
+    // Pinned pick_first clients: one to each Service (one connection each, calls until the
+    // test ends). The balanced one's calls are spread per request; the observed one's all go
+    // to the pod its connection was DNATed to.
+    for vip in [balanced, observed] {
+        testbed_agent::spawn_long_client(&mut tb, &gen_dir, vip, 2, &[]);
+    }
+    // A broken services file for a moment: the agent keeps its last good state and counts the
+    // source error (the discovery alert's series).
+    let good = std::fs::read_to_string(&*services).unwrap();
+    std::fs::write(&*services, "services: [unclosed\n").unwrap();
+    wait_until("the agent counts the broken file", || {
+        !samples(&scrape(&tb), "skewless_source_errors_total").is_empty()
+    });
+    std::fs::write(&*services, good).unwrap();
+
+    // Enough scrapes for rates over the dashboard's interval, and the observer's reports.
+    let interval = "10s";
+    let started = std::time::Instant::now();
+    loop {
+        let pinned = prometheus.query(
+            &tb,
+            r#"skewless_observed_backends_receiving{service="default/obs"} == 1"#,
+        );
+        let balancing = prometheus.query(
+            &tb,
+            r#"count(rate(skewless_backend_requests_total{service="default/echo"}[10s]) > 0) > 1"#,
+        );
+        if !pinned.is_empty()
+            && !balancing.is_empty()
+            && started.elapsed() > Duration::from_secs(15)
+        {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(90),
+            "Prometheus must see both Services within 90 s; its log: {}",
+            prometheus.log()
+        );
+        std::thread::sleep(Duration::from_secs(1));
+    }
+
+    // The exposition follows the naming guide as promtool checks it.
+    let text = scrape(&tb);
+    let problems =
+        monitoring::promtool_check_metrics(&text).expect("promtool (`cargo xtask setup`)");
+    assert!(problems.is_empty(), "promtool check metrics: {problems:#?}");
+
+    // The scrape itself: up, no error.
+    let targets = prometheus.api(&tb, "targets");
+    let active = targets["activeTargets"].as_array().expect("targets");
+    assert_eq!(active.len(), 1, "{targets}");
+    assert_eq!(active[0]["health"], "up", "{targets}");
+    assert_eq!(active[0]["lastError"], "", "{targets}");
+
+    // Every dashboard query, with the variables substituted, returns data for one of the two
+    // Services (request-mode panels for the balanced one, observed ones for the other).
+    let dashboard: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(monitoring::dir().join(monitoring::DASHBOARD_FILE)).unwrap(),
+    )
+    .unwrap();
+    let substitute = |expr: &str, service: &str| {
+        expr.replace("$__rate_interval", interval)
+            .replace("$cluster", ".*")
+            .replace("$node", ".*")
+            .replace("$service", service)
+    };
+    let mut queries = 0;
+    for panel in dashboard["panels"].as_array().unwrap() {
+        for target in panel["targets"].as_array().unwrap() {
+            let expr = target["expr"].as_str().unwrap();
+            let answered: Vec<&str> = ["default/echo", "default/obs"]
+                .into_iter()
+                .filter(|svc| !prometheus.query(&tb, &substitute(expr, svc)).is_empty())
+                .collect();
+            assert!(
+                !answered.is_empty(),
+                "panel {:?}: no data for {expr}",
+                panel["title"]
+            );
+            queries += 1;
+        }
+    }
+    // The variables' label_values(metric, label) queries.
+    for var in dashboard["templating"]["list"].as_array().unwrap() {
+        let Some(q) = var["query"]["query"].as_str() else {
+            continue;
+        };
+        let inner = q
+            .strip_prefix("label_values(")
+            .and_then(|q| q.strip_suffix(')'))
+            .unwrap_or_else(|| panic!("variable {}: {q}", var["name"]));
+        let (metric, label) = inner.rsplit_once(", ").unwrap();
+        let expr = format!(
+            "count by ({label}) ({})",
+            substitute(metric, "default/echo")
+        );
+        assert!(
+            !prometheus.query(&tb, &expr).is_empty(),
+            "variable {}: no data for {expr}",
+            var["name"]
+        );
+    }
+    assert!(queries >= 20, "the dashboard's queries ran: {queries}");
+
+    // Every rule loaded and evaluated without error; every recording rule has data, and every
+    // series an alert reads exists.
+    let rules = prometheus.api(&tb, "rules");
+    let mut alerts = 0;
+    for group in rules["groups"].as_array().unwrap() {
+        for rule in group["rules"].as_array().unwrap() {
+            assert_eq!(rule["health"], "ok", "{rule}");
+            let expr = rule["query"].as_str().unwrap();
+            match rule["type"].as_str() {
+                Some("recording") => assert!(
+                    !prometheus.query(&tb, expr).is_empty(),
+                    "recording rule {}: no data for {expr}",
+                    rule["name"]
+                ),
+                _ => {
+                    alerts += 1;
+                    for name in metric_names(expr) {
+                        assert!(
+                            !prometheus.query(&tb, &name).is_empty(),
+                            "alert {}: {name} has no data",
+                            rule["name"]
+                        );
+                    }
+                }
+            }
+        }
+    }
+    assert!(alerts >= 13, "the alerts were checked: {alerts}");
+
+    // The pinning alert's expression is true for the pinned Service, false for the balanced.
+    let pinning = rules["groups"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|g| g["rules"].as_array().unwrap().iter())
+        .find(|r| r["name"] == "SkewlessConnectionsPinned")
+        .expect("the pinning alert")["query"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let firing: Vec<String> = prometheus
+        .query(&tb, &pinning)
+        .iter()
+        .map(|r| {
+            r["metric"]["service"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned()
+        })
+        .collect();
+    assert!(
+        firing.iter().any(|s| s == "default/obs"),
+        "the pinned Service is flagged: {firing:?}"
+    );
+    assert!(
+        !firing.iter().any(|s| s == "default/echo"),
+        "the balanced Service is not: {firing:?}"
+    );
+
+    // With SKEWLESS_PANEL_DATA=DIR, run on for two minutes and keep the dashboard's time
+    // series of this run for docs/metrics.md's pictures (`panel_charts` draws them).
+    if let Some(dir) = std::env::var_os("SKEWLESS_PANEL_DATA") {
+        std::thread::sleep(Duration::from_secs(120));
+        dump_panels(
+            &tb,
+            &prometheus,
+            &dashboard,
+            traffic_from,
+            std::path::Path::new(&dir),
+        );
+    }
+}
+
+/// Writes every time-series panel's query_range data for both Services into `dir`, one JSON
+/// file per panel and Service: `{title, unit, service, series: [{name, points: [[t, v]]}]}`.
+fn dump_panels(
+    tb: &Testbed,
+    prometheus: &Prometheus,
+    dashboard: &serde_json::Value,
+    from: std::time::SystemTime,
+    dir: &std::path::Path,
+) {
+    std::fs::create_dir_all(dir).unwrap();
+    let secs =
+        |t: std::time::SystemTime| t.duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+    let (start, end) = (secs(from), secs(std::time::SystemTime::now()));
+    for panel in dashboard["panels"].as_array().unwrap() {
+        if panel["type"] != "timeseries" {
+            continue;
+        }
+        let title = panel["title"].as_str().unwrap();
+        for service in ["default/echo", "default/obs"] {
+            let mut series = Vec::new();
+            for target in panel["targets"].as_array().unwrap() {
+                let expr = target["expr"]
+                    .as_str()
+                    .unwrap()
+                    .replace("$__rate_interval", "10s")
+                    .replace("$cluster", ".*")
+                    .replace("$node", ".*")
+                    .replace("$service", service);
+                let data = prometheus.api(
+                    tb,
+                    &format!(
+                        "query_range?query={}&start={start}&end={end}&step=2",
+                        encode(&expr)
+                    ),
+                );
+                for r in data["result"].as_array().unwrap() {
+                    let mut name = target["legendFormat"]
+                        .as_str()
+                        .unwrap_or_default()
+                        .to_owned();
+                    for (k, v) in r["metric"].as_object().unwrap() {
+                        name =
+                            name.replace(&format!("{{{{{k}}}}}"), v.as_str().unwrap_or_default());
+                    }
+                    let points: Vec<(f64, f64)> = r["values"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .filter_map(|p| {
+                            let t = p[0].as_f64()? - start as f64;
+                            Some((t, p[1].as_str()?.parse().ok()?))
+                        })
+                        .collect();
+                    series.push(serde_json::json!({"name": name, "points": points}));
+                }
+            }
+            let file = format!(
+                "{}--{}.json",
+                slug(title),
+                slug(service.trim_start_matches("default/"))
+            );
+            let doc = serde_json::json!({
+                "title": title,
+                "unit": panel["fieldConfig"]["defaults"]["unit"],
+                "service": service,
+                "series": series,
+            });
+            std::fs::write(dir.join(file), serde_json::to_vec_pretty(&doc).unwrap()).unwrap();
+        }
+    }
+}
+
+fn slug(s: &str) -> String {
+    s.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() {
+                c.to_ascii_lowercase()
+            } else {
+                '-'
+            }
+        })
+        .collect::<String>()
+        .split('-')
+        .filter(|p| !p.is_empty())
+        .collect::<Vec<_>>()
+        .join("-")
 }
