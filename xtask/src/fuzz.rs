@@ -39,6 +39,11 @@ pub(crate) const TARGETS: &[(&str, &str, &str)] = &[
     ),
     (
         "agent/balancer/fuzz",
+        "health",
+        "grpc.health.v1 Watch responses, in any pieces",
+    ),
+    (
+        "agent/balancer/fuzz",
         "relay",
         "both peers of connection mode's relay, rotated at any point",
     ),
@@ -49,7 +54,7 @@ pub(crate) const TARGETS: &[(&str, &str, &str)] = &[
     ),
 ];
 
-/// Seconds per target in `cargo xtask test`: 6 targets, 3 minutes of fuzzing.
+/// Seconds per target in `cargo xtask test`: 7 targets, 3.5 minutes of fuzzing.
 pub(crate) const TEST_SECS: u64 = 30;
 
 /// The command that fuzzes one target for `secs` seconds.

@@ -5,7 +5,9 @@
 //! (after a backoff) reports SERVING again. Status changes apply as soon as the update arrives.
 //!
 //! The two messages involved are encoded and decoded by hand (one field each) rather than
-//! pulling protobuf code generation into the balancer.
+//! pulling protobuf code generation into the balancer. The responses a backend sends are read
+//! by [`StatusReader`], which holds at most one capped message (fuzzed: `agent/balancer/fuzz`,
+//! target `health`).
 //!
 //! The watch reports through a callback and knows nothing of who listens: request mode's pool
 //! and connection mode's backends both use it.
@@ -15,14 +17,16 @@ use std::time::Duration;
 use bytes::{Buf as _, BufMut as _, Bytes, BytesMut};
 use h2::client::SendRequest;
 use http::{HeaderValue, Request, header};
-use skewless_frame::grpc::MessageDecoder;
+use skewless_frame::grpc::{MessageDecoder, MessageError, PREFIX_LEN};
 
 use crate::grpc;
 
 const SERVING: u64 = 1;
-/// A `HealthCheckResponse` is a few bytes: a server declaring more is broken or hostile, and
-/// the watch ends instead of buffering what the 5-byte prefix can declare (4 GiB).
-const MESSAGES: MessageDecoder = MessageDecoder::new(64 * 1024);
+/// Largest `HealthCheckResponse` accepted. It is a few bytes: a server declaring more is broken
+/// or hostile, and the watch ends instead of buffering what the 5-byte prefix can declare
+/// (4 GiB).
+pub const MAX_RESPONSE: u32 = 64 * 1024;
+const MESSAGES: MessageDecoder = MessageDecoder::new(MAX_RESPONSE);
 const UNIMPLEMENTED: u32 = 12;
 
 /// What ended one watch.
@@ -93,25 +97,20 @@ async fn watch_once(
         return Ended::Unimplemented;
     }
     let mut body = resp.into_body();
-    let mut buf = BytesMut::new();
+    let mut reader = StatusReader::new();
     while let Some(data) = body.data().await {
         let Ok(data) = data else {
             return Ended::Failed;
         };
         let _ = body.flow_control().release_capacity(data.len());
-        buf.extend_from_slice(&data);
-        loop {
-            let message = match MESSAGES.decode(&mut buf) {
-                Ok(Some(message)) => message.data,
-                Ok(None) => break,
-                Err(error) => {
-                    tracing::debug!(%error, "bad health message");
-                    return Ended::Failed;
-                }
-            };
-            let serving = decode_status(&message) == Some(SERVING);
+        let read = reader.push(&data, |status| {
+            let serving = status == Some(SERVING);
             tracing::debug!(serving, "health status");
             report(serving);
+        });
+        if let Err(error) = read {
+            tracing::debug!(%error, "bad health message");
+            return Ended::Failed;
         }
     }
     if let Ok(Some(trailers)) = body.trailers().await
@@ -121,6 +120,68 @@ async fn watch_once(
     }
     Ended::Failed
 }
+
+/// What ends a watch's response stream as unreadable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum StatusError {
+    /// The message prefix is invalid or declares more than [`MAX_RESPONSE`].
+    #[error("invalid health response message")]
+    Message(#[source] MessageError),
+    /// A compressed message: the watch offers no compression, so it cannot be read.
+    #[error("compressed health response, though no compression was offered")]
+    Compressed,
+}
+
+/// Reads the `HealthCheckResponse` messages of one watch from its DATA frames, in whatever
+/// pieces they arrive. It holds at most one incomplete message (under
+/// `PREFIX_LEN + MAX_RESPONSE` bytes once a piece is consumed): a longer declared length is an
+/// error as soon as its prefix has arrived.
+#[derive(Debug, Default)]
+pub struct StatusReader {
+    buf: BytesMut,
+}
+
+impl StatusReader {
+    /// A reader at the start of a response stream.
+    #[must_use]
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Consumes one piece of the stream, calling `status` with the `status` field of every
+    /// message it completes (`None` for a message that is not a valid `HealthCheckResponse`,
+    /// which counts as not serving).
+    ///
+    /// # Errors
+    /// An invalid or oversized message prefix, or a compressed message: the stream cannot be
+    /// read further.
+    pub fn push(
+        &mut self,
+        data: &[u8],
+        mut status: impl FnMut(Option<u64>),
+    ) -> Result<(), StatusError> {
+        self.buf.extend_from_slice(data);
+        while let Some(message) = MESSAGES
+            .decode(&mut self.buf)
+            .map_err(StatusError::Message)?
+        {
+            if message.compressed {
+                return Err(StatusError::Compressed);
+            }
+            status(decode_status(&message.data));
+        }
+        Ok(())
+    }
+
+    /// Bytes held for an incomplete message.
+    #[must_use]
+    pub fn buffered(&self) -> usize {
+        self.buf.len()
+    }
+}
+
+/// Bytes a [`StatusReader`] may hold between pieces.
+pub const MAX_BUFFERED: usize = PREFIX_LEN + MAX_RESPONSE as usize;
 
 /// One gRPC frame holding `HealthCheckRequest { service }`.
 fn encode_request(service: &str) -> Bytes {
@@ -200,6 +261,25 @@ mod tests {
         assert_eq!(buf.len(), 2, "the partial next frame stays buffered");
         assert_eq!(decode_status(&[]), Some(0), "an empty message is UNKNOWN");
         assert_eq!(decode_status(&[0x08, 0x01]), Some(SERVING));
+    }
+
+    #[test]
+    fn the_reader_reports_each_message_across_pieces_and_refuses_compressed_ones() {
+        let stream = [0u8, 0, 0, 0, 2, 0x08, 0x01, 0, 0, 0, 0, 2, 0x08, 0x02];
+        for split in 0..=stream.len() {
+            let mut reader = StatusReader::new();
+            let mut seen = Vec::new();
+            let (a, b) = stream.split_at(split);
+            reader.push(a, |s| seen.push(s)).expect("valid");
+            reader.push(b, |s| seen.push(s)).expect("valid");
+            assert_eq!(seen, [Some(SERVING), Some(2)], "split at {split}");
+            assert_eq!(reader.buffered(), 0);
+        }
+        let mut reader = StatusReader::new();
+        assert_eq!(
+            reader.push(&[1, 0, 0, 0, 2, 0x08, 0x01], |_| panic!("not decoded")),
+            Err(StatusError::Compressed)
+        );
     }
 
     #[test]

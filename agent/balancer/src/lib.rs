@@ -41,7 +41,7 @@ pub mod endpoint;
 pub mod endpoints;
 mod error;
 pub mod grpc;
-mod health;
+pub mod health;
 mod io;
 pub mod metrics;
 pub mod picker;
