@@ -458,3 +458,32 @@ async fn drain_rotates_every_connection_and_serve_returns() {
     let reports = finish(&stop, clients).await;
     assert_eq!(failed(&reports), 0, "{reports:?}");
 }
+
+/// The relay records every call it carries into the Service's cells (what `/metrics` shows):
+/// after the clients stop, the Service's latency histogram holds exactly the calls they made,
+/// and none failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_relayed_call_is_timed_once_in_the_services_histogram() {
+    let pods = pods(2).await;
+    let b = bed(quick(), endpoints(&pods)).await;
+    let (stop, stop_rx) = watch::channel(false);
+    let clients: Vec<_> = (0..3).map(|_| client(b.addr, stop_rx.clone())).collect();
+    until("every client relayed", Duration::from_secs(20), || {
+        b.balancer.stats().connections == 3
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let reports = finish(&stop, clients).await;
+    let calls: u64 = reports.iter().flat_map(|r| r.pods.values()).sum();
+    assert!(calls > 0, "{reports:?}");
+    assert_eq!(failed(&reports), 0, "{reports:?}");
+    // A client sees its response's END_STREAM only after the relay has counted the call.
+    let m = b.balancer.metrics();
+    assert_eq!(
+        m.latency.count(),
+        calls,
+        "every call timed once: {reports:?}"
+    );
+    assert_eq!(m.failures, [0; 5], "no failed call");
+    b.stop().await;
+}

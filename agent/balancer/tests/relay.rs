@@ -2,9 +2,11 @@
 //! the wire checked), real h2 peers and a real tonic client. In-memory pipes and paused time
 //! where the timeouts matter; loopback TCP for tonic.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::BytesMut;
+use skewless_balancer::metrics::{FailureReason, LATENCY_BOUNDS, ServiceMetrics};
 use skewless_balancer::relay::{
     ProtocolError, RelayEnd, RelayError, RelayHandle, RelaySettings, RotateReason, relay,
 };
@@ -129,9 +131,12 @@ struct Bed {
 }
 
 fn bed(settings: RelaySettings) -> Bed {
+    bed_with(settings, RelayHandle::new())
+}
+
+fn bed_with(settings: RelaySettings, handle: RelayHandle) -> Bed {
     let (client, client_relay) = duplex(1 << 20);
     let (backend, backend_relay) = duplex(1 << 20);
-    let handle = RelayHandle::new();
     let h = handle.clone();
     let task = tokio::spawn(async move { relay(client_relay, backend_relay, &settings, h).await });
     Bed {
@@ -156,7 +161,11 @@ fn empty_settings() -> Vec<u8> {
 
 /// Preface and SETTINGS both ways, then stream 1 opened with a request DATA frame.
 async fn open_bed(settings: RelaySettings) -> Bed {
-    let mut b = bed(settings);
+    open_bed_with(settings, RelayHandle::new()).await
+}
+
+async fn open_bed_with(settings: RelaySettings, handle: RelayHandle) -> Bed {
+    let mut b = bed_with(settings, handle);
     let mut hello = PREFACE.to_vec();
     hello.extend(empty_settings());
     b.client.send(&hello).await;
@@ -178,6 +187,13 @@ async fn open_bed(settings: RelaySettings) -> Bed {
     assert_eq!(b.handle.stats().requests(), 1);
     assert_eq!(b.handle.stats().open_streams(), 1);
     b
+}
+
+/// [`open_bed`] whose relay records into a Service's cells, returned with it.
+async fn open_metered_bed(settings: RelaySettings) -> (Bed, Arc<ServiceMetrics>) {
+    let metrics = Arc::new(ServiceMetrics::default());
+    let b = open_bed_with(settings, RelayHandle::with_metrics(metrics.clone())).await;
+    (b, metrics)
 }
 
 /// The backend answers stream `id`: headers, a message, trailers.
@@ -390,7 +406,7 @@ async fn at_the_end_of_the_drain_grace_open_streams_are_reset_both_ways_then_fin
         drain_grace: Duration::from_secs(12),
         ..RelaySettings::default()
     };
-    let mut b = open_bed(settings).await;
+    let (mut b, metrics) = open_metered_bed(settings).await;
     let started = Instant::now();
     b.handle.rotate(RotateReason::Drain);
     b.client.expect_go_away().await;
@@ -410,6 +426,9 @@ async fn at_the_end_of_the_drain_grace_open_streams_are_reset_both_ways_then_fin
     b.backend.expect_eof().await;
     let end = b.task.await.expect("task").expect("clean end");
     assert_eq!(end, RelayEnd::GraceExpired { reset: 1 });
+    let s = metrics.snapshot();
+    assert_eq!(s.latency.count(), 1, "the cut stream is timed");
+    assert_eq!(s.failures, [0, 0, 1, 0, 0], "and a failed call (reset)");
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
@@ -677,4 +696,96 @@ proptest::proptest! {
         };
         let _ = run_hostile(&wire(&client), &wire(&backend), rotate_after);
     }
+}
+
+fn rst(stream: u32, code: ErrorCode) -> Vec<u8> {
+    let mut f = Vec::new();
+    RstStream {
+        stream_id: stream,
+        error_code: code,
+    }
+    .encode(&mut f);
+    f
+}
+
+/// In a balancer the relay records every stream into the Service's cells: its duration from
+/// the client's HEADERS to its end both ways (or its reset), and a reset or refusal by the
+/// backend as a failed call; a client's cancellation is no failure.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn streams_are_timed_from_headers_to_their_end_and_backend_resets_are_failures() {
+    let (mut b, metrics) = open_metered_bed(RelaySettings::default()).await;
+    tokio::time::advance(Duration::from_millis(30)).await;
+    b.backend.send(&response(1)).await;
+    expect_response(&mut b.client, 1).await;
+    let s = metrics.snapshot();
+    assert_eq!(s.latency.count(), 1, "stream 1 is over");
+    let bucket = LATENCY_BOUNDS.iter().position(|b| *b == 0.05).unwrap();
+    assert_eq!(s.latency.counts[bucket], 1, "30 ms: the (25, 50] ms bucket");
+
+    b.client
+        .send(&headers(3, flags::END_HEADERS | flags::END_STREAM))
+        .await;
+    b.backend.expect(Kind::Headers).await;
+    b.backend.send(&rst(3, ErrorCode::REFUSED_STREAM)).await;
+    assert_eq!(
+        b.client.expect_rst().await.error_code,
+        ErrorCode::REFUSED_STREAM
+    );
+
+    b.client.send(&headers(5, flags::END_HEADERS)).await;
+    b.backend.expect(Kind::Headers).await;
+    b.backend.send(&rst(5, ErrorCode::INTERNAL_ERROR)).await;
+    b.client.expect_rst().await;
+
+    b.client.send(&headers(7, flags::END_HEADERS)).await;
+    b.backend.expect(Kind::Headers).await;
+    b.client.send(&rst(7, ErrorCode::CANCEL)).await;
+    b.backend.expect_rst().await;
+
+    let s = metrics.snapshot();
+    assert_eq!(s.latency.count(), 4, "every stream is timed once");
+    let failed =
+        |r: FailureReason| s.failures[FailureReason::ALL.iter().position(|x| *x == r).unwrap()];
+    assert_eq!(failed(FailureReason::Refused), 1, "{:?}", s.failures);
+    assert_eq!(failed(FailureReason::Reset), 1, "{:?}", s.failures);
+    assert_eq!(
+        s.failures.iter().sum::<u64>(),
+        2,
+        "the cancel is no failure"
+    );
+    assert_eq!(b.handle.stats().open_streams(), 0);
+}
+
+/// Streams still open when the relay ends are over too: lost with the backend (it closed
+/// first) they are failed calls (`connect`, as in request mode); abandoned by the client
+/// they are timed but no failure.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn streams_open_when_the_backend_closes_fail_and_those_the_client_leaves_do_not() {
+    let (mut b, metrics) = open_metered_bed(RelaySettings::default()).await;
+    b.backend.io.shutdown().await.expect("shutdown");
+    b.client.expect_eof().await;
+    b.client.io.shutdown().await.expect("shutdown");
+    b.backend.expect_eof().await;
+    assert_eq!(
+        b.task.await.expect("task").expect("clean end"),
+        RelayEnd::Closed
+    );
+    let s = metrics.snapshot();
+    assert_eq!(s.latency.count(), 1, "stream 1 is over");
+    let connect = FailureReason::ALL
+        .iter()
+        .position(|r| *r == FailureReason::Connect)
+        .unwrap();
+    assert_eq!(s.failures[connect], 1, "{:?}", s.failures);
+    assert_eq!(s.failures.iter().sum::<u64>(), 1, "{:?}", s.failures);
+
+    let (mut b, metrics) = open_metered_bed(RelaySettings::default()).await;
+    b.client.io.shutdown().await.expect("shutdown");
+    b.backend.expect_eof().await;
+    b.backend.io.shutdown().await.expect("shutdown");
+    b.client.expect_eof().await;
+    b.task.await.expect("task").expect("clean end");
+    let s = metrics.snapshot();
+    assert_eq!(s.latency.count(), 1, "stream 1 is over");
+    assert_eq!(s.failures, [0; 5], "the client left: no failure");
 }

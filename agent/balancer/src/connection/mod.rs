@@ -326,7 +326,7 @@ async fn serve(shared: Arc<Shared>, client: TcpStream, mut stop: Stop<Connection
         shared: shared.clone(),
         conn: placement.conn,
     };
-    let handle = RelayHandle::new();
+    let handle = RelayHandle::with_metrics(shared.metrics.clone());
     if let Some(reason) = shared
         .lock()
         .connected(placement.conn, Arc::new(handle.clone()))

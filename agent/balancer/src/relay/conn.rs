@@ -10,7 +10,10 @@ use skewless_frame::{
     RstStream, SettingId, Settings, WindowUpdate,
 };
 
+use tokio::time::Instant;
+
 use super::{RotateReason, Shared};
+use crate::metrics::FailureReason;
 
 /// Our PING's opaque data: no gRPC server uses it (grpc-go sends 0x0106010800030309, Java a
 /// counter), so its ACK is recognised and swallowed, every other ACK is forwarded.
@@ -132,7 +135,8 @@ const BACKEND_ENDED: u8 = 2;
 pub(super) struct Conn {
     shared: std::sync::Arc<Shared>,
     max_streams: usize,
-    streams: HashMap<u32, u8>,
+    /// Per open stream: which sides ended it, and when the client opened it.
+    streams: HashMap<u32, (u8, Instant)>,
     highest_client: u32,
     /// Lowest last-stream-id any GOAWAY to the client carried (ours or the backend's).
     go_last: Option<u32>,
@@ -201,18 +205,36 @@ impl Conn {
     }
 
     fn end(&mut self, stream_id: u32, side: u8) {
-        if let Some(flags) = self.streams.get_mut(&stream_id) {
+        if let Some((flags, opened)) = self.streams.get_mut(&stream_id) {
             *flags |= side;
             if *flags == CLIENT_ENDED | BACKEND_ENDED {
+                let opened = *opened;
                 self.streams.remove(&stream_id);
                 self.set_open();
+                self.record(opened, None);
             }
         }
     }
 
-    fn reset(&mut self, stream_id: u32) {
-        if self.streams.remove(&stream_id).is_some() {
+    /// A stream was reset: by the client (a cancellation), by the backend (`failure`: what
+    /// the call failed of), or by us.
+    fn reset(&mut self, stream_id: u32, failure: Option<FailureReason>) {
+        if let Some((_, opened)) = self.streams.remove(&stream_id) {
             self.set_open();
+            self.record(opened, failure);
+        }
+    }
+
+    /// A stream is over: its duration into the Service's histogram, where its load on the
+    /// backend completes (as in request mode), and its failure if it failed. The relay sees
+    /// frames, not gRPC statuses (they are HPACK-encoded): a stream that ended with
+    /// END_STREAM both ways is not a failure here whatever its grpc-status said.
+    fn record(&self, opened: Instant, failure: Option<FailureReason>) {
+        if let Some(m) = &self.shared.metrics {
+            m.latency.record(opened.elapsed());
+            if let Some(reason) = failure {
+                m.failed(reason);
+            }
         }
     }
 
@@ -290,7 +312,8 @@ impl Conn {
                 if self.refused(rst.stream_id) {
                     Action::Drop
                 } else {
-                    self.reset(rst.stream_id);
+                    // The client cancelled: not a failure.
+                    self.reset(rst.stream_id, None);
                     Action::Forward
                 }
             }
@@ -338,8 +361,10 @@ impl Conn {
                 max: self.max_streams,
             });
         }
-        self.streams
-            .insert(id, if end_stream { CLIENT_ENDED } else { 0 });
+        self.streams.insert(
+            id,
+            (if end_stream { CLIENT_ENDED } else { 0 }, Instant::now()),
+        );
         self.shared.stats.requests.fetch_add(1, Ordering::Relaxed);
         self.set_open();
         Ok(())
@@ -367,7 +392,12 @@ impl Conn {
                 if self.refused(rst.stream_id) {
                     Action::Drop
                 } else {
-                    self.reset(rst.stream_id);
+                    let failure = match rst.error_code {
+                        ErrorCode::NO_ERROR => None,
+                        ErrorCode::REFUSED_STREAM => Some(FailureReason::Refused),
+                        _ => Some(FailureReason::Reset),
+                    };
+                    self.reset(rst.stream_id, failure);
                     Action::Forward
                 }
             }
@@ -398,7 +428,8 @@ impl Conn {
                 };
                 self.go_last = Some(last);
                 // Streams above it will not be processed by the backend, and the client
-                // knows: they are no longer ours to wait for.
+                // knows (it retries them): they are no longer ours to wait for, and neither
+                // timed nor failed calls.
                 let before = self.streams.len();
                 self.streams.retain(|&s, _| s <= last);
                 if self.streams.len() != before {
@@ -459,9 +490,24 @@ impl Conn {
             self.to_client.rst(id, ErrorCode::CANCEL);
             self.to_backend.rst(id, ErrorCode::CANCEL);
         }
-        self.streams.clear();
+        // Cut by the drain: each was a call that failed.
+        for (_, (_, opened)) in std::mem::take(&mut self.streams) {
+            self.record(opened, Some(FailureReason::Reset));
+        }
         self.set_open();
         u32::try_from(ids.len()).unwrap_or(u32::MAX)
+    }
+
+    /// The relay ended with streams still open: each is over now. One lost with the backend
+    /// (an error on the backend's side, or the backend closed first) is a failed call,
+    /// `Connect` as in request mode (the upstream connection failed under it); one the client
+    /// walked away from is not.
+    pub(super) fn abandon(&mut self, backend_lost: bool) {
+        let failure = backend_lost.then_some(FailureReason::Connect);
+        for (_, (_, opened)) in std::mem::take(&mut self.streams) {
+            self.record(opened, failure);
+        }
+        self.set_open();
     }
 
     /// Client bytes to keep for the user-agent check: the first header block.

@@ -32,6 +32,8 @@ use std::time::Duration;
 
 use tokio::sync::Notify;
 
+use crate::metrics::ServiceMetrics;
+
 pub use conn::ProtocolError;
 pub use pipe::{Io, RelayEnd, RelayError};
 
@@ -166,6 +168,9 @@ impl RelayStats {
 
 struct Shared {
     stats: RelayStats,
+    /// The Service's cells: every stream's duration (open to end, or reset) and the streams
+    /// the backend reset or refused. `None` for a relay outside a balancer (tests).
+    metrics: Option<Arc<ServiceMetrics>>,
     /// The reason asked for by the controller (0: none).
     rotate: AtomicU8,
     rotate_asked: Notify,
@@ -194,9 +199,22 @@ impl std::fmt::Debug for RelayHandle {
 impl RelayHandle {
     #[must_use]
     pub fn new() -> Self {
+        Self::with(None)
+    }
+
+    /// A handle whose relay records its streams into `metrics` (the Service's cells): each
+    /// stream's duration from the client's HEADERS to its end both ways (or its reset), and
+    /// the streams the backend reset or refused as failed calls.
+    #[must_use]
+    pub fn with_metrics(metrics: Arc<ServiceMetrics>) -> Self {
+        Self::with(Some(metrics))
+    }
+
+    fn with(metrics: Option<Arc<ServiceMetrics>>) -> Self {
         Self {
             shared: Arc::new(Shared {
                 stats: RelayStats::default(),
+                metrics,
                 rotate: AtomicU8::new(0),
                 rotate_asked: Notify::new(),
             }),

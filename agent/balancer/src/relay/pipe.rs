@@ -347,6 +347,8 @@ struct Relay {
     shared: Arc<Shared>,
     grace_over: Option<u32>,
     half_closed: bool,
+    /// The peer whose FIN came first.
+    first_eof: Option<Side>,
 }
 
 impl Relay {
@@ -377,6 +379,9 @@ impl Relay {
                         Poll::Ready(Ok(p)) => progress |= p,
                         Poll::Ready(Err(e)) => return Poll::Ready(Err(RelayError::io(side, e))),
                         Poll::Pending => {}
+                    }
+                    if pipe.eof && self.first_eof.is_none() {
+                        self.first_eof = Some(side);
                     }
                 }
                 if let Err(e) = pipe.scan(&mut self.conn, &self.shared) {
@@ -508,6 +513,7 @@ pub(super) async fn run<C: Io, B: Io>(
         shared: shared.clone(),
         grace_over: None,
         half_closed: false,
+        first_eof: None,
     };
     let mut half_closed_deadline = None;
     let mut ping_deadline = None;
@@ -564,6 +570,11 @@ pub(super) async fn run<C: Io, B: Io>(
         Ok(end) => tracing::debug!(?end, requests = shared.stats.requests(), "relay done"),
         Err(error) => tracing::debug!(%error, "relay failed"),
     }
+    let backend_lost = match &outcome {
+        Err(e) => !e.is_client(),
+        Ok(_) => r.first_eof == Some(Side::Backend),
+    };
+    r.conn.abandon(backend_lost);
     r.close(&mut client, &mut backend).await;
     outcome
 }
