@@ -20,6 +20,26 @@ pub enum EndpointState {
     Ejected,
 }
 
+impl EndpointState {
+    /// The state's name as `/status` and `skewless status` show it.
+    #[must_use]
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EndpointState::Connecting => "Connecting",
+            EndpointState::NotServing => "NotServing",
+            EndpointState::Active => "Active",
+            EndpointState::Degraded => "Degraded",
+            EndpointState::Ejected => "Ejected",
+        }
+    }
+}
+
+impl std::fmt::Display for EndpointState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// Counters of one endpoint since it was added.
 #[derive(Debug, Clone, PartialEq)]
 pub struct EndpointStats {
@@ -171,6 +191,23 @@ mod tests {
                 sum: 0.0,
             },
         }
+    }
+
+    #[test]
+    fn endpoint_states_keep_the_names_status_readers_know() {
+        let states = [
+            EndpointState::Connecting,
+            EndpointState::NotServing,
+            EndpointState::Active,
+            EndpointState::Degraded,
+            EndpointState::Ejected,
+        ];
+        let names: Vec<String> = states.iter().map(ToString::to_string).collect();
+        assert_eq!(
+            names,
+            ["Connecting", "NotServing", "Active", "Degraded", "Ejected"],
+            "/status values are a contract with `skewless status`, tests and dashboards"
+        );
     }
 
     #[test]

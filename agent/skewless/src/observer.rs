@@ -165,7 +165,7 @@ fn snapshot(at: Duration, attributed: &[Attributed]) -> Snapshot {
 fn publish(key: &ServiceKey, mode: Mode, r: &ServiceReport) -> ObservedService {
     ObservedService {
         service: key.to_string(),
-        mode: format!("{mode:?}").to_lowercase(),
+        mode: mode.to_string(),
         vip: r.service.to_string(),
         ready_backends: r.ready_backends,
         backends_receiving: r.backends_receiving,

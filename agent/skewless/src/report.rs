@@ -114,7 +114,7 @@ fn endpoint_status(e: EndpointStats) -> EndpointStatus {
     EndpointStatus {
         name,
         addr: addr.to_string(),
-        state: format!("{state:?}"),
+        state: state.to_string(),
         requests,
         failures,
         share,
