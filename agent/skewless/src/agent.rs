@@ -1,8 +1,11 @@
-//! `skewless agent`.
+//! `skewless agent`: flags, start-up and shutdown.
 //!
-//! Sources (today: the local services file; `--redirect` flags for raw redirects) feed the
-//! model; the [`Reconciler`] turns each snapshot into balancers and eBPF redirects; the admin
-//! API serves `/live`, `/ready`, `/status` and `/metrics`.
+//! A source (the Kubernetes API with `--kubernetes`, or a services file) feeds the model;
+//! `--redirect` flags add raw redirects beside it. The [`Reconciler`] turns each snapshot into
+//! balancers and eBPF redirects, the observer reports where unbalanced connections are
+//! pinned, a heartbeat task keeps the hooks redirecting only while every data-plane worker
+//! runs, and the admin API serves `/live`, `/ready`, `/status` and `/metrics`. On SIGTERM the
+//! redirects go first, then the balancers drain.
 
 use std::{
     net::{Ipv4Addr, SocketAddr, SocketAddrV4},
@@ -85,16 +88,32 @@ pub struct Redirect {
     target: SocketAddrV4,
 }
 
+/// Why a `--redirect` value is not `VIP:PORT=ADDR:PORT`.
+#[derive(Debug, thiserror::Error)]
+pub enum RedirectError {
+    #[error("expected VIP:PORT=ADDR:PORT, got {input:?}")]
+    NoTarget { input: String },
+    #[error("{part:?} is not an IPv4 address:port")]
+    Addr {
+        part: String,
+        #[source]
+        source: std::net::AddrParseError,
+    },
+}
+
 impl FromStr for Redirect {
-    type Err = String;
+    type Err = RedirectError;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let (service, target) = s
-            .split_once('=')
-            .ok_or_else(|| format!("expected VIP:PORT=ADDR:PORT, got {s:?}"))?;
-        let parse = |a: &str| {
-            a.parse::<SocketAddrV4>()
-                .map_err(|e| format!("{a:?} is not an IPv4 address:port ({e})"))
+        let (service, target) = s.split_once('=').ok_or_else(|| RedirectError::NoTarget {
+            input: s.to_owned(),
+        })?;
+        let parse = |part: &str| {
+            part.parse::<SocketAddrV4>()
+                .map_err(|source| RedirectError::Addr {
+                    part: part.to_owned(),
+                    source,
+                })
         };
         Ok(Self {
             service: parse(service)?,
@@ -370,12 +389,15 @@ mod tests {
         assert_eq!(r.service, "198.19.0.10:8080".parse().unwrap());
         assert_eq!(r.target, "169.254.77.1:15001".parse().unwrap());
         assert!(
-            "198.19.0.10:8080".parse::<Redirect>().is_err(),
+            matches!(
+                "198.19.0.10:8080".parse::<Redirect>(),
+                Err(RedirectError::NoTarget { .. })
+            ),
             "missing target must fail"
         );
         assert!(
-            "a=b".parse::<Redirect>().is_err(),
-            "non-addresses must fail"
+            matches!("a=b".parse::<Redirect>(), Err(RedirectError::Addr { part, .. }) if part == "a"),
+            "non-addresses must fail, naming the part"
         );
     }
 }

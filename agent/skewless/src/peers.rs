@@ -45,18 +45,49 @@ impl Cidr {
     }
 }
 
+/// Why a string is not a [`Cidr`].
+#[derive(Debug, thiserror::Error)]
+pub enum CidrError {
+    #[error("{input:?} is not ADDR/PREFIX")]
+    NoPrefix { input: String },
+    #[error("{input:?}: the address is not an IPv4 or IPv6 address")]
+    Addr {
+        input: String,
+        #[source]
+        source: std::net::AddrParseError,
+    },
+    #[error("{input:?}: the prefix length is not a number from 0 to 128")]
+    Prefix {
+        input: String,
+        #[source]
+        source: std::num::ParseIntError,
+    },
+    #[error("{input:?}: prefix longer than {max}")]
+    PrefixTooLong { input: String, max: u8 },
+}
+
 impl FromStr for Cidr {
-    type Err = String;
+    type Err = CidrError;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let input = || s.to_owned();
         let (addr, prefix) = s
             .split_once('/')
-            .ok_or_else(|| format!("{s:?} is not ADDR/PREFIX"))?;
-        let addr: IpAddr = addr.parse().map_err(|e| format!("{s:?}: {e}"))?;
-        let prefix: u8 = prefix.parse().map_err(|e| format!("{s:?}: {e}"))?;
+            .ok_or_else(|| CidrError::NoPrefix { input: input() })?;
+        let addr: IpAddr = addr.parse().map_err(|source| CidrError::Addr {
+            input: input(),
+            source,
+        })?;
+        let prefix: u8 = prefix.parse().map_err(|source| CidrError::Prefix {
+            input: input(),
+            source,
+        })?;
         let max = if addr.is_ipv4() { 32 } else { 128 };
         if prefix > max {
-            return Err(format!("{s:?}: prefix longer than {max}"));
+            return Err(CidrError::PrefixTooLong {
+                input: input(),
+                max,
+            });
         }
         Ok(Self { addr, prefix })
     }
@@ -120,8 +151,22 @@ mod tests {
             net.contains("::ffff:198.18.1.9".parse().unwrap()),
             "IPv4-mapped peers are IPv4"
         );
-        assert!("198.18.1.0/33".parse::<Cidr>().is_err());
-        assert!("198.18.1.0".parse::<Cidr>().is_err());
+        assert!(matches!(
+            "198.18.1.0/33".parse::<Cidr>(),
+            Err(CidrError::PrefixTooLong { max: 32, .. })
+        ));
+        assert!(matches!(
+            "198.18.1.0".parse::<Cidr>(),
+            Err(CidrError::NoPrefix { .. })
+        ));
+        assert!(matches!(
+            "198.18.1/24".parse::<Cidr>(),
+            Err(CidrError::Addr { .. })
+        ));
+        assert!(matches!(
+            "198.18.1.0/x".parse::<Cidr>(),
+            Err(CidrError::Prefix { .. })
+        ));
         let all: Cidr = "0.0.0.0/0".parse().unwrap();
         assert!(all.contains("203.0.113.1".parse().unwrap()));
         let v6: Cidr = "fd00:1::/64".parse().unwrap();
