@@ -176,7 +176,7 @@ mod tests {
             ports: Some(vec![mk_port(None)]),
             ..ServiceSpec::default()
         }));
-        assert_eq!(input.config(), Err(ConfigError::NoClusterIp));
+        assert_eq!(input.config(), Err(ConfigError::NoClusterIp.into()));
     }
 
     #[test]
@@ -186,9 +186,10 @@ mod tests {
             ports: Some(vec![mk_port(Some(IntOrString::Int(70_000)))]),
             ..ServiceSpec::default()
         }));
+        let error = input.config().expect_err("port out of range");
         assert!(matches!(
-            input.config(),
-            Err(ConfigError::InvalidPort { .. })
+            error.as_slice(),
+            [ConfigError::InvalidPort { .. }]
         ));
     }
 

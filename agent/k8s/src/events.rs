@@ -103,11 +103,12 @@ pub(crate) fn build_event(
     regarding: &ObjectReference,
     instance: &str,
 ) -> Event {
-    let note = if rejection.kept_last_good {
-        format!("{}; keeping the last good skewless config", rejection.error)
+    let outcome = if rejection.kept_last_good {
+        "keeping the last good skewless config"
     } else {
-        format!("{}; skewless does not handle this Service", rejection.error)
+        "skewless does not handle this Service"
     };
+    let note = note(&rejection.error.to_string(), outcome);
     let uid = regarding.uid.as_deref().unwrap_or_default();
     let name = format!(
         "{}.skewless.{:016x}",
@@ -130,6 +131,25 @@ pub(crate) fn build_event(
         reporting_instance: Some(instance.chars().take(128).collect()),
         ..Event::default()
     }
+}
+
+/// The API server's limit on an Event's note, in bytes.
+pub const NOTE_LIMIT: usize = 1024;
+
+/// "`problems`; `outcome`", cut to [`NOTE_LIMIT`] bytes: every problem of the config is listed,
+/// but a user-supplied value (an annotation can hold 256 KiB) must not make the API server
+/// refuse the Event. The outcome always stays; what is cut from the problems ends in "...".
+fn note(problems: &str, outcome: &str) -> String {
+    let full = format!("{problems}; {outcome}");
+    if full.len() <= NOTE_LIMIT {
+        return full;
+    }
+    let room = NOTE_LIMIT - outcome.len() - "...; ".len();
+    let mut cut = room.min(problems.len());
+    while !problems.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    format!("{}...; {outcome}", &problems[..cut])
 }
 
 /// Reference to the Service an Event is about.
@@ -160,7 +180,7 @@ mod tests {
     fn mk_rejection(error: ConfigError) -> Rejection {
         Rejection {
             service: ServiceKey::new("ns", "web"),
-            error,
+            error: error.into(),
             kept_last_good: true,
         }
     }
@@ -195,7 +215,7 @@ mod tests {
         );
         let first = rx.try_recv().expect("the first report is kept");
         assert!(
-            matches!(&first.rejection.error, ConfigError::UnknownMode { value } if value == "a"),
+            matches!(first.rejection.error.first(), ConfigError::UnknownMode { value } if value == "a"),
             "the oldest reports are kept, the newest dropped"
         );
         assert!(rx.try_recv().is_ok());
@@ -222,6 +242,60 @@ mod tests {
             n(&r1, "u1"),
             n(&r1, "u2"),
             "a recreated Service must be told again"
+        );
+    }
+
+    #[test]
+    fn every_problem_of_a_config_goes_into_one_event() {
+        let mut svc = skewless_model::ServiceInput {
+            key: ServiceKey::new("ns", "web"),
+            annotations: [
+                ("skewless.io/mode", "request"),
+                ("skewless.io/hold_time", "1s"),
+                ("skewless.io/skew-threshold", "lots"),
+            ]
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+            .collect(),
+            cluster_ips: vec!["10.96.0.10".into()],
+            ports: Vec::new(),
+        };
+        svc.ports.push(skewless_model::PortInput {
+            name: "grpc".into(),
+            port: 80,
+            protocol: "TCP".into(),
+            target_port: None,
+        });
+        let error = svc.config().expect_err("two bad annotations");
+        let r = Rejection {
+            service: svc.key.clone(),
+            error,
+            kept_last_good: false,
+        };
+        let event = build_event(&r, &mk_ref("u1"), "n");
+        let note = event.note.expect("a note");
+        assert!(
+            note.contains("skewless.io/hold_time") && note.contains("\"lots\""),
+            "both problems in one Event: {note}"
+        );
+        assert!(
+            note.ends_with("skewless does not handle this Service"),
+            "{note}"
+        );
+        assert_eq!(event.reason.as_deref(), Some("UnknownAnnotation"));
+    }
+
+    #[test]
+    fn a_huge_value_cannot_push_the_note_past_the_api_limit() {
+        let r = mk_rejection(ConfigError::UnknownMode {
+            value: "é".repeat(100_000),
+        });
+        let note = build_event(&r, &mk_ref("u1"), "n").note.expect("a note");
+        assert!(note.len() <= NOTE_LIMIT, "{} bytes", note.len());
+        assert!(
+            note.ends_with("...; keeping the last good skewless config"),
+            "cut in the problems, never in the outcome: {}",
+            &note[note.len() - 60..]
         );
     }
 }

@@ -7,7 +7,7 @@
 
 use std::{collections::BTreeMap, fmt, str::FromStr, time::Duration};
 
-use crate::ConfigError;
+use crate::{ConfigError, ConfigErrors};
 
 /// Opts a Service in: `request`, `connection` or `observe`. Without it the Service is ignored.
 pub const MODE: &str = "skewless.io/mode";
@@ -192,77 +192,111 @@ pub fn mode(annotations: &BTreeMap<String, String>) -> Result<Option<Mode>, Conf
 /// Parses and validates the tuning annotations, starting from [`Tuning::default`].
 ///
 /// # Errors
-/// The first invalid or unknown `skewless.io/` annotation, in key order.
-pub fn tuning(annotations: &BTreeMap<String, String>) -> Result<Tuning, ConfigError> {
+/// Every invalid or unknown `skewless.io/` annotation, in key order.
+pub fn tuning(annotations: &BTreeMap<String, String>) -> Result<Tuning, ConfigErrors> {
+    let mut errors = Vec::new();
+    let t = tuning_into(annotations, &mut errors);
+    ConfigErrors::from_vec(errors).map_or(Ok(t), Err)
+}
+
+/// [`tuning`], with the problems pushed to `errors` (the bad annotations keep their defaults).
+pub(crate) fn tuning_into(
+    annotations: &BTreeMap<String, String>,
+    errors: &mut Vec<ConfigError>,
+) -> Tuning {
     let mut t = Tuning::default();
     for (key, value) in annotations.iter().filter(|(k, _)| k.starts_with(PREFIX)) {
-        let value = value.trim();
-        match key.as_str() {
-            MODE => {}
-            SKEW_THRESHOLD => {
-                let v: f64 = value.parse().map_err(|source| ConfigError::InvalidFloat {
+        if let Err(error) = apply(&mut t, key, value.trim()) {
+            errors.extend(error);
+        }
+    }
+    t
+}
+
+/// Applies one `skewless.io/` annotation to `t`, or says why it is wrong (a retryable-methods
+/// list may hold several bad patterns).
+fn apply(t: &mut Tuning, key: &str, value: &str) -> Result<(), Vec<ConfigError>> {
+    match key {
+        MODE => {}
+        SKEW_THRESHOLD => {
+            let v: f64 = value.parse().map_err(|source| {
+                vec![ConfigError::InvalidFloat {
                     annotation: SKEW_THRESHOLD,
                     value: value.to_owned(),
                     source,
-                })?;
-                if !(v.is_finite() && v > 1.0 && v <= 100.0) {
-                    return Err(out_of_range(SKEW_THRESHOLD, value, "(1, 100]"));
-                }
-                t.skew_threshold = v;
+                }]
+            })?;
+            if !(v.is_finite() && v > 1.0 && v <= 100.0) {
+                return Err(vec![out_of_range(SKEW_THRESHOLD, value, "(1, 100]")]);
             }
-            HOLD_TIME => {
-                let d = parse_duration(HOLD_TIME, value)?;
-                if d > Duration::from_secs(3600) {
-                    return Err(out_of_range(HOLD_TIME, value, "0s..=1h"));
-                }
-                t.hold_time = d;
+            t.skew_threshold = v;
+        }
+        HOLD_TIME => {
+            let d = parse_duration(HOLD_TIME, value).map_err(|e| vec![e])?;
+            if d > Duration::from_secs(3600) {
+                return Err(vec![out_of_range(HOLD_TIME, value, "0s..=1h")]);
             }
-            MAX_ROTATIONS_PER_MINUTE => {
-                let v: u32 = value
-                    .parse()
-                    .map_err(|source| ConfigError::InvalidInteger {
-                        annotation: MAX_ROTATIONS_PER_MINUTE,
-                        value: value.to_owned(),
-                        source,
-                    })?;
-                if v > 600 {
-                    return Err(out_of_range(MAX_ROTATIONS_PER_MINUTE, value, "0..=600"));
-                }
-                t.max_rotations_per_minute = v;
+            t.hold_time = d;
+        }
+        MAX_ROTATIONS_PER_MINUTE => {
+            let v: u32 = value.parse().map_err(|source| {
+                vec![ConfigError::InvalidInteger {
+                    annotation: MAX_ROTATIONS_PER_MINUTE,
+                    value: value.to_owned(),
+                    source,
+                }]
+            })?;
+            if v > 600 {
+                return Err(vec![out_of_range(
+                    MAX_ROTATIONS_PER_MINUTE,
+                    value,
+                    "0..=600",
+                )]);
             }
-            MAX_CONNECTION_AGE => {
-                let d = parse_duration(MAX_CONNECTION_AGE, value)?;
-                if d.is_zero() {
-                    t.max_connection_age = None;
-                } else if d < Duration::from_secs(1) || d > Duration::from_secs(86_400) {
-                    return Err(out_of_range(MAX_CONNECTION_AGE, value, "0s or 1s..=24h"));
-                } else {
-                    t.max_connection_age = Some(d);
-                }
-            }
-            GRPC_HEALTH_SERVICE => {
-                if value.len() > 256 || value.chars().any(|c| c.is_whitespace() || c == ',') {
-                    return Err(ConfigError::InvalidHealthService {
-                        value: value.to_owned(),
-                    });
-                }
-                t.grpc_health_service = Some(value.to_owned());
-            }
-            RETRYABLE_METHODS => {
-                t.retryable_methods = value
-                    .split(',')
-                    .map(str::trim)
-                    .filter(|m| !m.is_empty())
-                    .map(str::parse)
-                    .collect::<Result<_, _>>()?;
-            }
-            _ => {
-                debug_assert!(!KNOWN.contains(&key.as_str()));
-                return Err(ConfigError::UnknownAnnotation { key: key.clone() });
+            t.max_rotations_per_minute = v;
+        }
+        MAX_CONNECTION_AGE => {
+            let d = parse_duration(MAX_CONNECTION_AGE, value).map_err(|e| vec![e])?;
+            if d.is_zero() {
+                t.max_connection_age = None;
+            } else if d < Duration::from_secs(1) || d > Duration::from_secs(86_400) {
+                return Err(vec![out_of_range(
+                    MAX_CONNECTION_AGE,
+                    value,
+                    "0s or 1s..=24h",
+                )]);
+            } else {
+                t.max_connection_age = Some(d);
             }
         }
+        GRPC_HEALTH_SERVICE => {
+            if value.len() > 256 || value.chars().any(|c| c.is_whitespace() || c == ',') {
+                return Err(vec![ConfigError::InvalidHealthService {
+                    value: value.to_owned(),
+                }]);
+            }
+            t.grpc_health_service = Some(value.to_owned());
+        }
+        RETRYABLE_METHODS => {
+            let (methods, bad): (Vec<_>, Vec<_>) = value
+                .split(',')
+                .map(str::trim)
+                .filter(|m| !m.is_empty())
+                .map(str::parse::<MethodPattern>)
+                .partition(Result::is_ok);
+            if !bad.is_empty() {
+                return Err(bad.into_iter().filter_map(Result::err).collect());
+            }
+            t.retryable_methods = methods.into_iter().filter_map(Result::ok).collect();
+        }
+        _ => {
+            debug_assert!(!KNOWN.contains(&key));
+            return Err(vec![ConfigError::UnknownAnnotation {
+                key: key.to_owned(),
+            }]);
+        }
     }
-    Ok(t)
+    Ok(())
 }
 
 fn out_of_range(annotation: &'static str, value: &str, range: &'static str) -> ConfigError {
@@ -392,18 +426,18 @@ mod tests {
         let err = tuning(&mk_annotations(&[(SKEW_THRESHOLD, "lots")])).expect_err("not a number");
         assert!(
             matches!(
-                err,
-                ConfigError::InvalidFloat {
+                err.as_slice(),
+                [ConfigError::InvalidFloat {
                     annotation: SKEW_THRESHOLD,
                     ..
-                }
+                }]
             ),
             "got {err:?}"
         );
         let err = tuning(&mk_annotations(&[(MAX_ROTATIONS_PER_MINUTE, "-1")]))
             .expect_err("negative count");
         assert!(
-            matches!(err, ConfigError::InvalidInteger { .. }),
+            matches!(err.as_slice(), [ConfigError::InvalidInteger { .. }]),
             "got {err:?}"
         );
     }
@@ -419,7 +453,7 @@ mod tests {
         ] {
             let err = tuning(&mk_annotations(&[(k, v)])).expect_err("out of range");
             assert!(
-                matches!(err, ConfigError::OutOfRange { .. }),
+                matches!(err.as_slice(), [ConfigError::OutOfRange { .. }]),
                 "{k}={v}: {err:?}"
             );
         }
@@ -448,6 +482,7 @@ mod tests {
             ConfigError::UnknownAnnotation {
                 key: "skewless.io/hold_time".into()
             }
+            .into()
         );
     }
 
@@ -457,9 +492,34 @@ mod tests {
             let err =
                 tuning(&mk_annotations(&[(RETRYABLE_METHODS, bad)])).expect_err("bad pattern");
             assert!(
-                matches!(err, ConfigError::InvalidMethod { .. }),
+                matches!(err.as_slice(), [ConfigError::InvalidMethod { .. }]),
                 "{bad}: {err:?}"
             );
+        }
+    }
+
+    #[test]
+    fn every_bad_annotation_is_reported_not_only_the_first() {
+        let err = tuning(&mk_annotations(&[
+            ("skewless.io/hold_time", "1s"),
+            (SKEW_THRESHOLD, "lots"),
+            (RETRYABLE_METHODS, "/a.B/C, nope, /*/*"),
+        ]))
+        .expect_err("three bad annotations");
+        let reasons: Vec<&str> = err.as_slice().iter().map(ConfigError::reason).collect();
+        assert_eq!(
+            reasons,
+            [
+                "UnknownAnnotation",
+                "InvalidMethod",
+                "InvalidMethod",
+                "InvalidNumber"
+            ],
+            "every problem, annotations in key order: {err}"
+        );
+        let shown = err.to_string();
+        for part in ["skewless.io/hold_time", "\"nope\"", "\"/*/*\"", "\"lots\""] {
+            assert!(shown.contains(part), "{part} missing from {shown:?}");
         }
     }
 }

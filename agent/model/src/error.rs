@@ -77,3 +77,74 @@ impl ConfigError {
         }
     }
 }
+
+/// Every problem found in one Service's config, in the order found (the mode, the tuning
+/// annotations in key order, then the spec); never empty. Reported whole, in one log line and
+/// one Kubernetes Event, so a user with a typo'd key and a bad number fixes both at once.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConfigErrors(Vec<ConfigError>);
+
+impl ConfigErrors {
+    /// The problems; at least one.
+    #[must_use]
+    pub fn as_slice(&self) -> &[ConfigError] {
+        &self.0
+    }
+
+    /// The first problem found.
+    #[must_use]
+    pub fn first(&self) -> &ConfigError {
+        // Never empty: every constructor pushes at least one error.
+        &self.0[0]
+    }
+
+    /// The first problem's [`ConfigError::reason`]: the Event reason and metric label (one
+    /// bounded value per rejected config).
+    #[must_use]
+    pub fn reason(&self) -> &'static str {
+        self.first().reason()
+    }
+
+    /// How many problems there are.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// Always false.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// `first`, then `rest`.
+    pub(crate) fn new(first: ConfigError, rest: Vec<ConfigError>) -> Self {
+        Self(std::iter::once(first).chain(rest).collect())
+    }
+
+    /// `errors` as a [`ConfigErrors`], or `None` when there are none.
+    pub(crate) fn from_vec(errors: Vec<ConfigError>) -> Option<Self> {
+        (!errors.is_empty()).then_some(Self(errors))
+    }
+}
+
+impl From<ConfigError> for ConfigErrors {
+    fn from(error: ConfigError) -> Self {
+        Self(vec![error])
+    }
+}
+
+impl std::fmt::Display for ConfigErrors {
+    /// The problems separated by "; ".
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (i, error) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str("; ")?;
+            }
+            write!(f, "{error}")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for ConfigErrors {}

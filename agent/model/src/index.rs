@@ -11,7 +11,7 @@ use tokio::sync::watch;
 use tracing::{debug, info, warn};
 
 use crate::{
-    ConfigError, Mode, Tuning,
+    ConfigErrors, Mode, Tuning,
     endpoints::{self, Endpoint, SliceData, SliceInput, SliceKey},
     metrics::Metrics,
     service::{ServiceConfig, ServiceInput, ServiceKey, TargetPort},
@@ -121,7 +121,7 @@ impl Snapshot {
 #[derive(Clone, Debug, PartialEq)]
 pub struct Rejection {
     pub service: ServiceKey,
-    pub error: ConfigError,
+    pub error: ConfigErrors,
     /// Whether an earlier good config is still in effect (false: the Service is not served).
     pub kept_last_good: bool,
 }
@@ -131,7 +131,7 @@ pub struct Rejection {
 struct ServiceEntry {
     last_good: Option<Arc<ServiceConfig>>,
     /// The last error reported, so the same error is reported only once.
-    reported: Option<ConfigError>,
+    reported: Option<ConfigErrors>,
 }
 
 /// Owns the model and the publishing side of the snapshot channel. Not shared: one task feeds
@@ -258,7 +258,7 @@ impl Index {
                     return None;
                 }
                 let kept_last_good = entry.last_good.is_some();
-                warn!(service = %key, %error, reason = error.reason(), kept_last_good, "service config rejected");
+                warn!(service = %key, %error, reason = error.reason(), problems = error.len(), kept_last_good, "service config rejected");
                 self.metrics.rejected(error.reason());
                 entry.reported = Some(error.clone());
                 Some(Rejection {

@@ -21,7 +21,7 @@ mod service;
 
 pub use annotations::{MethodPattern, Mode, Tuning};
 pub use endpoints::{Conditions, Endpoint, EndpointInput, SliceInput, SliceKey, SlicePortInput};
-pub use error::ConfigError;
+pub use error::{ConfigError, ConfigErrors};
 pub use index::{Index, PortState, Rejection, ServiceState, Snapshot, Vip};
 pub use metrics::Metrics;
 pub use service::{PortInput, ServiceConfig, ServiceInput, ServiceKey, ServicePort, TargetPort};

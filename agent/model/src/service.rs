@@ -3,7 +3,7 @@
 
 use std::{collections::BTreeMap, fmt, net::IpAddr};
 
-use crate::{ConfigError, Mode, Tuning, annotations};
+use crate::{ConfigError, ConfigErrors, Mode, Tuning, annotations};
 
 /// Identifies a Service (and everything derived from it) across sources.
 #[derive(Clone, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -82,42 +82,80 @@ impl ServiceInput {
     /// Validates the Service. `Ok(None)`: it has not opted in (no `skewless.io/mode`).
     ///
     /// # Errors
-    /// The first problem found: annotations first, then the spec (headless, non-TCP ports...).
-    pub fn config(&self) -> Result<Option<ServiceConfig>, ConfigError> {
-        let Some(mode) = annotations::mode(&self.annotations)? else {
-            return Ok(None);
+    /// Every problem found: the annotations first, then the spec (headless, non-TCP ports...).
+    pub fn config(&self) -> Result<Option<ServiceConfig>, ConfigErrors> {
+        let mode = match annotations::mode(&self.annotations) {
+            Ok(None) => return Ok(None),
+            Ok(Some(mode)) => Ok(mode),
+            Err(error) => Err(error),
         };
-        let tuning = annotations::tuning(&self.annotations)?;
+        let mut errors = Vec::new();
+        let tuning = annotations::tuning_into(&self.annotations, &mut errors);
+        let cluster_ips = self.cluster_ips(&mut errors);
+        let ports = self.ports(&mut errors);
+        match mode {
+            Err(first) => Err(ConfigErrors::new(first, errors)),
+            Ok(mode) => match ConfigErrors::from_vec(errors) {
+                Some(errors) => Err(errors),
+                None => Ok(Some(ServiceConfig {
+                    mode,
+                    tuning,
+                    cluster_ips,
+                    ports,
+                })),
+            },
+        }
+    }
+
+    /// The ClusterIPs; problems go to `errors`.
+    fn cluster_ips(&self, errors: &mut Vec<ConfigError>) -> Vec<IpAddr> {
+        let before = errors.len();
         let mut cluster_ips = Vec::with_capacity(self.cluster_ips.len());
         for ip in &self.cluster_ips {
             match ip.as_str() {
-                "None" => return Err(ConfigError::Headless),
+                "None" => {
+                    errors.push(ConfigError::Headless);
+                    return Vec::new();
+                }
                 "" => {}
-                _ => cluster_ips.push(
-                    ip.parse()
-                        .map_err(|_| ConfigError::InvalidClusterIp { value: ip.clone() })?,
-                ),
+                _ => match ip.parse() {
+                    Ok(addr) => cluster_ips.push(addr),
+                    Err(_) => errors.push(ConfigError::InvalidClusterIp { value: ip.clone() }),
+                },
             }
         }
-        if cluster_ips.is_empty() {
-            return Err(ConfigError::NoClusterIp);
+        if cluster_ips.is_empty() && errors.len() == before {
+            errors.push(ConfigError::NoClusterIp);
         }
+        cluster_ips
+    }
+
+    /// The ports; problems go to `errors`.
+    fn ports(&self, errors: &mut Vec<ConfigError>) -> Vec<ServicePort> {
         if self.ports.is_empty() {
-            return Err(ConfigError::NoPorts);
+            errors.push(ConfigError::NoPorts);
         }
         let mut ports = Vec::with_capacity(self.ports.len());
         for p in &self.ports {
             if !(p.protocol.is_empty() || p.protocol == "TCP") {
-                return Err(ConfigError::UnsupportedProtocol {
+                errors.push(ConfigError::UnsupportedProtocol {
                     port: p.port,
                     protocol: p.protocol.clone(),
                 });
+                continue;
             }
-            let port = valid_port(p.port)?;
+            let port = match valid_port(p.port) {
+                Ok(port) => port,
+                Err(error) => {
+                    errors.push(error);
+                    continue;
+                }
+            };
             let target_port = match &p.target_port {
                 None => TargetPort::Number(port),
                 Some(TargetPort::Number(0)) => {
-                    return Err(ConfigError::InvalidPort { port: 0 });
+                    errors.push(ConfigError::InvalidPort { port: 0 });
+                    continue;
                 }
                 Some(t) => t.clone(),
             };
@@ -127,12 +165,7 @@ impl ServiceInput {
                 target_port,
             });
         }
-        Ok(Some(ServiceConfig {
-            mode,
-            tuning,
-            cluster_ips,
-            ports,
-        }))
+        ports
     }
 }
 

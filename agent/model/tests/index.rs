@@ -150,7 +150,10 @@ fn bad_annotation_keeps_last_good_config_and_is_reported_once() {
         .apply_service(&bad)
         .expect("first bad config is reported");
     assert!(r.kept_last_good);
-    assert!(matches!(r.error, ConfigError::InvalidDuration { .. }));
+    assert!(matches!(
+        r.error.as_slice(),
+        [ConfigError::InvalidDuration { .. }]
+    ));
     assert!(
         index.apply_service(&bad).is_none(),
         "same error is reported once"
@@ -194,7 +197,11 @@ fn headless_and_udp_services_are_rejected_with_reason() {
     let mut headless = mk_service("h", Some("request"));
     headless.cluster_ips = vec!["None".into()];
     let r = index.apply_service(&headless).expect("headless rejected");
-    assert_eq!(r.error, ConfigError::Headless);
+    assert_eq!(
+        r.error.as_slice(),
+        [ConfigError::Headless],
+        "headless only, no 'no ClusterIP' on top"
+    );
 
     let mut udp = mk_service("u", Some("request"));
     udp.ports.push(PortInput {
@@ -205,8 +212,8 @@ fn headless_and_udp_services_are_rejected_with_reason() {
     });
     let r = index.apply_service(&udp).expect("udp rejected");
     assert!(matches!(
-        r.error,
-        ConfigError::UnsupportedProtocol { port: 53, .. }
+        r.error.as_slice(),
+        [ConfigError::UnsupportedProtocol { port: 53, .. }]
     ));
     assert!(
         r.error.to_string().contains("TCP"),
@@ -214,6 +221,44 @@ fn headless_and_udp_services_are_rejected_with_reason() {
         r.error
     );
     assert!(index.subscribe().borrow().is_empty());
+}
+
+#[test]
+fn every_problem_of_a_config_is_reported_in_one_rejection() {
+    let metrics = Metrics::default();
+    let mut index = Index::new(metrics.clone());
+    let mut svc = mk_service("web", Some("request"));
+    svc.annotations
+        .insert("skewless.io/hold_time".into(), "1s".into());
+    svc.annotations
+        .insert(annotations::SKEW_THRESHOLD.into(), "lots".into());
+    svc.ports.push(PortInput {
+        name: "dns".into(),
+        port: 53,
+        protocol: "UDP".into(),
+        target_port: None,
+    });
+    let r = index.apply_service(&svc).expect("rejected");
+    let reasons: Vec<&str> = r.error.as_slice().iter().map(ConfigError::reason).collect();
+    assert_eq!(
+        reasons,
+        ["UnknownAnnotation", "InvalidNumber", "UnsupportedProtocol"],
+        "the typo, the bad number and the UDP port together: {}",
+        r.error
+    );
+    assert_eq!(
+        metrics.rejected_total("UnknownAnnotation"),
+        1,
+        "one rejected config, counted under its first reason"
+    );
+    assert_eq!(metrics.rejected_total("InvalidNumber"), 0);
+
+    // Fixing one problem changes the error: reported again, with what is left.
+    svc.annotations.remove("skewless.io/hold_time");
+    let r = index
+        .apply_service(&svc)
+        .expect("a different set of problems is reported");
+    assert_eq!(r.error.len(), 2, "{}", r.error);
 }
 
 #[test]

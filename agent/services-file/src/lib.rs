@@ -239,7 +239,7 @@ pub struct FileSource {
     /// Content of the last file applied, to skip unchanged polls.
     last_text: Option<String>,
     /// Display of the last error reported, so an unchanged broken file is reported once.
-    last_error: Option<String>,
+    last_error: Option<Vec<String>>,
     /// Set once a file has been applied: until then the model is empty because nothing was
     /// read, not because the file names no Service.
     synced: watch::Sender<bool>,
@@ -328,11 +328,14 @@ impl FileSource {
                 }
             }
             Err(error) => {
-                let shown = error_chain(&error);
-                if self.last_error.as_deref() != Some(shown.as_str()) {
-                    warn!(error = %shown, "services file rejected; keeping last good state");
+                let causes = causes(&error);
+                if self.last_error.as_ref() != Some(&causes) {
+                    warn!(
+                        error = &error as &dyn std::error::Error,
+                        "services file rejected; keeping last good state"
+                    );
                     self.index.metrics().source_error("file");
-                    self.last_error = Some(shown);
+                    self.last_error = Some(causes);
                 }
             }
         }
@@ -349,7 +352,7 @@ struct DirWatcher {
     changed: mpsc::Sender<()>,
     watcher: Option<notify::RecommendedWatcher>,
     /// The last failure, logged once.
-    failed: Option<String>,
+    failed: Option<Vec<String>>,
 }
 
 impl DirWatcher {
@@ -399,10 +402,14 @@ impl DirWatcher {
                 }
             }
             Err(error) => {
-                let shown = error_chain(&error);
-                if self.failed.as_deref() != Some(shown.as_str()) {
-                    warn!(dir = %dir.display(), error = %shown, "cannot watch the services file's directory; polling only");
-                    self.failed = Some(shown);
+                let causes = causes(&error);
+                if self.failed.as_ref() != Some(&causes) {
+                    warn!(
+                        dir = %dir.display(),
+                        error = &error as &dyn std::error::Error,
+                        "cannot watch the services file's directory; polling only"
+                    );
+                    self.failed = Some(causes);
                 }
             }
         }
@@ -425,14 +432,10 @@ fn concerns(event: &notify::Event, name: Option<&std::ffi::OsStr>) -> bool {
         })
 }
 
-/// The error and its sources on one line, for a log field.
-fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut s = error.to_string();
-    let mut cur = error.source();
-    while let Some(e) = cur {
-        s.push_str(": ");
-        s.push_str(&e.to_string());
-        cur = e.source();
-    }
-    s
+/// The error and its sources, to report a failure once until it changes. The log line itself
+/// shows the sources through tracing (`error.sources=[..]`).
+fn causes(error: &(dyn std::error::Error + 'static)) -> Vec<String> {
+    std::iter::successors(Some(error), |e| e.source())
+        .map(ToString::to_string)
+        .collect()
 }
