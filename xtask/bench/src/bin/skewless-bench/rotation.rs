@@ -125,6 +125,18 @@ pub fn run(plan: &Plan<'_>) -> anyhow::Result<Outcome> {
             .arg(BUCKET_MS.to_string())
             .stdout(Stdio::piped()),
     )?;
+    // Read the tally while the clients run: it is larger than a pipe's buffer (a bucket per
+    // 250 ms with up to 10 pods each), so a client left to write into a full pipe would never
+    // exit.
+    let mut stdout = client
+        .child
+        .stdout
+        .take()
+        .context("the rotation clients' standard output")?;
+    let reader = std::thread::spawn(move || {
+        let mut out = String::new();
+        stdout.read_to_string(&mut out).map(|_| out)
+    });
     sleep(Duration::from_secs_f64(plan.before));
     let scaled_at = epoch_s();
     proxy
@@ -135,10 +147,10 @@ pub fn run(plan: &Plan<'_>) -> anyhow::Result<Outcome> {
         .write_all(set_line(&plan.pods[..AFTER_PODS]).as_bytes())
         .context("sending the scaled-up endpoint set")?;
     let status = client.wait_for(Duration::from_secs_f64(plan.after + 30.0))?;
-    let mut out = String::new();
-    if let Some(mut stdout) = client.child.stdout.take() {
-        stdout.read_to_string(&mut out)?;
-    }
+    let out = reader
+        .join()
+        .map_err(|_| anyhow::anyhow!("the tally reader panicked"))?
+        .context("reading the rotation clients' tally")?;
     if !status.success() {
         bail!(
             "the rotation clients failed ({status}) against {}",
