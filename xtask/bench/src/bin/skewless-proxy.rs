@@ -1,15 +1,21 @@
-//! `skewless-proxy`: one skewless [`Balancer`] as its own process, so the benchmark can measure
-//! its CPU and memory the way it measures HAProxy's and nginx's. The endpoint set comes from
+//! `skewless-proxy`: one skewless balancer as its own process, so the benchmark can measure
+//! its CPU and memory the way it measures HAProxy's and nginx's: request mode (a [`Balancer`]
+//! per worker) or connection mode (one [`ConnectionBalancer`] shared by the workers, its
+//! controller on the main thread's runtime, as in the agent). The endpoint set comes from
 //! the command line, and with `--endpoints-from-stdin` every line read later replaces it (the
-//! benchmark's scale-up); the agent proper follows Kubernetes instead. Like the agent, it runs one
-//! balancer per data-plane worker (a single-threaded runtime on its own thread) on
-//! `SO_REUSEPORT` listeners of one address.
+//! benchmark's scale-up); the agent proper follows Kubernetes instead. Like the agent, it runs
+//! its data-plane workers (a single-threaded runtime each, on its own thread) on `SO_REUSEPORT`
+//! listeners of one address.
 
 use std::net::SocketAddr;
+use std::time::Duration;
 
 use anyhow::{Context as _, bail};
 use clap::Parser;
-use skewless_balancer::{Balancer, Config, Endpoint, Workers};
+use skewless_balancer::{
+    Balancer, BalancerError, Config, ConnectionBalancer, ConnectionConfig, Endpoint, NewConnection,
+    RotationConfig, Served, Workers,
+};
 
 /// Serve one skewless balancer over a fixed set of endpoints (HTTP/2 cleartext both sides).
 #[derive(Debug, Parser)]
@@ -20,13 +26,37 @@ struct Args {
     /// An endpoint as NAME=ADDR (repeat for each).
     #[arg(long = "endpoint", value_parser = parse_endpoint, required = true)]
     endpoints: Vec<Endpoint>,
-    /// Data-plane worker threads, each with its own balancer and listener.
+    /// Data-plane worker threads, each with its own listener (and in request mode its own
+    /// balancer; connection mode's one balancer is shared by the workers).
     #[arg(long, default_value_t = 1)]
     threads: usize,
     /// Read new endpoint sets from standard input, one per line (NAME=ADDR separated by
     /// spaces), each replacing the last; a line that does not parse is reported and ignored.
     #[arg(long)]
     endpoints_from_stdin: bool,
+    /// `request`: terminate HTTP/2 and balance every call; `connection`: relay each client
+    /// connection to one backend and rotate connections when the skew stays high.
+    #[arg(long, value_enum, default_value_t = Mode::Request)]
+    mode: Mode,
+    /// Connection mode: rotate when the skew (largest share / fair share) is above this ...
+    #[arg(long, default_value_t = RotationConfig::default().skew_threshold)]
+    skew_threshold: f64,
+    /// ... for this many seconds.
+    #[arg(long, default_value_t = RotationConfig::default().hold_time.as_secs_f64())]
+    hold_time: f64,
+    /// Connection mode: most skew rotations in any minute.
+    #[arg(long, default_value_t = RotationConfig::default().max_rotations_per_minute)]
+    max_rotations_per_minute: u32,
+    /// Connection mode: connections younger than this many seconds are never rotated for skew.
+    #[arg(long, default_value_t = RotationConfig::default().min_connection_age.as_secs_f64())]
+    min_connection_age: f64,
+}
+
+/// How the balancer serves a client connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Mode {
+    Request,
+    Connection,
 }
 
 /// An endpoint set from one line of NAME=ADDR words.
@@ -58,7 +88,21 @@ fn main() -> anyhow::Result<()> {
         endpoints,
         threads,
         endpoints_from_stdin,
+        mode,
+        skew_threshold,
+        hold_time,
+        max_rotations_per_minute,
+        min_connection_age,
     } = Args::parse();
+    let secs = |s: f64, what: &str| {
+        Duration::try_from_secs_f64(s).with_context(|| format!("{what} must be seconds >= 0"))
+    };
+    let rotation = RotationConfig {
+        skew_threshold,
+        hold_time: secs(hold_time, "--hold-time")?,
+        max_rotations_per_minute,
+        min_connection_age: secs(min_connection_age, "--min-connection-age")?,
+    };
     let workers = Workers::start(threads, "skewless-proxy").context("worker threads")?;
     // The sender stays alive for the life of the process (an endpoint set that never changes
     // unless --endpoints-from-stdin).
@@ -81,32 +125,62 @@ fn main() -> anyhow::Result<()> {
             })
             .context("endpoint reader thread")?;
     }
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let (failed_tx, mut failed) = tokio::sync::mpsc::unbounded_channel();
-    let served = workers
-        .serve(
-            listen,
-            || Balancer::new(Config::default(), rx.clone()),
-            &stop_rx,
-            |_| true,
-            move |error| {
-                let _ = failed_tx.send(error);
-            },
-        )
-        .with_context(|| format!("binding {listen}"))?;
-    let bound = served.addr;
-    tracing::info!(listen = %bound, threads, "skewless-proxy serving");
-    // The main thread only waits for Ctrl-C (or SIGTERM, which ends the process).
+    // The main thread waits for Ctrl-C (or SIGTERM, which ends the process); in connection
+    // mode it also runs the controller, as the agent's control plane does.
     let control = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .context("runtime")?;
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let (failed_tx, failed) = tokio::sync::mpsc::unbounded_channel();
+    let on_error = move |error| {
+        let _ = failed_tx.send(error);
+    };
+    match mode {
+        Mode::Request => {
+            let served = workers
+                .serve(
+                    listen,
+                    || Balancer::new(Config::default(), rx.clone()),
+                    &stop_rx,
+                    |_| true,
+                    on_error,
+                )
+                .with_context(|| format!("binding {listen}"))?;
+            run(&control, served, threads, &stop_tx, failed)
+        }
+        Mode::Connection => {
+            let config = ConnectionConfig {
+                rotation,
+                ..ConnectionConfig::default()
+            };
+            let balancer = {
+                let _control = control.enter();
+                ConnectionBalancer::new(config, rx.clone())
+            };
+            let served = workers
+                .serve(listen, || balancer.clone(), &stop_rx, |_| true, on_error)
+                .with_context(|| format!("binding {listen}"))?;
+            run(&control, served, threads, &stop_tx, failed)
+        }
+    }
+}
+
+/// Serves until Ctrl-C or a worker's failure, then drains.
+fn run<B: NewConnection + Send + Sync + 'static>(
+    control: &tokio::runtime::Runtime,
+    served: Served<B>,
+    threads: usize,
+    stop: &tokio::sync::watch::Sender<bool>,
+    mut failed: tokio::sync::mpsc::UnboundedReceiver<BalancerError>,
+) -> anyhow::Result<()> {
+    tracing::info!(listen = %served.addr, threads, "skewless-proxy serving");
     control.block_on(async {
         tokio::select! {
             _ = tokio::signal::ctrl_c() => {}
             Some(error) = failed.recv() => return Err(error).context("serve"),
         }
-        let _ = stop_tx.send(true);
+        let _ = stop.send(true);
         for task in served.tasks {
             task.await.context("balancer task")?;
         }

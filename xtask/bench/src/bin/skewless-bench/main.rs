@@ -3,8 +3,9 @@
 //! Starts 5 `skewless-echo` pods (the 5th one slowed down by the run's delay), then for every
 //! delay and client connection count loads, with `skewless-loadgen run --json` in closed loop:
 //! one healthy pod directly, the slow pod directly (the two outcomes of an L4 coin flip, never
-//! averaged), an L4 per-connection balancer (HAProxy `mode tcp`, only with more than one
-//! connection), HAProxy (h2, leastconn), nginx (grpc_pass, least_conn) and `skewless-proxy`.
+//! averaged), an L4 per-connection balancer (HAProxy `mode tcp`, with more than one connection
+//! or beside connection mode), HAProxy (h2, leastconn), nginx (grpc_pass, least_conn) and
+//! `skewless-proxy` (request mode, and connection mode when it has one).
 //! Then an open-loop section: direct-healthy and the three L7 proxies at one fixed offered rate
 //! (by default 60% of HAProxy's closed-loop median RPS at one connection), where latency
 //! counts from each call's intended send time.
@@ -242,6 +243,11 @@ impl Args {
         }
         out.retain(|t| self.selected(*t));
         out
+    }
+
+    /// Whether this run has the `skewless-connection` target.
+    fn runs_connection_mode(&self) -> bool {
+        self.connection_mode && self.selected(Target::Connection)
     }
 
     /// Fails on a `--targets` name that is no target of this run.
@@ -501,7 +507,11 @@ fn grid(bench: &Bench, admins: &[SocketAddr]) -> anyhow::Result<()> {
     let low_order = if a.no_low_load {
         Vec::new()
     } else {
-        interleave(&[(low_cell, a.choose(&LOW_TARGETS), a.repeats_for(1))])
+        // This tree's builds only: the added latency is judged for connection mode, and the
+        // before/after comparison of other builds is the grid's CPU per call.
+        let mut targets = a.choose(&LOW_TARGETS);
+        targets.retain(|t| !matches!(t, Target::Build(_)));
+        interleave(&[(low_cell, targets, a.repeats_for(1))])
     };
     let runs =
         plan.iter().map(|(_, cells)| cells.len()).sum::<usize>() + open_runs + low_order.len();
@@ -820,7 +830,10 @@ fn plan(a: &Args) -> Vec<(u64, Vec<(Cell, Target)>)> {
                 .iter()
                 .map(|&conns| {
                     let mut targets = vec![Target::DirectHealthy, Target::DirectSlow];
-                    if conns > 1 {
+                    // Per-connection balancing needs connections to balance; at one it runs
+                    // only as connection mode's peer (both relay one connection, and issue
+                    // 13 compares their CPU per call).
+                    if conns > 1 || a.runs_connection_mode() {
                         targets.push(Target::L4);
                     }
                     targets.extend([Target::Haproxy, Target::Nginx, Target::Skewless]);
@@ -856,7 +869,7 @@ impl Bench {
             )
         })?;
         eprintln!(
-            "delay {delay:>3} ms conns {conns} {:<15}{} {:>7.0} rps  p50 {:>7.2}  p99 {:>7.2}  p99.9 {:>7.2} ms  slow {:>5.1}%  errors {}{}{}",
+            "delay {delay:>3} ms conns {conns} {:<19}{} {:>7.0} rps  p50 {:>7.2}  p99 {:>7.2}  p99.9 {:>7.2} ms  slow {:>5.1}%  errors {}{}{}",
             row.target,
             rate.map(|r| format!(" open {r:.0}/s"))
                 .or(in_flight.map(|n| format!(" {n} in flight")))
@@ -986,7 +999,8 @@ fn section(
          measured per run), and one proxy at a time, started fresh for its run with {t} worker \
          threads/processes; our binaries from `target/{profile}`. `direct-healthy` and `direct-slow` load one pod without a proxy: \
          the two outcomes of an L4 coin flip, never averaged; `l4-roundrobin` (HAProxy `mode \
-         tcp`) is per-connection balancing, run with more than one connection. Ratios divide by \
+         tcp`) is per-connection balancing, run with more than one connection (and with one \
+         beside connection mode, which relays one connection too). Ratios divide by \
          the direct-healthy cell of the same delay and connections. CPU is the proxy's \
          utime+stime over the measured window (all its processes), as cores per 1,000 RPS; \
          peak RSS is `VmHWM` summed over its processes.{only}{second} {repeats}\n\n\
