@@ -43,6 +43,7 @@ mod error;
 pub mod grpc;
 pub mod health;
 mod io;
+mod linger;
 pub mod metrics;
 pub mod picker;
 mod pool;

@@ -1,6 +1,7 @@
 //! Request mode's handling of one client connection: terminate its HTTP/2, run every stream
 //! through [`proxy::handle`] on its own task, and wind down with h2's graceful two-phase GOAWAY
-//! when the server's lifecycle says so.
+//! when the server's lifecycle says so. The socket lingers on close ([`crate::linger`]) so what
+//! the client still sends is never answered with a reset.
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -11,6 +12,7 @@ use tokio::net::TcpStream;
 use tokio::sync::watch;
 
 use crate::config::Config;
+use crate::linger::Lingering;
 use crate::pool::{self, Pool};
 use crate::proxy;
 use crate::server::{Lifecycle, NewConnection, Stop};
@@ -69,7 +71,7 @@ async fn serve(pool: Arc<Pool>, stream: TcpStream, mut stop: Stop<Config>) {
         .max_header_list_size(pool::MAX_HEADER_LIST)
         .max_send_buffer_size(pool::MAX_SEND_BUFFER)
         .max_local_error_reset_streams(Some(MAX_LOCAL_ERROR_RESETS))
-        .handshake::<_, Bytes>(stream);
+        .handshake::<_, Bytes>(Lingering::new(stream));
     let mut conn = match tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake).await {
         Ok(Ok(conn)) => conn,
         Ok(Err(error)) => {

@@ -18,7 +18,8 @@ use skewless_echo::SpawnedEcho;
 use skewless_echo::pb::EchoRequest;
 use skewless_echo::pb::echo_client::EchoClient;
 use skewless_frame::{
-    ErrorCode, Frames, GoAway, Head, Kind, MAX_MAX_FRAME_SIZE, PREFACE, Settings,
+    ErrorCode, Frames, GoAway, Head, Kind, MAX_MAX_FRAME_SIZE, MAX_STREAM_ID, PREFACE, Ping,
+    Settings,
 };
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot, watch};
@@ -1605,6 +1606,81 @@ async fn workers_serve_one_port_with_a_balancer_each_and_stop_on_request() {
     for p in pods {
         p.stop().await.expect("stop");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_a_client_sends_after_its_connection_is_rotated_is_read_not_reset() {
+    // A client whose last frames cross the balancer's final GOAWAY (grpcio opens streams until
+    // it has read it) must not meet a reset: on its next write it would fail its streams
+    // ("Stream removed") before reading the GOAWAY that says they may be retried.
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let config = Config {
+        max_connection_age: Some(Duration::from_millis(200)),
+        ..Config::default()
+    };
+    let b = balancer(config, Vec::new()).await;
+    let mut tcp = tokio::net::TcpStream::connect(b.addr)
+        .await
+        .expect("connect");
+    tcp.write_all(PREFACE).await.expect("preface");
+    tcp.write_all(&empty_settings()).await.expect("settings");
+    // Answer the balancer's SETTINGS and PING as a client does, until its FIN.
+    let (mut got, mut pos, mut go_aways) = (Vec::new(), 0, Vec::new());
+    let mut buf = [0u8; 4096];
+    let closed = tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            let n = tcp.read(&mut buf).await.expect("read before the FIN");
+            if n == 0 {
+                return;
+            }
+            got.extend_from_slice(&buf[..n]);
+            let mut frames = Frames::new(&got[pos..], MAX_MAX_FRAME_SIZE);
+            let mut answer = Vec::new();
+            for (head, payload) in frames.by_ref().map_while(Result::ok) {
+                match head.kind {
+                    Kind::Settings if !head.is_ack() => Settings::encode(true, &[], &mut answer),
+                    Kind::Ping if !head.is_ack() => {
+                        let ping = Ping::decode(&head, payload).expect("ping");
+                        Ping { ack: true, ..ping }.encode(&mut answer);
+                    }
+                    Kind::GoAway => {
+                        go_aways.push(
+                            GoAway::decode(&head, payload)
+                                .expect("goaway")
+                                .last_stream_id,
+                        );
+                    }
+                    _ => {}
+                }
+            }
+            pos = got.len() - frames.rest().len();
+            tcp.write_all(&answer).await.expect("answer");
+        }
+    })
+    .await;
+    assert!(closed.is_ok(), "the 200 ms max age closes the connection");
+    assert_eq!(
+        go_aways,
+        [MAX_STREAM_ID, 0],
+        "a two-phase GOAWAY, then the FIN"
+    );
+    // Frames the client wrote before it read the final GOAWAY arrive after the FIN.
+    let mut late = Vec::new();
+    Ping {
+        ack: false,
+        opaque: *b"latebyte",
+    }
+    .encode(&mut late);
+    tcp.write_all(&late).await.expect("the first late write");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let second = tcp.write_all(&late).await;
+    let read = tcp.read(&mut buf).await;
+    assert!(
+        second.is_ok() && matches!(read, Ok(0)),
+        "the balancer reads what arrives after its FIN instead of resetting the connection: \
+         second late write {second:?}, read {read:?}"
+    );
+    b.stop().await;
 }
 
 /// Connects to `addr`, writes `chunks`, and reads until the balancer closes the connection

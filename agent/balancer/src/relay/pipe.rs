@@ -21,6 +21,7 @@ use tokio::time::Instant;
 
 use super::conn::{Action, Conn, Out, Phase, ProtocolError, Side};
 use super::{RelaySettings, RotateReason, Shared, detect};
+use crate::linger::LINGER;
 
 /// How a relayed connection ended (without a protocol or socket error).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -68,10 +69,6 @@ impl RelayError {
     }
 }
 
-/// After both sides are shut down, how long the relay reads (and discards) what the peers
-/// still send before it drops the sockets: long enough for them to close first, so nothing
-/// unread makes the kernel answer with RST.
-const LINGER: Duration = Duration::from_secs(2);
 /// Compact the buffer when less than this is free behind its end.
 const MIN_READ: usize = 4096;
 
@@ -459,7 +456,8 @@ impl Relay {
     }
 
     /// FIN to both peers after writing what is decided, then read (and discard) until both
-    /// close or `LINGER` passes.
+    /// close or `LINGER` passes, so nothing unread makes the kernel answer with RST (see
+    /// [`crate::linger`], which closes request mode's client connections the same way).
     async fn close(&mut self, client: &mut impl Io, backend: &mut impl Io) {
         use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
         let _ = tokio::time::timeout(LINGER, async {
