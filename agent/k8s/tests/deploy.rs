@@ -28,6 +28,19 @@ const AGENT_ARGS: [&str; 5] = [
     "--admin-addr=0.0.0.0:9990",
 ];
 
+/// What the agent needs on top of its drains after SIGTERM: removing the redirects, exiting,
+/// and the kubelet's own latency between the signal and the kill.
+const SHUTDOWN_MARGIN: Duration = Duration::from_secs(5);
+
+/// The longest drain of a balancer the agent runs with its defaults: on SIGTERM every balancer
+/// drains at once, so the longest one bounds the agent's shutdown.
+fn longest_drain() -> Duration {
+    use skewless_balancer::{Config, ConnectionConfig, Lifecycle};
+    let request = Config::default().drain_grace;
+    let connection = Lifecycle::drain_grace(&ConnectionConfig::default());
+    request.max(connection)
+}
+
 fn deploy_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy")
 }
@@ -238,9 +251,16 @@ fn daemonset_is_a_least_privilege_host_network_agent() {
     let pod = spec.template.spec.as_ref().expect("pod spec");
     assert_eq!(pod.host_network, Some(true));
     assert_eq!(pod.service_account_name.as_deref(), Some("skewless-agent"));
+    let grace = pod.termination_grace_period_seconds.expect("grace period");
+    let needed = longest_drain() + SHUTDOWN_MARGIN;
     assert!(
-        pod.termination_grace_period_seconds.expect("grace period") > 30,
-        "grace period must exceed the 30 s drain"
+        u64::try_from(grace).is_ok_and(|g| Duration::from_secs(g) >= needed),
+        "terminationGracePeriodSeconds {grace} must cover the longest drain plus margin ({needed:?})"
+    );
+    assert_eq!(
+        pod.priority_class_name.as_deref(),
+        Some("system-node-critical"),
+        "a node agent is not evicted before the workloads it serves"
     );
     let c = &pod.containers[0];
     assert_eq!(c.args.as_deref().expect("args"), AGENT_ARGS);
