@@ -77,6 +77,7 @@ fn services(n: usize, backends: usize, round: u64) -> Vec<ServiceStatus> {
             connection_bounds: CONNECTION_BOUNDS.to_vec(),
             connection_duration: histogram(CONNECTION_BOUNDS, s as u64),
             balancer_skew: None,
+            connection: None,
         })
         .collect()
 }

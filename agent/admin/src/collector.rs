@@ -494,6 +494,7 @@ mod tests {
                 connection_bounds: CONNECTION_BOUNDS.to_vec(),
                 connection_duration,
                 balancer_skew: Some(1.0),
+                connection: None,
             }],
             observed: vec![ObservedService {
                 service: "ns/obs".to_owned(),

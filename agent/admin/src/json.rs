@@ -68,6 +68,34 @@ pub struct ServiceStatus {
     /// agent's recent window ([`crate::window`]); `None` without recent requests.
     #[serde(default)]
     pub balancer_skew: Option<f64>,
+    /// Connection mode's rotation view; `None` in request mode. In connection mode an
+    /// endpoint's `upstream_connections` are the client connections relayed to it.
+    #[serde(default)]
+    pub connection: Option<ConnectionStatus>,
+}
+
+/// A connection-mode Service port: how even its connections are and what rotation does.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ConnectionStatus {
+    /// Largest request share / fair share over the ready backends, last 30 s (1 = even).
+    pub skew: f64,
+    /// The same over the current placement (each connection at its recent rate).
+    pub live_skew: f64,
+    /// Where the rotation policy stands: idle, balanced, holding, rotating, waiting,
+    /// as_even_as_possible, disabled.
+    pub state: String,
+    /// Backends with requests in the last 30 s.
+    pub backends_receiving: usize,
+    /// Skew rotations in the last minute.
+    pub rotations_last_minute: usize,
+    /// Relayed client connections whose client fails calls on a GOAWAY (tonic): never
+    /// rotated for skew.
+    pub unrotatable_connections: usize,
+    /// The skew is above the threshold and no rotation can lower it (request mode balances
+    /// per call).
+    pub as_even_as_possible: bool,
+    /// Client connections closed because no backend could be connected.
+    pub no_backend: u64,
 }
 
 /// One backend of a redirected Service port, over all data-plane workers.

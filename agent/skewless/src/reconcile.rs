@@ -1,19 +1,22 @@
 //! Turns the model's snapshots into running balancers and eBPF redirects.
 //!
-//! For every ClusterIP:port of a Service in `request` mode: a balancer per data-plane worker
-//! listens on the node-local balancer address (one ephemeral port per Service port, shared by
-//! the workers through `SO_REUSEPORT`), follows the port's ready endpoints, and the datapath
-//! redirects the VIP:port to it. The order matters for "never
+//! For every ClusterIP:port of a Service in `request` or `connection` mode: a balancer listens
+//! on the node-local balancer address on every data-plane worker (one ephemeral port per
+//! Service port, shared by the workers through `SO_REUSEPORT`), follows the port's ready
+//! endpoints, and the datapath redirects the VIP:port to it. Request mode runs a balancer per
+//! worker; connection mode one [`ConnectionBalancer`] shared by the workers (placement and skew
+//! are per Service). The order matters for "never
 //! redirect to a listener that is not serving": the listener is bound and its accept loop
 //! running before the redirect entry is written, and the entry is removed before the balancer
 //! drains.
 //!
 //! A changed tuning annotation reconfigures the running balancer in place
-//! ([`Balancer::reconfigure`]): every setting the annotations carry applies live, so the
-//! listener, the redirect and the client connections stay.
+//! ([`Balancer::reconfigure`], [`ConnectionBalancer::reconfigure`]): every setting the
+//! annotations carry applies live, so the listener, the redirect and the client connections
+//! stay. A mode change (request <-> connection) is an opt-out and an opt-in: the old redirect
+//! goes, the old balancer drains, a new one starts behind a new redirect.
 //!
-//! `observe` needs no redirect. `connection` mode is not built yet: such Services stay plain
-//! L4 and the agent says so once.
+//! `observe` needs no redirect.
 
 use std::{
     collections::{BTreeMap, HashSet},
@@ -22,7 +25,10 @@ use std::{
 };
 
 use skewless_admin::json::ServiceStatus;
-use skewless_balancer::{Balancer, Config, Endpoint, Served, Workers};
+use skewless_balancer::{
+    Balancer, Config, ConnectionBalancer, ConnectionConfig, Endpoint, RotationConfig, Served,
+    Workers,
+};
 use skewless_datapath::{Datapath, Error};
 use skewless_model::{Mode, ServiceKey, ServiceState, Snapshot, Tuning};
 use tokio::{sync::watch, task::JoinHandle};
@@ -36,12 +42,41 @@ struct Running {
     state: Arc<ServiceState>,
     port: u16,
     endpoints: watch::Sender<Vec<Endpoint>>,
-    /// One per data-plane worker.
-    balancers: Vec<Arc<Balancer>>,
+    balancers: Balancers,
     /// `true` tells every worker's balancer to drain.
     stop: watch::Sender<bool>,
     /// The workers' serve tasks.
     tasks: Vec<JoinHandle<()>>,
+}
+
+/// The balancers of one redirected Service port.
+enum Balancers {
+    /// One per data-plane worker.
+    Request(Vec<Arc<Balancer>>),
+    /// One for every worker.
+    Connection(ConnectionBalancer),
+}
+
+impl Balancers {
+    fn mode(&self) -> Mode {
+        match self {
+            Self::Request(_) => Mode::Request,
+            Self::Connection(_) => Mode::Connection,
+        }
+    }
+
+    /// Applies the Service's tuning to the running balancers.
+    fn reconfigure(&self, state: &ServiceState) {
+        match self {
+            Self::Request(balancers) => {
+                let config = config(state);
+                for balancer in balancers {
+                    balancer.reconfigure(config.clone());
+                }
+            }
+            Self::Connection(balancer) => balancer.reconfigure(connection_config(state)),
+        }
+    }
 }
 
 /// Owns the balancers and the redirect entries derived from the model.
@@ -78,17 +113,8 @@ impl Reconciler {
     pub async fn apply(&mut self, snapshot: &Snapshot) {
         let mut wanted: BTreeMap<SocketAddr, (Arc<ServiceState>, u16)> = BTreeMap::new();
         for svc in snapshot.iter() {
-            match svc.mode {
-                Mode::Request => {}
-                Mode::Observe => continue,
-                Mode::Connection => {
-                    self.warn_once(
-                        &svc.key,
-                        "connection",
-                        "connection mode is not implemented yet; the Service stays plain L4",
-                    );
-                    continue;
-                }
+            if !svc.mode.redirects() {
+                continue;
             }
             for ip in &svc.cluster_ips {
                 if ip.is_ipv6() && self.balancer_ip6.is_none() {
@@ -114,7 +140,9 @@ impl Reconciler {
             // A balancer whose accept loop died (it removed its own redirect) is restarted.
             .filter(|(vip, r)| {
                 r.tasks.iter().any(JoinHandle::is_finished)
-                    || wanted.get(vip).is_none_or(|(s, _)| s.key != r.service)
+                    || wanted
+                        .get(vip)
+                        .is_none_or(|(s, _)| s.key != r.service || s.mode != r.balancers.mode())
             })
             .map(|(vip, _)| *vip)
             .collect();
@@ -139,10 +167,7 @@ impl Reconciler {
                     if r.state.tuning != state.tuning {
                         // Applied live: no new listener, no dropped connection.
                         info!(%vip, service = %r.service, "tuning changed; reconfiguring the balancer");
-                        let config = config(&state);
-                        for balancer in &r.balancers {
-                            balancer.reconfigure(config.clone());
-                        }
+                        r.balancers.reconfigure(&state);
                     }
                     r.endpoints.send_replace(endpoints(&state, port));
                     r.state = state;
@@ -176,26 +201,50 @@ impl Reconciler {
         let (stop_tx, stop_rx) = watch::channel(false);
         let peers = Arc::clone(&self.peers);
         let datapath = Arc::clone(&self.datapath);
-        let Served {
-            addr: listen_addr,
-            balancers,
-            tasks,
-        } = info_span!("balancer", service = %state.key, %vip).in_scope(|| {
-            let config = config(&state);
-            self.workers.serve(
-                SocketAddr::new(listen_ip, 0),
-                || Balancer::new(config.clone(), rx.clone()),
-                &stop_rx,
-                move |p| peers.admit(p),
-                move |error| {
-                    // Never leave a redirect pointing at a listener nobody serves.
-                    warn!(%error, "balancer stopped; removing its redirect");
-                    if let Ok(mut dp) = datapath.lock() {
-                        let _ = dp.remove_redirect(vip);
-                    }
-                },
-            )
-        })?;
+        let admit = move |p| peers.admit(p);
+        let on_error = move |error| {
+            // Never leave a redirect pointing at a listener nobody serves.
+            warn!(%error, "balancer stopped; removing its redirect");
+            if let Ok(mut dp) = datapath.lock() {
+                let _ = dp.remove_redirect(vip);
+            }
+        };
+        let listen = SocketAddr::new(listen_ip, 0);
+        let (listen_addr, balancers, tasks) =
+            info_span!("balancer", service = %state.key, %vip, mode = state.mode.as_str())
+                .in_scope(|| -> std::io::Result<_> {
+                    Ok(match state.mode {
+                        Mode::Connection => {
+                            // One balancer for every worker: its tasks run here, on the control
+                            // plane; each worker relays its own connections.
+                            let balancer =
+                                ConnectionBalancer::new(connection_config(&state), rx.clone());
+                            let Served { addr, tasks, .. } = self.workers.serve(
+                                listen,
+                                || balancer.clone(),
+                                &stop_rx,
+                                admit,
+                                on_error,
+                            )?;
+                            (addr, Balancers::Connection(balancer), tasks)
+                        }
+                        Mode::Request | Mode::Observe => {
+                            let config = config(&state);
+                            let Served {
+                                addr,
+                                balancers,
+                                tasks,
+                            } = self.workers.serve(
+                                listen,
+                                || Balancer::new(config.clone(), rx.clone()),
+                                &stop_rx,
+                                admit,
+                                on_error,
+                            )?;
+                            (addr, Balancers::Request(balancers), tasks)
+                        }
+                    })
+                })?;
         // Only now, with the listeners listening and served, may connects be sent here.
         let redirected = self
             .datapath
@@ -258,14 +307,24 @@ impl Reconciler {
         self.running
             .iter()
             .map(|(vip, r)| {
-                report::service_status(report::Port {
-                    service: r.service.to_string(),
-                    mode: "request",
-                    vip: vip.to_string(),
-                    listener: r.listener.to_string(),
-                    ready_endpoints: r.state.port(r.port).map_or(0, |p| p.ready().count()),
-                    balancers: &r.balancers,
-                })
+                let ready_endpoints = r.state.port(r.port).map_or(0, |p| p.ready().count());
+                match &r.balancers {
+                    Balancers::Request(balancers) => report::service_status(report::Port {
+                        service: r.service.to_string(),
+                        mode: Mode::Request.as_str(),
+                        vip: vip.to_string(),
+                        listener: r.listener.to_string(),
+                        ready_endpoints,
+                        balancers,
+                    }),
+                    Balancers::Connection(balancer) => report::connection_status(
+                        r.service.to_string(),
+                        vip.to_string(),
+                        r.listener.to_string(),
+                        ready_endpoints,
+                        balancer,
+                    ),
+                }
             })
             .collect()
     }
@@ -326,12 +385,36 @@ fn endpoints(state: &ServiceState, port: u16) -> Vec<Endpoint> {
     })
 }
 
-/// Balancer settings from the Service's tuning annotations.
+/// Connection-mode settings from the Service's tuning annotations.
+fn connection_config(state: &ServiceState) -> ConnectionConfig {
+    // Exhaustive, so a new annotation does not compile until it is handled here.
+    let Tuning {
+        skew_threshold,
+        hold_time,
+        max_rotations_per_minute,
+        max_connection_age,
+        grpc_health_service,
+        // A relay does not see calls, so it cannot retry them: the clients' own retries stand.
+        retryable_methods: _,
+    } = &state.tuning;
+    ConnectionConfig {
+        rotation: RotationConfig {
+            skew_threshold: *skew_threshold,
+            hold_time: *hold_time,
+            max_rotations_per_minute: *max_rotations_per_minute,
+            ..RotationConfig::default()
+        },
+        health_service: grpc_health_service.clone(),
+        max_connection_age: *max_connection_age,
+        ..ConnectionConfig::default()
+    }
+}
+
+/// Request-mode balancer settings from the Service's tuning annotations.
 fn config(state: &ServiceState) -> Config {
     // Exhaustive, so a new annotation does not compile until it is handled here.
     let Tuning {
-        // Connection mode's rotation policy (not built yet); the request balancer has no use
-        // for them.
+        // Connection mode's rotation policy; the request balancer has no use for them.
         skew_threshold: _,
         hold_time: _,
         max_rotations_per_minute: _,

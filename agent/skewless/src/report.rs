@@ -3,9 +3,12 @@
 
 use std::sync::Arc;
 
-use skewless_admin::json::{EndpointStatus, Failures, Histogram, Rotation, ServiceStatus};
+use skewless_admin::json::{
+    ConnectionStatus, EndpointStatus, Failures, Histogram, Rotation, ServiceStatus,
+};
 use skewless_balancer::{
-    Balancer, EndpointStats,
+    Balancer, ConnectionBalancer, EndpointStats,
+    connection::{BackendStats, ConnectionStats, PolicyState},
     metrics::{
         CONNECTION_BOUNDS, FailureReason, HistogramSnapshot, LATENCY_BOUNDS, RotationReason,
         ServiceSnapshot,
@@ -53,12 +56,6 @@ pub fn service_status(port: Port<'_>) -> ServiceStatus {
         client_connections,
         connection_duration,
     } = total;
-    let failed = |reason: FailureReason| {
-        FailureReason::ALL
-            .iter()
-            .position(|r| *r == reason)
-            .map_or(0, |i| failures[i])
-    };
     ServiceStatus {
         service,
         mode: mode.to_owned(),
@@ -71,28 +68,150 @@ pub fn service_status(port: Port<'_>) -> ServiceStatus {
             .collect(),
         latency_bounds: LATENCY_BOUNDS.to_vec(),
         latency: histogram(latency),
-        failures: Failures {
-            unavailable: failed(FailureReason::Unavailable),
-            deadline: failed(FailureReason::Deadline),
-            reset: failed(FailureReason::Reset),
-            connect: failed(FailureReason::Connect),
-            refused: failed(FailureReason::Refused),
-        },
+        failures: failures_by_reason(failures),
         retries,
         ejections,
-        rotations: RotationReason::ALL
-            .iter()
-            .zip(rotations)
-            .map(|(r, count)| Rotation {
-                reason: r.label().to_owned(),
-                count,
-            })
-            .collect(),
+        rotations: rotations_by_reason(rotations),
         client_connections,
         connection_bounds: CONNECTION_BOUNDS.to_vec(),
         connection_duration: histogram(connection_duration),
         // Filled from the agent's recent window when /status or /metrics is served.
         balancer_skew: None,
+        connection: None,
+    }
+}
+
+/// A connection-mode Service port's status: its one balancer (shared by the workers, so read
+/// once), per backend the relayed connections and the request shares.
+pub fn connection_status(
+    service: String,
+    vip: String,
+    listener: String,
+    ready_endpoints: usize,
+    balancer: &ConnectionBalancer,
+) -> ServiceStatus {
+    let ConnectionStats {
+        state,
+        skew,
+        live_skew,
+        // The model's count is the one every mode reports.
+        ready_backends: _,
+        backends_receiving,
+        connections: _,
+        unrotatable_connections,
+        // The metric cells below carry them (the same cells).
+        rotations: _,
+        rotations_last_minute,
+        as_even_as_possible,
+        no_backend,
+        backends,
+    } = balancer.stats();
+    let ServiceSnapshot {
+        // The relay's: client stream open to end, and what the frames show of failures.
+        latency,
+        failures,
+        rotations,
+        client_connections,
+        connection_duration,
+    } = balancer.metrics();
+    ServiceStatus {
+        service,
+        mode: "connection".to_owned(),
+        vip,
+        listener,
+        ready_endpoints,
+        endpoints: backends.into_iter().map(backend_status).collect(),
+        latency_bounds: LATENCY_BOUNDS.to_vec(),
+        latency: histogram(latency),
+        failures: failures_by_reason(failures),
+        // A relay cannot retry a call. A backend whose connects fail is ejected from
+        // placement: its state says so and its `failures` count the failed connects; the
+        // balancer keeps no ejection counter.
+        retries: 0,
+        ejections: 0,
+        rotations: rotations_by_reason(rotations),
+        client_connections,
+        connection_bounds: CONNECTION_BOUNDS.to_vec(),
+        connection_duration: histogram(connection_duration),
+        balancer_skew: None,
+        connection: Some(ConnectionStatus {
+            skew,
+            live_skew,
+            state: policy_state(state).to_owned(),
+            backends_receiving,
+            rotations_last_minute,
+            unrotatable_connections,
+            as_even_as_possible,
+            no_backend,
+        }),
+    }
+}
+
+/// The failure counters by reason.
+fn failures_by_reason(failures: [u64; FailureReason::ALL.len()]) -> Failures {
+    let failed = |reason: FailureReason| {
+        FailureReason::ALL
+            .iter()
+            .position(|r| *r == reason)
+            .map_or(0, |i| failures[i])
+    };
+    Failures {
+        unavailable: failed(FailureReason::Unavailable),
+        deadline: failed(FailureReason::Deadline),
+        reset: failed(FailureReason::Reset),
+        connect: failed(FailureReason::Connect),
+        refused: failed(FailureReason::Refused),
+    }
+}
+
+/// The rotation counters with their reason labels.
+fn rotations_by_reason(counts: [u64; RotationReason::ALL.len()]) -> Vec<Rotation> {
+    RotationReason::ALL
+        .iter()
+        .zip(counts)
+        .map(|(r, count)| Rotation {
+            reason: r.label().to_owned(),
+            count,
+        })
+        .collect()
+}
+
+fn policy_state(state: PolicyState) -> &'static str {
+    match state {
+        PolicyState::Idle => "idle",
+        PolicyState::Balanced => "balanced",
+        PolicyState::Holding => "holding",
+        PolicyState::Rotating => "rotating",
+        PolicyState::Waiting => "waiting",
+        PolicyState::AsEvenAsPossible => "as_even_as_possible",
+        PolicyState::Disabled => "disabled",
+    }
+}
+
+fn backend_status(b: BackendStats) -> EndpointStatus {
+    let BackendStats {
+        addr,
+        name,
+        state,
+        connections,
+        requests,
+        share,
+        // The placement's load; the share says the same over the window.
+        rate: _,
+        connect_failures,
+    } = b;
+    EndpointStatus {
+        name,
+        addr: addr.to_string(),
+        state: state.to_string(),
+        requests,
+        failures: connect_failures,
+        share,
+        latency_ms: None,
+        in_flight: 0,
+        upstream_connections: connections as u64,
+        latency: Histogram::empty(LATENCY_BOUNDS),
+        recent_p99: None,
     }
 }
 

@@ -278,7 +278,7 @@ async fn opting_out_removes_the_redirect_before_the_balancer_drains() {
 
 #[tokio::test]
 async fn mode_changes_away_from_request_remove_the_redirect_and_back_restore_it() {
-    for other in ["observe", "connection"] {
+    for other in ["observe"] {
         let mut bed = Bed::new();
         bed.apply(&mk_service("echo", "198.19.0.10", "request"))
             .await;
@@ -341,8 +341,11 @@ async fn tuning_and_endpoint_changes_apply_live_without_touching_the_redirect() 
     );
     assert_eq!(bed.listener(vip()), listener, "same balancer");
     let running = &bed.reconciler.running[&vip()];
+    let Balancers::Request(balancers) = &running.balancers else {
+        panic!("a request-mode Service runs request-mode balancers");
+    };
     assert_eq!(
-        running.balancers[0].config().max_connection_age,
+        balancers[0].config().max_connection_age,
         Some(Duration::from_secs(90)),
         "the running balancer was reconfigured"
     );
@@ -529,4 +532,192 @@ async fn wait_until_closed(addr: SocketAddr) {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     panic!("{addr} still accepts connections 5 s after its balancer was stopped");
+}
+
+/// A live backend for connection mode (the relay needs one to answer HTTP/2), on its own
+/// runtime so the fake's blocking check can reach it; the slice lists it.
+struct Backend {
+    port: u16,
+    stop: Option<std::sync::mpsc::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Backend {
+    fn start() -> Self {
+        let (port_tx, port_rx) = std::sync::mpsc::channel();
+        let (stop, stopped) = std::sync::mpsc::channel::<()>();
+        let thread = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("backend runtime");
+            rt.block_on(async move {
+                let echo = skewless_echo::SpawnedEcho::start(
+                    "127.0.0.1:0".parse().expect("addr"),
+                    "pod-1",
+                )
+                .await
+                .expect("echo starts");
+                port_tx.send(echo.addr.port()).expect("port");
+                tokio::task::spawn_blocking(move || {
+                    let _ = stopped.recv();
+                })
+                .await
+                .expect("stop wait");
+                let _ = echo.stop().await;
+            });
+        });
+        Self {
+            port: port_rx.recv().expect("backend port"),
+            stop: Some(stop),
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for Backend {
+    fn drop(&mut self) {
+        drop(self.stop.take());
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+impl Bed {
+    /// Publishes `svc` with `backend` as its one ready endpoint and applies the snapshot.
+    async fn apply_with(&mut self, svc: &ServiceInput, backend: &Backend) {
+        assert_eq!(self.index.apply_service(svc), None, "test Service is valid");
+        let mut slice = mk_slice(&svc.key.name);
+        slice.ports[0].port = Some(i32::from(backend.port));
+        self.index.apply_slice(&slice);
+        self.reconcile().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connection_mode_redirects_only_to_a_listener_that_relays_and_reports_it() {
+    let backend = Backend::start();
+    let mut bed = Bed::new();
+    bed.apply_with(&mk_service("echo", "198.19.0.10", "connection"), &backend)
+        .await;
+    let listener = bed.listener(vip());
+    assert_eq!(
+        bed.take_log(),
+        vec![Op::Set {
+            vip: vip(),
+            listener,
+            served: true
+        }],
+        "one redirect, written when the relay already answered HTTP/2 (the backend's SETTINGS)"
+    );
+    assert!(matches!(
+        bed.reconciler.running[&vip()].balancers,
+        Balancers::Connection(_)
+    ));
+    let status = bed.reconciler.status();
+    assert_eq!(status.len(), 1);
+    assert_eq!(status[0].mode, "connection");
+    let connection = status[0].connection.as_ref().expect("connection figures");
+    assert!(!connection.as_even_as_possible);
+    assert_eq!(status[0].endpoints.len(), 1, "{status:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn switching_between_request_and_connection_mode_swaps_the_balancer_behind_a_fresh_redirect()
+{
+    let backend = Backend::start();
+    let mut bed = Bed::new();
+    bed.apply_with(&mk_service("echo", "198.19.0.10", "request"), &backend)
+        .await;
+    let mut previous = bed.listener(vip());
+    for mode in ["connection", "request", "connection"] {
+        bed.watch_drains();
+        bed.take_log();
+        bed.apply_with(&mk_service("echo", "198.19.0.10", mode), &backend)
+            .await;
+        let listener = bed.listener(vip());
+        assert_ne!(listener, previous, "{mode}: a fresh balancer");
+        assert_eq!(
+            bed.take_log(),
+            vec![
+                Op::Remove {
+                    vip: vip(),
+                    draining: Some(false)
+                },
+                Op::Set {
+                    vip: vip(),
+                    listener,
+                    served: true
+                }
+            ],
+            "-> {mode}: the old redirect goes before its balancer drains, the new one is \
+             written once the new balancer serves"
+        );
+        assert_eq!(
+            bed.reconciler.running[&vip()].balancers.mode().as_str(),
+            mode
+        );
+        wait_until_closed(previous).await;
+        previous = listener;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connection_tuning_reconfigures_the_running_balancer_live() {
+    let backend = Backend::start();
+    let mut bed = Bed::new();
+    bed.apply_with(&mk_service("echo", "198.19.0.10", "connection"), &backend)
+        .await;
+    let listener = bed.listener(vip());
+    bed.take_log();
+    let mut tuned = mk_service("echo", "198.19.0.10", "connection");
+    for (key, value) in [
+        (annotations::SKEW_THRESHOLD, "2.5"),
+        (annotations::HOLD_TIME, "5s"),
+        (annotations::MAX_ROTATIONS_PER_MINUTE, "30"),
+        (annotations::MAX_CONNECTION_AGE, "10m"),
+        (annotations::GRPC_HEALTH_SERVICE, "skewless.echo.v1.Echo"),
+    ] {
+        tuned = with_annotation(tuned, key, value);
+    }
+    bed.apply_with(&tuned, &backend).await;
+    assert_eq!(
+        bed.take_log(),
+        vec![],
+        "no redirect change for a tuning change"
+    );
+    assert_eq!(bed.listener(vip()), listener, "same balancer");
+    let Balancers::Connection(balancer) = &bed.reconciler.running[&vip()].balancers else {
+        panic!("connection mode");
+    };
+    let config = balancer.config();
+    assert_eq!(config.rotation.skew_threshold, 2.5);
+    assert_eq!(config.rotation.hold_time, Duration::from_secs(5));
+    assert_eq!(config.rotation.max_rotations_per_minute, 30);
+    assert_eq!(config.max_connection_age, Some(Duration::from_secs(600)));
+    assert_eq!(
+        config.health_service.as_deref(),
+        Some("skewless.echo.v1.Echo")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_removes_a_connection_mode_redirect_before_its_balancer_drains() {
+    let backend = Backend::start();
+    let mut bed = Bed::new();
+    bed.apply_with(&mk_service("echo", "198.19.0.10", "connection"), &backend)
+        .await;
+    let listener = bed.listener(vip());
+    bed.watch_drains();
+    bed.take_log();
+    bed.reconciler.shutdown().await;
+    assert_eq!(
+        bed.take_log(),
+        vec![Op::Remove {
+            vip: vip(),
+            draining: Some(false)
+        }]
+    );
+    wait_until_closed(listener).await;
 }
