@@ -1,5 +1,6 @@
 //! Privileged: real gRPC clients (grpcio, @grpc/grpc-js, tonic) through the real VIP, the
-//! eBPF redirect and the real `skewless agent` in request mode, against tonic echo backends
+//! eBPF redirect and the real `skewless agent` in request mode (and a connection-mode smoke
+//! test; the connection-mode suite is `connection_mode`), against tonic echo backends
 //! in testbed pods. Run with `cargo xtask test` (as root; the venv and npm packages come from
 //! `cargo xtask setup`). Every load is bounded in count and time; the testbed removes
 //! everything on drop.
@@ -9,8 +10,8 @@ mod client_bed;
 use std::time::Duration;
 
 use client_bed::{
-    Backends, ClientBed, PodTap, assert_two_phase_goaways, bad_input_closes_only_that_connection,
-    rotation_load, summary,
+    Backends, ClientBed, PodTap, assert_connection_mode, assert_two_phase_goaways,
+    bad_input_closes_only_that_connection, rotation_load, summary,
 };
 use skewless_clients::{
     ClientKind, ClientSpec,
@@ -106,4 +107,62 @@ fn request_mode_one_second_max_age_rotates_real_clients_without_failing_a_call()
 #[ignore = "privileged: needs root and the real kernel; run with `cargo xtask test`"]
 fn request_mode_bad_input_closes_only_that_connection() {
     bad_input_closes_only_that_connection(47, "request");
+}
+
+#[test]
+#[ignore = "privileged: needs root and the real kernel; run with `cargo xtask test`"]
+fn connection_mode_real_client_through_the_vip_is_answered_by_a_backend_via_the_relay() {
+    // The agent wiring of connection mode, end to end: the VIP is redirected to the relay
+    // (not left to the DNAT), a real grpcio client's calls are answered by a backend, and
+    // the agent's status counts them as relayed on that backend's connection.
+    let mut bed = ClientBed::new(60, 2, &["grpcio"], Backends::default());
+    bed.configure("connection", &[], 2);
+    bed.start_agent();
+    assert_connection_mode(&bed);
+    let calls = 200;
+    let spec = ClientSpec {
+        concurrency: 4,
+        ..ClientSpec::unary(bed.target(), calls)
+    };
+    let r = bed
+        .harness
+        .run(&mut bed.tb, Place::Pod("grpcio"), ClientKind::Grpcio, &spec)
+        .unwrap();
+    eprintln!("{}", summary(&r));
+    assert_eq!(r.failed_calls(), 0, "no call fails: {}", summary(&r));
+    assert_eq!(r.unary.ok, calls, "every call is answered: {}", summary(&r));
+    assert_eq!(
+        r.unary.pods.len(),
+        1,
+        "one pick_first connection is relayed 1:1 to one backend: {}",
+        summary(&r)
+    );
+    bed.assert_never_failed_open();
+    // The balancer takes the relays' counters at its tick (1 s) and when a connection ends.
+    let relayed = |status: &serde_json::Value| -> u64 {
+        status["services"][0]["endpoints"]
+            .as_array()
+            .expect("endpoints")
+            .iter()
+            .map(|e| e["requests"].as_u64().unwrap_or(0))
+            .sum()
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let mut status = bed.status();
+    while relayed(&status) < calls && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(200));
+        status = bed.status();
+    }
+    let service = &status["services"][0];
+    assert_eq!(service["mode"], "connection", "{status}");
+    assert!(
+        service["connection"].is_object(),
+        "connection mode reports its rotation view: {status}"
+    );
+    assert!(
+        relayed(&status) >= calls,
+        "within two ticks the relay has counted the client's {calls} calls (the redirect was \
+         taken, not the DNAT): {status}"
+    );
+    eprintln!("{}", bed.status_text());
 }
