@@ -402,7 +402,8 @@ impl Controller {
     }
 
     /// One tick: takes every relay's new requests into the windows, evaluates the policy, and
-    /// returns the rotation it decided (if any).
+    /// returns the rotations it decided: as many as the budget's slots since the last tick
+    /// allow (the policy is asked again after each, with that connection now in transit).
     pub(crate) fn tick(&mut self, now: Instant) -> Vec<Rotation> {
         let mut per_backend: BTreeMap<EndpointId, u64> = BTreeMap::new();
         for c in self.conns.values_mut() {
@@ -427,14 +428,14 @@ impl Controller {
                 window_requests: e.value.window.sum(),
             })
             .collect();
-        let conns = self.conn_loads(now);
-        let eval = self.policy.evaluate(now, &backends, &conns, &mut self.rng);
         let mut out = Vec::new();
-        if let Some((id, after)) = eval.rotate {
-            let rate = conns.iter().find(|c| c.id == id).map_or(0.0, |c| c.rate);
-            if let Some(c) = self.conns.get_mut(&id)
-                && let Some(r) = start(c, RotateReason::Skew, &self.metrics)
-            {
+        // Each pass either starts a rotation (one connection fewer to choose from) or ends.
+        for _ in 0..=self.conns.len() {
+            let conns = self.conn_loads(now);
+            let eval = self.policy.evaluate(now, &backends, &conns, &mut self.rng);
+            let rotation = eval.rotate.and_then(|(id, after)| {
+                let rate = conns.iter().find(|c| c.id == id).map_or(0.0, |c| c.rate);
+                let r = start(self.conns.get_mut(&id)?, RotateReason::Skew, &self.metrics)?;
                 tracing::info!(
                     skew = eval.skew,
                     live_skew = eval.live_skew,
@@ -443,10 +444,17 @@ impl Controller {
                     "rotating a connection for skew"
                 );
                 self.expected.push_back((now + EXPECT_FOR, rate));
-                out.push(r);
+                Some(r)
+            });
+            // What status shows: the first pass's state when nothing more was due.
+            if rotation.is_some() || out.is_empty() {
+                self.last = eval;
+            }
+            match rotation {
+                Some(r) => out.push(r),
+                None => break,
             }
         }
-        self.last = eval;
         out
     }
 

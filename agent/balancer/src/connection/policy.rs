@@ -33,8 +33,12 @@
 //!   transparently retried after one GOAWAY must not meet a second one), nor one its client
 //!   cannot survive (`unrotatable`: tonic), which still counts as load;
 //! - at most `max_rotations_per_minute` in any 60 s, spaced about 60 s / that number apart
-//!   (+-10% jitter, so agents on different nodes do not rotate in step): every rotation is
-//!   measured before the next is chosen.
+//!   (+-10% jitter, so agents on different nodes do not rotate in step): every rotation counts
+//!   in the live placement before the next is chosen. The spacing is a schedule of slots, not a
+//!   wait from the last evaluation: when the caller evaluates less often than the spacing (a
+//!   1 s tick, 120 rotations a minute), it evaluates again at the same instant after each
+//!   rotation it starts, and every slot since the previous evaluation is used, so the pace is
+//!   the budget's, not the tick's.
 //!
 //! Rotations for other reasons (a backend leaving or NOT_SERVING, max connection age, drain)
 //! are not the policy's: they always happen and do not spend its budget.
@@ -150,8 +154,12 @@ pub struct RotationPolicy {
     above: Option<(Instant, Duration)>,
     /// Skew rotations of the last minute.
     recent: VecDeque<Instant>,
-    /// No skew rotation before this (spacing).
+    /// The next rotation slot: no skew rotation before this (spacing).
     next_allowed: Option<Instant>,
+    /// The instant of the current evaluation and of the one before it (a caller may evaluate
+    /// several times at one instant): slots older than the one before lapsed, they are not
+    /// caught up on (no burst after a quiet spell).
+    evaluated: Option<(Instant, Instant)>,
 }
 
 impl RotationPolicy {
@@ -162,6 +170,7 @@ impl RotationPolicy {
             above: None,
             recent: VecDeque::new(),
             next_allowed: None,
+            evaluated: None,
         }
     }
 
@@ -188,7 +197,8 @@ impl RotationPolicy {
     }
 
     /// Decides what to do at `now`. A returned rotation counts against the budget: the caller
-    /// must start it.
+    /// must start it, and may evaluate again at the same `now` with that connection
+    /// `rotating` (the next slot may be due too).
     pub fn evaluate(
         &mut self,
         now: Instant,
@@ -203,6 +213,14 @@ impl RotationPolicy {
         {
             self.recent.pop_front();
         }
+        // Slots between the previous evaluation and now are due; older ones lapsed.
+        let floor = match self.evaluated {
+            Some((at, before)) if at == now => before,
+            Some((at, _)) => at.min(now),
+            None => now,
+        };
+        self.evaluated = Some((now, floor));
+        let slot = self.next_allowed.map_or(now, |t| t.max(floor));
         let skew = window_skew(backends);
         let live = Live::new(backends, conns);
         let live_skew = live.skew();
@@ -240,13 +258,13 @@ impl RotationPolicy {
             return eval;
         };
         let budget = self.config.max_rotations_per_minute as usize;
-        if self.recent.len() >= budget || self.next_allowed.is_some_and(|t| now < t) {
+        if self.recent.len() >= budget || now < slot {
             eval.state = PolicyState::Waiting;
             return eval;
         }
         self.recent.push_back(now);
         let gap = MINUTE.div_f64(f64::from(self.config.max_rotations_per_minute));
-        self.next_allowed = Some(now + gap.mul_f64(rng.random_range(0.9..=1.1)));
+        self.next_allowed = Some(slot + gap.mul_f64(rng.random_range(0.9..=1.1)));
         eval.state = PolicyState::Rotating;
         eval.rotate = Some((conn, after));
         eval
@@ -612,6 +630,87 @@ mod tests {
                 conns.iter().filter(|c| c.backend == EndpointId(b)).count(),
                 1,
                 "every pod ends with one client"
+            );
+        }
+    }
+
+    #[test]
+    fn rotations_keep_the_budgets_pace_when_evaluated_less_often_than_its_spacing() {
+        // 120 a minute is one every 0.5 s; the caller evaluates once a second (the
+        // controller's tick) and asks again after each rotation it starts.
+        let config = RotationConfig {
+            max_rotations_per_minute: 120,
+            hold_time: secs(5),
+            ..RotationConfig::default()
+        };
+        let mut policy = RotationPolicy::new(config);
+        let mut rng = SmallRng::seed_from_u64(9);
+        // Seed 001 with 20 pick_first connections: 10 on each of 2 pods, then 10 pods.
+        let mut conns: Vec<ConnLoad> = (0..20).map(|i| conn(i, i % 2, 100.0)).collect();
+        let t0 = Instant::now();
+        let mut rotations: Vec<Duration> = Vec::new();
+        for step in 0..60u64 {
+            let now = t0 + secs(step);
+            let backends = backends_for(10, &conns);
+            let mut moved = Vec::new();
+            for _ in 0..=conns.len() {
+                let Some((id, _)) = policy.evaluate(now, &backends, &conns, &mut rng).rotate else {
+                    break;
+                };
+                rotations.push(secs(step));
+                let c = conns.iter_mut().find(|c| c.id == id).expect("rotated conn");
+                c.rotating = true;
+                moved.push(id);
+            }
+            // The rotated clients reconnect before the next tick, placed by load.
+            for id in moved {
+                let loads: Vec<f64> = (0..10)
+                    .map(|b| {
+                        conns
+                            .iter()
+                            .filter(|c| c.backend == EndpointId(b) && !c.rotating)
+                            .map(|c| c.rate)
+                            .sum()
+                    })
+                    .collect();
+                let to = (0..10usize)
+                    .min_by(|a, b| loads[*a].total_cmp(&loads[*b]))
+                    .expect("backends");
+                let c = conns.iter_mut().find(|c| c.id == id).expect("rotated conn");
+                c.backend = EndpointId(to as u64);
+                c.rotating = false;
+                c.age = Duration::ZERO;
+            }
+            for c in &mut conns {
+                c.age += secs(1);
+            }
+        }
+        assert!(
+            rotations.len() >= 8,
+            "the new pods get connections: {rotations:?}"
+        );
+        let first = rotations[0];
+        assert!(
+            rotations[7] - first <= secs(4),
+            "eight rotations (one per new pod) at 0.5 s spacing take about 4 s, not one per \
+             tick: {rotations:?}"
+        );
+        for (i, t) in rotations.iter().enumerate() {
+            // Slot i is due at most 0.55 s x i after the first (gap 0.5 s +10%), taken at the
+            // next tick: no slot is lost to the tick's rounding.
+            assert!(
+                (*t - first).as_secs_f64() <= 0.55 * i as f64 + 1.0,
+                "rotation {i} keeps the pace of 2 a second: {rotations:?}"
+            );
+            let in_minute = rotations[i..]
+                .iter()
+                .take_while(|u| **u - *t < MINUTE)
+                .count();
+            assert!(in_minute <= 120, "within the budget: {rotations:?}");
+            let in_second = rotations[i..].iter().take_while(|u| **u == *t).count();
+            assert!(
+                in_second <= 3,
+                "a tick uses the slots since the last one, no burst: {rotations:?}"
             );
         }
     }
