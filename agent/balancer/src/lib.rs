@@ -1,9 +1,17 @@
-//! skewless's node balancer, request mode.
+//! skewless's node balancer: request mode and connection mode.
 //!
 //! A ClusterIP balances per connection and a gRPC client keeps one HTTP/2 connection, so every
-//! call of a client lands on one pod. The balancer terminates the client's HTTP/2 connection
-//! and forwards every request to an endpoint of the Service picked for that request (see
-//! [`picker`] for the algorithm), over one HTTP/2 connection per endpoint.
+//! call of a client lands on one pod. In request mode ([`Balancer`]) the balancer terminates
+//! the client's HTTP/2 connection and forwards every request to an endpoint of the Service
+//! picked for that request (see [`picker`] for the algorithm), over one HTTP/2 connection per
+//! endpoint. In connection mode ([`ConnectionBalancer`]) it relays each client connection
+//! frame by frame to one backend it places by load, and rotates connections with a graceful
+//! GOAWAY when they are pinned unevenly (see [`connection`] and [`relay`]).
+//!
+//! Owns: everything between the redirected client socket and the backends (HTTP/2, placement,
+//! health, retries, drain, the per-Service metric cells). Must not touch: the kernel side (the
+//! datapath crate redirects connections here) or where endpoints come from (the agent hands
+//! them over a `watch` channel); it never decides which Services are balanced.
 //!
 //! Wiring it up:
 //! ```no_run
@@ -32,7 +40,8 @@
 //! Shape: [`endpoints`] is the endpoint set both modes own (ids, the watch's diff, readiness,
 //! active and passive health); [`server`] is the client-connection lifecycle (accept, admit,
 //! max age, drain), with the per-connection behaviour behind [`NewConnection`]; request mode
-//! is `request` (one client connection), `proxy` (one stream), `pool` and [`picker`].
+//! is `request` (one client connection), `proxy` (one stream), `pool` and [`picker`];
+//! connection mode is [`connection`] (placement, the skew policy, rotations) over [`relay`].
 #![forbid(unsafe_code)]
 
 pub mod config;

@@ -6,6 +6,11 @@
 //! One task owns the index, so updates need no locks and an EndpointSlice change reaches the
 //! published [`Snapshot`] as soon as the watch event is decoded. Events are posted by a second
 //! task, so a slow or failing API server never delays endpoint updates.
+//!
+//! Owns every call to the API server. Writes nothing but Events: the agent's permissions are
+//! exactly [`RBAC_RULES`] (deploy/rbac.yaml is checked against them). Must not decide what a
+//! Service's config means: converting objects to [`skewless_model::ServiceInput`] is this
+//! crate's, validating them is the model's.
 
 #![forbid(unsafe_code)]
 

@@ -1,4 +1,12 @@
 //! `skewless`: the node agent (`skewless agent`) and its command-line tools.
+//!
+//! The binary wires the library crates together and owns only what needs all of them:
+//! `agent` (flags, start-up, shutdown order), `reconcile` (model snapshots -> balancers and
+//! eBPF redirects, listener before redirect and redirect removed before drain), `observer`
+//! (observe mode's skew from the datapath's connection records), `report` (balancer numbers
+//! -> the admin crate's plain types), `admin` (the HTTP server of `/live`, `/ready`,
+//! `/status`, `/metrics`), `status` (the `skewless status` client) and `peers` (flag value
+//! types). Balancing, the eBPF side and Kubernetes stay in their crates.
 #![forbid(unsafe_code)]
 
 mod admin;

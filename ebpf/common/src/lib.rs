@@ -3,6 +3,10 @@
 //! Every map key and value is `#[repr(C)]`, `Copy`, and has no implicit padding: the verifier
 //! rejects reads of uninitialised padding on the stack, and the user side reads the same bytes.
 //! Sizes are asserted at compile time so a change to a layout cannot go unnoticed on one side.
+//!
+//! Owns the layouts and names both sides must agree on (map keys and values, map names, the
+//! counter list, address families). Holds no logic: what the programs do is `skewless-ebpf`'s,
+//! how the agent uses the maps is `skewless-datapath`'s.
 #![no_std]
 
 /// Name of the map of redirected IPv4 Service addresses (`ServiceKey4` -> `Redirect4`).
