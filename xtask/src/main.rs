@@ -21,7 +21,7 @@ struct Cli {
 enum Cmd {
     /// Install the eBPF toolchain, network tools, benchmark peers and Python gRPC (idempotent).
     Setup,
-    /// Run the test tiers: fmt, clippy (host and bpf), unit tests, fuzzing (30 s per
+    /// Run the test tiers: fmt, clippy (host and bpf), docs, unit tests, fuzzing (30 s per
     /// target), privileged tests.
     Test(TestArgs),
     /// Run the cargo-fuzz targets (parsers of peer and user input) for longer than the test
@@ -44,7 +44,7 @@ enum Cmd {
 
 #[derive(clap::Args)]
 struct TestArgs {
-    /// Only the unprivileged tiers (fmt, clippy, unit tests, fuzzing).
+    /// Only the unprivileged tiers (fmt, clippy, docs, unit tests, fuzzing).
     #[arg(long, conflicts_with = "privileged")]
     unit: bool,
     /// Only the privileged tests (real eBPF, network namespaces; needs root).
@@ -266,7 +266,7 @@ pub(crate) fn build(what: &str, args: &[&str]) -> Result<()> {
 }
 
 /// Builds skewless-proxy as it was at `rev` (`dist` profile, like this tree's) from a `git
-/// archive` of that revision under target/bench-baseline/<commit>/, with its own target
+/// archive` of that revision under `target/bench-baseline/<commit>/`, with its own target
 /// directory so neither build disturbs the other; keeps only the binary (a commit's build
 /// never changes, so a second call reuses it) and returns the label (the short commit) and
 /// the binary.
@@ -359,6 +359,11 @@ fn test(args: TestArgs) -> Result<()> {
         ]);
         tiers.push(("clippy (host crates)", clippy));
         tiers.push(("clippy (eBPF programs)", bpf_clippy()));
+        // Broken intra-doc links and malformed doc markup fail here, not on a reader.
+        let mut docs = cargo();
+        docs.args(["doc", "--workspace", "--no-deps"])
+            .env("RUSTDOCFLAGS", "-D warnings");
+        tiers.push(("docs (warnings denied)", docs));
         let mut unit_tests = cargo();
         unit_tests
             .args(["test", "--workspace", "--"])

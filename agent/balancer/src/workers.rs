@@ -99,7 +99,7 @@ impl Workers {
     }
 
     /// The runtimes' handles, one per worker: spawn a worker's tasks with
-    /// [`Handle::spawn`], and construct a [`Balancer`](crate::Balancer) inside
+    /// [`Handle::spawn`], and construct a [`Balancer`] inside
     /// [`Handle::enter`] so its own tasks land on that worker too.
     pub fn handles(&self) -> impl ExactSizeIterator<Item = &Handle> {
         self.workers.iter().map(|w| &w.handle)

@@ -12,7 +12,7 @@
 //! that samples the relays' request counters into the windows and runs the
 //! [`policy`](policy::RotationPolicy). Each worker relays its own connections.
 //!
-//! On accept: place (see [`controller`]), connect to the backend; a failed connect is retried
+//! On accept: place (the `controller` module), connect to the backend; a failed connect is retried
 //! on another backend before the client's first byte is read, and counts against the backend
 //! (passive ejection). Then the relay carries the connection until it ends; the server's
 //! [`Stop`] (max connection age, drain) and the controller (skew, backend removed or NOT_SERVING)
