@@ -4,6 +4,8 @@
 
 use std::time::Duration;
 
+pub use crate::retry_budget::RetryBudgetConfig;
+
 /// Configuration of one Service's balancer.
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -28,12 +30,11 @@ pub struct Config {
     pub health_service: Option<String>,
     /// Picker tuning.
     pub picker: PickerConfig,
-    /// Retry budget: each original request deposits `retry_ratio` tokens (up to
-    /// `retry_burst`) and each retry spends one, so retries stay a bounded fraction of traffic
-    /// even when every endpoint refuses (the retry budgets of Finagle and linkerd).
-    pub retry_ratio: f64,
-    /// Most tokens the retry budget holds (also its starting balance).
-    pub retry_burst: f64,
+    /// Retry budget, sized from the traffic: retries within its window may be `ratio` of the
+    /// requests in that window plus `min_per_second`, so a burst of failures as large as the
+    /// calls in flight is retried while a sustained failure adds at most that ratio to the
+    /// load (the retry budgets of Finagle and Linkerd; see [`RetryBudgetConfig`]).
+    pub retry_budget: RetryBudgetConfig,
     /// gRPC methods safe to retry after any transport failure (idempotent ones), as paths:
     /// `/pkg.Service/Method`, or `/pkg.Service/` for all of a service's methods. Other
     /// requests are retried only when the upstream provably did not process them.
@@ -61,8 +62,7 @@ impl Default for Config {
             health_service: None,
             picker: PickerConfig::default(),
             retryable_methods: Vec::new(),
-            retry_ratio: 0.2,
-            retry_burst: 10.0,
+            retry_budget: RetryBudgetConfig::default(),
             max_attempts: 3,
             drain_grace: Duration::from_secs(10),
             max_connection_age: None,

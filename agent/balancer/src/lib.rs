@@ -59,6 +59,7 @@ mod pool;
 mod proxy;
 pub mod relay;
 mod request;
+mod retry_budget;
 pub mod server;
 pub mod stats;
 pub mod workers;
@@ -72,7 +73,7 @@ use tokio::sync::watch;
 use tokio::task::AbortHandle;
 use tracing::Instrument as _;
 
-pub use config::{Config, PickerConfig};
+pub use config::{Config, PickerConfig, RetryBudgetConfig};
 pub use connection::{ConnectionBalancer, ConnectionConfig, ConnectionStats, RotationConfig};
 pub use endpoint::Endpoint;
 pub use error::BalancerError;

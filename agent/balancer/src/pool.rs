@@ -22,6 +22,7 @@ use crate::error::{ConnectError, ForwardError};
 use crate::io::Watched;
 use crate::metrics::{EndpointMetrics, ServiceMetrics};
 use crate::picker::{Outcome, Picker, Slot};
+use crate::retry_budget::RetryBudget;
 use crate::stats::{Counters, EndpointStats};
 
 type Rng = Box<dyn RngCore + Send>;
@@ -42,7 +43,7 @@ pub(crate) struct Pool {
 struct State {
     picker: Picker<Rng>,
     endpoints: EndpointSet<Member>,
-    retry_tokens: f64,
+    retry_budget: RetryBudget,
 }
 
 /// The pool's state of one endpoint, made when the endpoint is added.
@@ -110,7 +111,7 @@ impl Pool {
             state: Mutex::new(State {
                 picker: Picker::new(config.picker.clone(), rng),
                 endpoints: EndpointSet::new(),
-                retry_tokens: config.retry_burst,
+                retry_budget: RetryBudget::new(config.retry_budget.clone(), Instant::now()),
             }),
             config: watch::Sender::new(Arc::new(config)),
             changed: Notify::new(),
@@ -141,7 +142,9 @@ impl Pool {
     pub(crate) fn reconfigure(&self, config: Config) {
         let mut state = self.lock();
         state.picker.set_config(config.picker.clone());
-        state.retry_tokens = state.retry_tokens.min(config.retry_burst);
+        state
+            .retry_budget
+            .set_config(config.retry_budget.clone(), Instant::now());
         drop(state);
         self.config.send_replace(Arc::new(config));
         // Requests waiting for a ready endpoint look again (health checking may be off now).
@@ -256,22 +259,16 @@ impl Pool {
         }
     }
 
-    /// Deposits the retry-budget share of one original request (`config`: the one the
-    /// request runs under).
-    pub(crate) fn deposit_retry_token(&self, config: &Config) {
-        let mut state = self.lock();
-        state.retry_tokens = (state.retry_tokens + config.retry_ratio).min(config.retry_burst);
+    /// Deposits the retry-budget share of one original request.
+    pub(crate) fn deposit_retry_token(&self) {
+        let now = Instant::now();
+        self.lock().retry_budget.deposit(now);
     }
 
     /// Takes one retry from the budget, if it has one.
     pub(crate) fn withdraw_retry_token(&self) -> bool {
-        let mut state = self.lock();
-        if state.retry_tokens >= 1.0 {
-            state.retry_tokens -= 1.0;
-            true
-        } else {
-            false
-        }
+        let now = Instant::now();
+        self.lock().retry_budget.withdraw(now)
     }
 
     /// Picks an endpoint with a ready connection, waiting up to the ready timeout for one when

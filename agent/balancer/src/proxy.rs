@@ -193,7 +193,7 @@ async fn forward(
 ) -> Result<Forwarded, ForwardError> {
     // One look at the live config per request (`reconfigure` may swap it meanwhile).
     let config = pool.config();
-    pool.deposit_retry_token(&config);
+    pool.deposit_retry_token();
     let max_attempts = config.max_attempts.max(1);
     let retryable_method = {
         let path = head.uri.path();

@@ -13,7 +13,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt as _, Full};
 use hyper::body::{Body, Frame, Incoming};
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use skewless_balancer::{Balancer, Config, Endpoint};
+use skewless_balancer::{Balancer, Config, Endpoint, RetryBudgetConfig};
 use skewless_echo::SpawnedEcho;
 use skewless_echo::pb::EchoRequest;
 use skewless_echo::pb::echo_client::EchoClient;
@@ -727,8 +727,18 @@ async fn refused_streams_are_retried_on_another_endpoint() {
 async fn retries_are_bounded_when_every_endpoint_refuses() {
     let (a, refused_a) = refusing_upstream().await;
     let (b_addr, refused_b) = refusing_upstream().await;
+    // A small fixed allowance (1 retry per second over a 10 s window), so 30 calls can
+    // exhaust it: the share of the traffic (0.2 per call) is what remains.
+    let budget = RetryBudgetConfig {
+        min_per_second: 1,
+        ..RetryBudgetConfig::default()
+    };
+    let config = Config {
+        retry_budget: budget.clone(),
+        ..Config::default()
+    };
     let b = balancer(
-        Config::default(),
+        config,
         vec![Endpoint::new(a, "a"), Endpoint::new(b_addr, "b")],
     )
     .await;
@@ -740,9 +750,10 @@ async fn retries_are_bounded_when_every_endpoint_refuses() {
     }
     let attempts = refused_a.load(std::sync::atomic::Ordering::Relaxed)
         + refused_b.load(std::sync::atomic::Ordering::Relaxed);
-    // Budget: 10 tokens to start, +0.2 per call, one per retry.
+    // Budget: 10 retries of allowance (1/s over 10 s), +0.2 per call, one per retry.
+    let allowance = budget.min_per_second as usize * budget.window.as_secs() as usize;
     assert!(
-        attempts <= calls + 10 + calls / 5 + 1,
+        attempts <= calls + allowance + calls / 5 + 1,
         "retries stay within the budget: {attempts} attempts for {calls} calls"
     );
     assert!(attempts > calls, "some calls were retried: {attempts}");
