@@ -43,6 +43,15 @@ pub struct Config {
     /// a request that never left the balancer (its connection had been told GOAWAY) is not a
     /// retry and costs no budget, but is bounded too (`4 x max_attempts`).
     pub max_attempts: u32,
+    /// Pause before retrying a request that failed while an upstream was processing it (a
+    /// retryable method after a transport failure): the n-th retry waits a random time
+    /// between half and all of `retry_backoff x 2^(n-1)` (the jittered exponential backoff of
+    /// gRPC's retry policy and Envoy's). Pods that die together do not close their
+    /// connections in the same instant, and an immediate retry can land on a pod whose death
+    /// has not been seen yet, then on another: the pause lets their failures be seen first.
+    /// Requests the upstream provably did not process are retried at once, and no retry
+    /// starts unless its pause ends before the caller's deadline.
+    pub retry_backoff: Duration,
     /// How long in-flight requests may run after shutdown starts (or after a connection reached
     /// its max age) before connections are cut.
     pub drain_grace: Duration,
@@ -64,6 +73,7 @@ impl Default for Config {
             retryable_methods: Vec::new(),
             retry_budget: RetryBudgetConfig::default(),
             max_attempts: 3,
+            retry_backoff: Duration::from_millis(25),
             drain_grace: Duration::from_secs(10),
             max_connection_age: None,
         }

@@ -271,21 +271,44 @@ async fn forward(
             tracing::debug!("request body cannot be replayed, not retrying");
         }
         if retryable && request.replayable() {
-            if pool.withdraw_retry_token() {
+            // A request the upstream did not process goes again at once; one it was
+            // processing waits its backoff first, if that ends before the deadline.
+            let pause = (!not_processed(&error))
+                .then(|| retry_pause(&config, attempts, pool.random_unit()));
+            let in_time = match (pause, deadline) {
+                (Some(pause), Some(deadline)) => Instant::now() + pause < deadline,
+                _ => true,
+            };
+            if in_time && pool.withdraw_retry_token() {
                 Counters::bump(&pool.counters.retries);
-                tracing::debug!(addr = %lease.addr, %error, "retrying on another endpoint");
+                tracing::debug!(addr = %lease.addr, %error, ?pause, "retrying on another endpoint");
                 tried.push(lease.id);
                 lease.finish(retried_outcome(&error));
                 attempts += 1;
                 refused_by = Some(error);
+                if let Some(pause) = pause {
+                    tokio::time::sleep(pause).await;
+                }
                 continue;
             }
-            Counters::bump(&pool.counters.retries_refused_by_budget);
+            if in_time {
+                Counters::bump(&pool.counters.retries_refused_by_budget);
+            }
         }
         tracing::debug!(addr = %lease.addr, ?error, "upstream failed the request");
         lease.finish(Outcome::Failure);
         return Err(ForwardError::Upstream(error));
     }
+}
+
+/// The pause before retry number `attempts` (1 for the first retry) of a request an upstream
+/// was processing: uniform in [1/2, 1] x `retry_backoff x 2^(attempts-1)`; `unit` is uniform
+/// in [0, 1).
+fn retry_pause(config: &crate::Config, attempts: u32, unit: f64) -> std::time::Duration {
+    let ceiling = config
+        .retry_backoff
+        .saturating_mul(1 << attempts.saturating_sub(1).min(16));
+    ceiling.mul_f64(0.5 + unit / 2.0)
 }
 
 /// The request one attempt sends: the client's, with an absolute URI as h2 requires (a client
@@ -653,5 +676,38 @@ impl ResponsePump<'_> {
             self.client
                 .send_reset(error.reason().unwrap_or(Reason::INTERNAL_ERROR));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::retry_pause;
+
+    #[test]
+    fn retry_pauses_double_per_retry_with_jitter_in_the_upper_half() {
+        let config = crate::Config {
+            retry_backoff: Duration::from_millis(20),
+            ..crate::Config::default()
+        };
+        let ms = |attempts, unit| retry_pause(&config, attempts, unit).as_secs_f64() * 1e3;
+        assert!(
+            (ms(1, 0.0) - 10.0).abs() < 1e-6,
+            "first retry: at least half of 20 ms"
+        );
+        assert!(ms(1, 0.999) < 20.0, "first retry: under 20 ms");
+        assert!(
+            (ms(2, 0.0) - 20.0).abs() < 1e-6,
+            "second retry: half of 40 ms"
+        );
+        assert!(
+            (ms(3, 0.5) - 60.0).abs() < 1e-6,
+            "third retry: 3/4 of 80 ms"
+        );
+        assert!(
+            retry_pause(&config, u32::MAX, 0.999) < Duration::from_secs(24 * 3600),
+            "the exponent is capped"
+        );
     }
 }
