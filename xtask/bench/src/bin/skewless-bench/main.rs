@@ -744,7 +744,10 @@ fn convergence(bench: &Bench) -> anyhow::Result<()> {
          1 s window is the largest pod's share over the fair share of the 10 pods (1.0 is even, \
          5.0 is two pods taking everything). Times run from the scale-up to the start of the \
          first window that shows it (to the 250 ms bucket): every pod receiving calls, and the \
-         skew under {th} in that window and every later one (`for good`). `connection moves`: \
+         skew under {th} in that window and every later one (`for good`); the same with 5 s \
+         windows beside it, which average out the clients' own unevenness (with 10 connections \
+         on 10 pods, one channel 50% faster than the others for a second is already skew 1.5 \
+         in a 1 s window, however well the connections are placed). `connection moves`: \
          times a client channel's answering pod changed, i.e. its connection was rotated and \
          placed elsewhere (request mode moves every call). Runs are interleaved over the \
          targets.\n\n\
