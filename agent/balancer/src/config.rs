@@ -4,6 +4,7 @@
 
 use std::time::Duration;
 
+pub use crate::liveness::LivenessConfig;
 pub use crate::retry_budget::RetryBudgetConfig;
 
 /// Configuration of one Service's balancer.
@@ -25,6 +26,10 @@ pub struct Config {
     pub max_streams_per_connection: u32,
     /// Most connections to one endpoint.
     pub max_connections_per_endpoint: usize,
+    /// How a silently dead upstream connection is found: HTTP/2 PINGs while requests are
+    /// outstanding, TCP keepalive and `TCP_USER_TIMEOUT` (see [`LivenessConfig`]). Applies from
+    /// the next upstream connect.
+    pub liveness: LivenessConfig,
     /// Service name to watch with `grpc.health.v1.Health/Watch` on every endpoint ("" for
     /// the whole server); `None` turns active health checking off.
     pub health_service: Option<String>,
@@ -68,6 +73,7 @@ impl Default for Config {
             reconnect_backoff: (Duration::from_millis(50), Duration::from_secs(5)),
             max_streams_per_connection: 1000,
             max_connections_per_endpoint: 4,
+            liveness: LivenessConfig::default(),
             health_service: None,
             picker: PickerConfig::default(),
             retryable_methods: Vec::new(),

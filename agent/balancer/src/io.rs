@@ -1,5 +1,6 @@
-//! A TCP stream wrapper that reports two events of an upstream connection: the first bytes the
-//! server sends, and the first GOAWAY frame it sends.
+//! A TCP stream wrapper that reports what an upstream connection's monitors need: the first
+//! bytes the server sends, the first GOAWAY frame it sends, and (for the liveness monitor) every
+//! read that carried HEADERS or DATA.
 //!
 //! h2's client handshake completes without hearing from the server, so a connection to a
 //! listener that still exists but no longer serves (a pod shutting down, a backlog nobody
@@ -8,7 +9,8 @@
 //! server sends GOAWAY (its streams in flight go on; new ones fail), while the balancer wants to
 //! stop using the connection and open its replacement at once. So the wrapper follows the frame
 //! boundaries of what it reads: it looks at each 9-byte frame header and skips the payload,
-//! which is all it takes to see a GOAWAY (type 0x7) go by. Decoding stays h2's.
+//! which is all it takes to see a GOAWAY (type 0x7) go by, and to tell the server's own frames
+//! (HEADERS, DATA: what gRPC servers count as activity) from PING answers. Decoding stays h2's.
 
 use std::io;
 use std::pin::Pin;
@@ -16,6 +18,8 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use skewless_frame::{Follower, Kind};
+
+use crate::liveness::Signals;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::{Notify, oneshot};
 
@@ -33,10 +37,12 @@ pub(crate) struct Watched<T> {
     spoke: Option<oneshot::Sender<()>>,
     go_away: Option<Arc<Notify>>,
     frames: FrameHeaders,
+    signals: Arc<Signals>,
 }
 
 impl<T> Watched<T> {
-    pub(crate) fn new(inner: T) -> (Self, Events) {
+    /// Wraps `inner`; reads carrying HEADERS or DATA are counted in `signals`.
+    pub(crate) fn new(inner: T, signals: Arc<Signals>) -> (Self, Events) {
         let (spoke_tx, spoke) = oneshot::channel();
         let go_away = Arc::new(Notify::new());
         (
@@ -45,6 +51,7 @@ impl<T> Watched<T> {
                 spoke: Some(spoke_tx),
                 go_away: Some(go_away.clone()),
                 frames: FrameHeaders::default(),
+                signals,
             },
             Events { spoke, go_away },
         )
@@ -63,14 +70,23 @@ impl Default for FrameHeaders {
     }
 }
 
+/// What one read carried.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+struct Seen {
+    go_away: bool,
+    /// A HEADERS, CONTINUATION or DATA frame header.
+    heard: bool,
+}
+
 impl FrameHeaders {
-    /// Consumes `bytes`; true when a GOAWAY frame header was among them.
-    fn feed(&mut self, mut bytes: &[u8]) -> bool {
-        let mut go_away = false;
+    /// Consumes `bytes`: which of the frame headers we care about were among them.
+    fn feed(&mut self, mut bytes: &[u8]) -> Seen {
+        let mut seen = Seen::default();
         while let Ok(Some(head)) = self.0.next_head(&mut bytes) {
-            go_away |= head.kind == Kind::GoAway;
+            seen.go_away |= head.kind == Kind::GoAway;
+            seen.heard |= matches!(head.kind, Kind::Headers | Kind::Continuation | Kind::Data);
         }
-        go_away
+        seen
     }
 }
 
@@ -87,14 +103,16 @@ impl<T: AsyncRead + Unpin> AsyncRead for Watched<T> {
             if let Some(tx) = self.spoke.take() {
                 let _ = tx.send(());
             }
-            if self.go_away.is_some() {
-                let this = &mut *self;
-                if this.frames.feed(new)
-                    && let Some(go_away) = this.go_away.take()
-                {
-                    // Stores a permit if nobody waits yet: the event is not lost.
-                    go_away.notify_one();
-                }
+            let this = &mut *self;
+            let seen = this.frames.feed(new);
+            if seen.heard {
+                this.signals.heard();
+            }
+            if seen.go_away
+                && let Some(go_away) = this.go_away.take()
+            {
+                // Stores a permit if nobody waits yet: the event is not lost.
+                go_away.notify_one();
             }
         }
         res
@@ -166,7 +184,7 @@ mod tests {
             let mut f = FrameHeaders::default();
             let mut seen_at = None;
             for (i, piece) in stream.chunks(chunk).enumerate() {
-                if f.feed(piece) && seen_at.is_none() {
+                if f.feed(piece).go_away && seen_at.is_none() {
                     seen_at = Some((i + 1) * chunk);
                 }
             }
@@ -181,8 +199,26 @@ mod tests {
     #[test]
     fn payloads_are_skipped_not_parsed() {
         let mut f = FrameHeaders::default();
-        assert!(!f.feed(&frame(0x0, &[GOAWAY; 100])));
-        assert!(!f.feed(&frame(0x1, &[0; 3])));
-        assert!(f.feed(&frame(GOAWAY, &[0; 8])));
+        assert!(!f.feed(&frame(0x0, &[GOAWAY; 100])).go_away);
+        assert!(!f.feed(&frame(0x1, &[0; 3])).go_away);
+        assert!(f.feed(&frame(GOAWAY, &[0; 8])).go_away);
+    }
+
+    #[test]
+    fn headers_and_data_count_as_the_server_speaking_ping_answers_do_not() {
+        const PING: u8 = 0x6;
+        let mut f = FrameHeaders::default();
+        assert!(!f.feed(&frame(0x4, &[0; 6])).heard, "SETTINGS");
+        assert!(!f.feed(&frame(PING, &[0; 8])).heard, "a PING answer");
+        assert!(!f.feed(&frame(0x8, &[0; 4])).heard, "WINDOW_UPDATE");
+        assert!(f.feed(&frame(0x1, &[0; 3])).heard, "HEADERS");
+        assert!(f.feed(&frame(0x0, &[PING; 20])).heard, "DATA");
+        let mut split = frame(PING, &[0; 8]);
+        split.extend(frame(0x0, &[0; 2]));
+        let (a, b) = split.split_at(14);
+        assert!(
+            !f.feed(a).heard && f.feed(b).heard,
+            "DATA after a PING, split"
+        );
     }
 }

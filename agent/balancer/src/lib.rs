@@ -53,6 +53,7 @@ pub mod grpc;
 pub mod health;
 mod io;
 mod linger;
+pub mod liveness;
 pub mod metrics;
 pub mod picker;
 mod pool;
@@ -73,7 +74,7 @@ use tokio::sync::watch;
 use tokio::task::AbortHandle;
 use tracing::Instrument as _;
 
-pub use config::{Config, PickerConfig, RetryBudgetConfig};
+pub use config::{Config, LivenessConfig, PickerConfig, RetryBudgetConfig};
 pub use connection::{ConnectionBalancer, ConnectionConfig, ConnectionStats, RotationConfig};
 pub use endpoint::Endpoint;
 pub use error::BalancerError;

@@ -26,7 +26,13 @@
 //!    endpoints, and real slowness is handled by degradation.
 //!
 //! Passive health: `failure_threshold` consecutive failures eject an endpoint for an
-//! exponentially growing time; afterwards it is probed like a degraded one.
+//! exponentially growing time, and so does a dead connection (an unanswered PING, see
+//! `liveness`). When the time is over the endpoint is *unproven*: it gets no user call until it
+//! has answered something that is not one (a PING on its connection, or a new connection's
+//! handshake and PING: the pool asks for one, see [`Picker::take_unproven`] and
+//! [`Picker::proven`]), so a silently dead backend never costs a user's call to find out. Once
+//! it has answered it is probed like a degraded one (one call at a time, two good ones bring it
+//! back), so its traffic returns gradually.
 //!
 //! Where load completes: the latency sample is taken when the response headers arrive (for a
 //! unary gRPC call that is when the server has finished, as servers send headers with the
@@ -71,7 +77,11 @@ pub enum Outcome {
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Rotation {
     Active,
-    Degraded { good_probes: u32 },
+    Degraded {
+        good_probes: u32,
+    },
+    /// Its ejection is over, but it has not answered anything since.
+    Unproven,
 }
 
 /// Where an endpoint stands for the picker: its rotation, unless passive health ejected it.
@@ -79,6 +89,7 @@ enum Rotation {
 enum Health {
     Active,
     Degraded { good_probes: u32 },
+    Unproven,
     Ejected,
 }
 
@@ -147,6 +158,7 @@ fn health<S: AsRef<Slot>>(e: &Entry<S>) -> Health {
     match slot(e).rotation {
         Rotation::Active => Health::Active,
         Rotation::Degraded { good_probes } => Health::Degraded { good_probes },
+        Rotation::Unproven => Health::Unproven,
     }
 }
 
@@ -159,6 +171,9 @@ pub struct Picker<R> {
     total_requests: u64,
     /// Endpoints ejected since the picker started (for metrics).
     ejections: u64,
+    /// Endpoints whose ejection ended since the owner last looked: each needs a probe that is
+    /// not a user's call.
+    unproven: Vec<EndpointId>,
 }
 
 impl<R: Rng> Picker<R> {
@@ -170,6 +185,7 @@ impl<R: Rng> Picker<R> {
             rng,
             total_requests: 0,
             ejections: 0,
+            unproven: Vec::new(),
         }
     }
 
@@ -247,15 +263,73 @@ impl<R: Rng> Picker<R> {
         Some(pick)
     }
 
-    fn expire_ejections<S: AsMut<Slot>>(&self, set: &mut EndpointSet<S>, now: Instant) {
+    fn expire_ejections<S: AsMut<Slot>>(&mut self, set: &mut EndpointSet<S>, now: Instant) {
         for e in set {
+            let id = e.id();
             let (endpoint, ejection, value) = e.split_mut();
             if ejection.expire(now) {
-                tracing::debug!(addr = %endpoint.addr, name = %endpoint.name, "ejection over, probing");
-                let s = value.as_mut();
-                s.rotation = Rotation::Degraded { good_probes: 0 };
-                s.next_probe_at = now;
+                tracing::debug!(addr = %endpoint.addr, name = %endpoint.name, "ejection over, asking for proof of life");
+                value.as_mut().rotation = Rotation::Unproven;
+                self.unproven.push(id);
             }
+        }
+    }
+
+    /// The endpoints whose ejection has ended since the last call: each should be probed with
+    /// something that is not a user's call, and [`Picker::proven`] called when it answers.
+    pub fn take_unproven(&mut self) -> Vec<EndpointId> {
+        std::mem::take(&mut self.unproven)
+    }
+
+    /// Whether [`Picker::take_unproven`] has anything.
+    #[must_use]
+    pub fn has_unproven(&self) -> bool {
+        !self.unproven.is_empty()
+    }
+
+    /// Endpoint `id` answered something that is not a user's call (a PING, a new connection).
+    /// If its ejection is over, it leaves the ejected state and is probed with calls like a
+    /// degraded endpoint (one at a time; two good ones bring it back): traffic returns
+    /// gradually. Does nothing to an endpoint that is still ejected or was never out.
+    pub fn proven<S: AsMut<Slot>>(
+        &mut self,
+        set: &mut EndpointSet<S>,
+        id: EndpointId,
+        now: Instant,
+    ) {
+        let Some(e) = set.get_mut(id) else { return };
+        let (endpoint, ejection, value) = e.split_mut();
+        let s = value.as_mut();
+        if ejection.expire(now) {
+            s.rotation = Rotation::Unproven;
+        }
+        if ejection.is_ejected() || s.rotation != Rotation::Unproven {
+            return;
+        }
+        tracing::debug!(addr = %endpoint.addr, name = %endpoint.name, "ejected endpoint answered, probing it with calls");
+        s.rotation = Rotation::Degraded { good_probes: 0 };
+        s.next_probe_at = now;
+    }
+
+    /// A connection to endpoint `id` is dead (a PING went unanswered): the endpoint is ejected
+    /// at once, whatever the share of endpoints out of rotation (a dead connection takes no
+    /// calls anyway), for the next ejection time of its backoff.
+    pub fn connection_dead<S: AsMut<Slot>>(
+        &mut self,
+        set: &mut EndpointSet<S>,
+        id: EndpointId,
+        now: Instant,
+    ) {
+        let (threshold, backoff) = (self.config.failure_threshold, self.config.ejection_backoff);
+        let Some(e) = set.get_mut(id) else { return };
+        let (endpoint, ejection, _) = e.split_mut();
+        if let Some(time) = ejection.record_failure(now, threshold, backoff, true, true) {
+            self.ejections += 1;
+            tracing::info!(
+                addr = %endpoint.addr, name = %endpoint.name,
+                ejection_ms = time.as_millis(),
+                "endpoint ejected: connection dead"
+            );
         }
     }
 
@@ -318,7 +392,9 @@ impl<R: Rng> Picker<R> {
         set.iter()
             .filter(|e| e.usable() && !exclude.contains(&e.id()))
             .min_by(|a, b| {
-                let rank = |e: &Entry<S>| u8::from(health(e) == Health::Ejected);
+                let rank = |e: &Entry<S>| {
+                    u8::from(matches!(health(e), Health::Ejected | Health::Unproven))
+                };
                 rank(a)
                     .cmp(&rank(b))
                     .then(self.cost(slot(a), now).total_cmp(&self.cost(slot(b), now)))
@@ -334,7 +410,7 @@ impl<R: Rng> Picker<R> {
         let floor = self.floor_ns();
         let mut v: Vec<f64> = set
             .iter()
-            .filter(|e| e.usable() && health(e) != Health::Ejected)
+            .filter(|e| e.usable() && !matches!(health(e), Health::Ejected | Health::Unproven))
             .map(|e| slot(e).mean.map_or(floor, |(m, _)| m.max(floor)))
             .collect();
         if v.is_empty() {
@@ -481,7 +557,7 @@ impl<R: Rng> Picker<R> {
                     s.rotation = Rotation::Degraded { good_probes: 0 };
                 }
             }
-            Health::Degraded { .. } | Health::Ejected => {}
+            Health::Degraded { .. } | Health::Unproven | Health::Ejected => {}
         }
     }
 
@@ -556,7 +632,8 @@ impl<R: Rng> Picker<R> {
                         (true, _) if !e.serving() => EndpointState::NotServing,
                         (true, Health::Active) => EndpointState::Active,
                         (true, Health::Degraded { .. }) => EndpointState::Degraded,
-                        (true, Health::Ejected) => EndpointState::Ejected,
+                        // Out until it answers a probe that is not a user's call.
+                        (true, Health::Ejected | Health::Unproven) => EndpointState::Ejected,
                     },
                     requests: s.requests,
                     failures: s.failures,
@@ -635,6 +712,18 @@ mod tests {
 
         fn stats(&self) -> Vec<EndpointStats> {
             self.picker.stats(&self.set)
+        }
+
+        fn take_unproven(&mut self) -> Vec<SlotId> {
+            self.picker.take_unproven()
+        }
+
+        fn proven(&mut self, id: SlotId, now: Instant) {
+            self.picker.proven(&mut self.set, id, now);
+        }
+
+        fn connection_dead(&mut self, id: SlotId, now: Instant) {
+            self.picker.connection_dead(&mut self.set, id, now);
         }
     }
 
@@ -883,6 +972,14 @@ mod tests {
         }
         assert_eq!(p.stats()[1].requests, before);
         now += ms(1001);
+        let pick = p.pick(now, &[]).expect("ready");
+        assert_ne!(
+            pick.id, bad,
+            "over its ejection time it is unproven: no user call yet"
+        );
+        p.complete(pick.id, pick.probe, Outcome::Success, now);
+        assert_eq!(p.take_unproven(), [bad], "the owner is asked for a probe");
+        p.proven(bad, now);
         let probe = p.pick(now, &[]).expect("ready");
         assert_eq!(
             probe,
@@ -890,7 +987,7 @@ mod tests {
                 id: bad,
                 probe: true
             },
-            "after the ejection it is probed first"
+            "once it answered the probe, it gets probe calls first"
         );
         now += ms(1);
         p.observe_latency(bad, true, ms(1), now);
@@ -912,6 +1009,70 @@ mod tests {
             EndpointState::Active,
             "two good probes bring it back"
         );
+    }
+
+    #[test]
+    fn an_ejected_endpoint_gets_no_user_call_until_it_answers_a_probe() {
+        let t0 = Instant::now();
+        let (mut p, ids) = picker(3, t0);
+        let dead = ids[2];
+        let mut now = t0;
+        p.connection_dead(dead, now);
+        assert_eq!(
+            p.stats()[2].state,
+            EndpointState::Ejected,
+            "a dead connection ejects at once"
+        );
+        assert_eq!(p.picker.ejections(), 1);
+        let step = |p: &mut Picker<SmallRng>, now: Instant| {
+            let pick = p.pick(now, &[]).expect("ready");
+            p.complete(pick.id, pick.probe, Outcome::Success, now);
+            pick.id
+        };
+        // Its connection stays up (it looks ready), and its ejection ends after 1 s; for 10 s
+        // it answers nothing.
+        for _ in 0..1000 {
+            now += ms(10);
+            assert_ne!(
+                step(&mut p, now),
+                dead,
+                "no user call before it answers a probe"
+            );
+        }
+        assert_eq!(
+            p.take_unproven(),
+            [dead],
+            "asked for a probe once, when the ejection ended"
+        );
+        assert!(p.take_unproven().is_empty());
+        assert_eq!(p.stats()[2].state, EndpointState::Ejected, "still out");
+        // Proof before the ejection is over counts for nothing: a second death ejects for 2 s.
+        p.connection_dead(dead, now);
+        p.proven(dead, now + ms(1999));
+        assert_ne!(step(&mut p, now + ms(1999)), dead);
+        // It answers once the ejection is over: probe calls, then back in rotation.
+        now += ms(2000);
+        p.proven(dead, now);
+        for i in 0..2 {
+            let probe = p.pick(now, &[]).expect("ready");
+            assert_eq!(
+                probe,
+                Pick {
+                    id: dead,
+                    probe: true
+                },
+                "probe call {i} after the proof"
+            );
+            p.observe_latency(dead, true, ms(1), now);
+            p.complete(dead, true, Outcome::Success, now);
+            now += ms(201);
+        }
+        assert_eq!(
+            p.stats()[2].state,
+            EndpointState::Active,
+            "two good probes bring it back"
+        );
+        assert_eq!(p.picker.ejections(), 2);
     }
 
     #[test]

@@ -1,9 +1,15 @@
 //! The endpoint pool of one Service: the endpoint set, one HTTP/2 connection per endpoint kept
 //! up by a task per endpoint, and the picker that chooses among them. The pool state sits behind one mutex whose
 //! critical sections are a few comparisons long (a pick, a completion), never across an await.
+//!
+//! Every connection has a liveness monitor (`liveness`): a connection whose PING goes
+//! unanswered is first taken out of use (suspect), then closed and its endpoint ejected (dead).
+//! An ejected endpoint gets user calls again only once it has answered a PING, on its
+//! connection or on a new one (every connect ends with a PING), and then gradually (the
+//! picker's probes).
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
@@ -20,6 +26,7 @@ use crate::endpoint::Endpoint;
 use crate::endpoints::{EndpointId, EndpointSet};
 use crate::error::{ConnectError, ForwardError};
 use crate::io::Watched;
+use crate::liveness::{self, LivenessConfig, Report, Signals, Verdict};
 use crate::metrics::{EndpointMetrics, ServiceMetrics};
 use crate::picker::{Outcome, Picker, Slot};
 use crate::retry_budget::RetryBudget;
@@ -53,6 +60,8 @@ struct Member {
     upstreams: Vec<Upstream>,
     /// Asks the connection task for one more connection.
     grow: Arc<Notify>,
+    /// Asks the connection task to prove the endpoint alive with a PING (its ejection is over).
+    probe: Arc<Notify>,
     /// Whether the current connection has carried a request yet: the first one pays for the
     /// connection's warm-up (server-side lazy setup, HPACK tables, TCP windows) and is not a
     /// sample of the endpoint's latency.
@@ -82,9 +91,10 @@ struct Upstream {
     /// Unique per connection, to ignore reports about older ones.
     generation: u64,
     sender: SendRequest<Bytes>,
-    /// Streams the balancer has open on it (h2 counts only the streams it has sent, not the
-    /// ones queued behind the server's MAX_CONCURRENT_STREAMS).
-    streams: Arc<AtomicU32>,
+    /// Requests open on it (also read by its liveness monitor).
+    signals: Arc<Signals>,
+    /// A PING on it is overdue: no new requests until it is answered.
+    suspect: bool,
     /// Told when the connection is unpublished by someone else than its task (a request found
     /// it refusing new streams), so the task replaces it.
     retired: Arc<Notify>,
@@ -99,7 +109,7 @@ pub(crate) struct Lease {
     sample: bool,
     generation: u64,
     pub(crate) sender: SendRequest<Bytes>,
-    streams: Arc<AtomicU32>,
+    signals: Arc<Signals>,
     sent_at: Instant,
     metrics: Arc<EndpointMetrics>,
     done: bool,
@@ -180,13 +190,22 @@ impl Pool {
         let removed = state.endpoints.update(endpoints, |id, ep| {
             let span = tracing::debug_span!("endpoint", addr = %ep.addr, name = %ep.name);
             let grow = Arc::new(Notify::new());
+            let probe = Arc::new(Notify::new());
             let task = tokio::spawn(
-                connection_task(Arc::downgrade(self), id, ep.addr, grow.clone()).instrument(span),
+                connection_task(
+                    Arc::downgrade(self),
+                    id,
+                    ep.addr,
+                    grow.clone(),
+                    probe.clone(),
+                )
+                .instrument(span),
             )
             .abort_handle();
             Member {
                 upstreams: Vec::new(),
                 grow,
+                probe,
                 warm: false,
                 task,
                 slot: Slot::new(now),
@@ -200,28 +219,82 @@ impl Pool {
         self.changed.notify_waiters();
     }
 
-    /// A new connection to endpoint `id` is usable; `retired` is told if someone else
+    /// A new connection to endpoint `id` is usable (the server answered its handshake and a
+    /// PING, which also proves an ejected endpoint alive); `retired` is told if someone else
     /// unpublishes it.
     fn add_upstream(
         &self,
         id: EndpointId,
         generation: u64,
         sender: SendRequest<Bytes>,
+        signals: Arc<Signals>,
         retired: Arc<Notify>,
     ) {
+        let now = Instant::now();
         let mut state = self.lock();
-        if let Some(entry) = state.endpoints.get_mut(id) {
+        let State {
+            picker, endpoints, ..
+        } = &mut *state;
+        if let Some(entry) = endpoints.get_mut(id) {
             entry.value.upstreams.push(Upstream {
                 generation,
                 sender,
-                streams: Arc::new(AtomicU32::new(0)),
+                signals,
+                suspect: false,
                 retired,
             });
             entry.value.warm = false;
-            state.endpoints.set_ready(id, true);
+            endpoints.set_ready(id, true);
+            picker.proven(endpoints, id, now);
         }
         drop(state);
         self.changed.notify_waiters();
+    }
+
+    /// What the liveness monitor of connection `generation` reports.
+    fn liveness_report(&self, id: EndpointId, generation: u64, report: Report) {
+        let now = Instant::now();
+        let mut state = self.lock();
+        let State {
+            picker, endpoints, ..
+        } = &mut *state;
+        let Some(entry) = endpoints.get_mut(id) else {
+            return;
+        };
+        let Some(up) = entry
+            .value
+            .upstreams
+            .iter_mut()
+            .find(|u| u.generation == generation)
+        else {
+            return;
+        };
+        match report {
+            Report::Suspect(suspect) => {
+                up.suspect = suspect;
+                let ready = entry.value.upstreams.iter().any(|u| !u.suspect);
+                endpoints.set_ready(id, ready);
+            }
+            Report::Answered => picker.proven(endpoints, id, now),
+        }
+        drop(state);
+        if report == Report::Suspect(false) {
+            self.changed.notify_waiters();
+        }
+    }
+
+    /// Connection `generation` is dead (its PING went unanswered): the endpoint is ejected and
+    /// the connection no longer used (its task closes it).
+    fn connection_dead(&self, id: EndpointId, generation: u64) {
+        let now = Instant::now();
+        {
+            let mut state = self.lock();
+            let State {
+                picker, endpoints, ..
+            } = &mut *state;
+            picker.connection_dead(endpoints, id, now);
+        }
+        self.connection_closed(id, generation);
     }
 
     /// The active health check of connection `generation` reports `serving`.
@@ -253,7 +326,7 @@ impl Pool {
             if let Some(i) = upstreams.iter().position(|u| u.generation == generation) {
                 upstreams.swap_remove(i).retired.notify_one();
             }
-            if upstreams.is_empty() {
+            if !upstreams.iter().any(|u| !u.suspect) {
                 state.endpoints.set_ready(id, false);
             }
         }
@@ -312,7 +385,16 @@ impl Pool {
         if endpoints.is_empty() {
             return Err(ForwardError::NoEndpoints);
         }
-        let Some(pick) = picker.pick(endpoints, now, exclude) else {
+        let pick = picker.pick(endpoints, now, exclude);
+        if picker.has_unproven() {
+            // Ejections that just ended: each endpoint must answer a PING before user calls.
+            for id in picker.take_unproven() {
+                if let Some(entry) = endpoints.get(id) {
+                    entry.value.probe.notify_one();
+                }
+            }
+        }
+        let Some(pick) = pick else {
             // Every endpoint was excluded: a retry has nowhere to go. Otherwise wait for one
             // that is still connecting (right after startup or a reconnect).
             if endpoints.all_excluded(exclude) {
@@ -329,14 +411,15 @@ impl Pool {
                 .value
                 .upstreams
                 .iter()
-                .min_by_key(|u| u.streams.load(Ordering::Relaxed))
+                .filter(|u| !u.suspect)
+                .min_by_key(|u| u.signals.streams())
         {
-            let open = up.streams.fetch_add(1, Ordering::Relaxed) + 1;
+            let open = up.signals.stream_opened();
             // Full at our own limit or the server's, whichever is lower.
             let full = per_conn
                 .min(u32::try_from(up.sender.current_max_send_streams()).unwrap_or(u32::MAX));
-            let (generation, sender, streams) =
-                (up.generation, up.sender.clone(), up.streams.clone());
+            let (generation, sender, signals) =
+                (up.generation, up.sender.clone(), up.signals.clone());
             let member = &mut entry.value;
             if open > full && member.upstreams.len() < max_conns {
                 // Every connection is full: ask for another. This request still goes out on
@@ -353,7 +436,7 @@ impl Pool {
                 sample,
                 generation,
                 sender,
-                streams,
+                signals,
                 sent_at: now,
                 metrics,
                 done: false,
@@ -410,7 +493,7 @@ impl Lease {
         if std::mem::replace(&mut self.done, true) {
             return;
         }
-        self.streams.fetch_sub(1, Ordering::Relaxed);
+        self.signals.stream_closed();
         let now = Instant::now();
         self.metrics
             .latency
@@ -452,21 +535,27 @@ pub(crate) const MAX_HEADER_LIST: u32 = 16 * 1024;
 /// Most bytes h2 buffers for sending on one stream (h2's and hyper's default).
 pub(crate) const MAX_SEND_BUFFER: usize = 400 * 1024;
 
-/// A connected, handshaken upstream connection.
+/// A connected, handshaken upstream connection whose server has answered a PING.
 pub(crate) struct Connected {
     pub(crate) sender: SendRequest<Bytes>,
     /// Resolves when the connection is over (closed by either side, or failed). It runs on its
     /// own task, so streams in flight finish however the balancer stops using it: h2 closes it
-    /// once every handle and stream is gone.
+    /// once every handle and stream is gone. Aborting it closes the connection at once (its
+    /// streams fail with a broken pipe): what happens to a dead one.
     pub(crate) ended: tokio::task::JoinHandle<()>,
     /// Notified when the server sends GOAWAY.
     pub(crate) go_away: Arc<Notify>,
+    /// The connection's PINGs, for its liveness monitor.
+    pub(crate) pings: h2::PingPong,
+    pub(crate) signals: Arc<Signals>,
 }
 
-/// Connects and handshakes, and returns once the server has sent its first frame.
+/// Connects and handshakes, and returns once the server has sent its first frame and answered
+/// a PING (a server that stopped reading, or a path that lost its way back, is not published).
 pub(crate) async fn connect(
     addr: SocketAddr,
     timeout: Duration,
+    liveness: &LivenessConfig,
 ) -> Result<Connected, ConnectError> {
     let attempt = async {
         let tcp = tokio::net::TcpStream::connect(addr)
@@ -474,8 +563,10 @@ pub(crate) async fn connect(
             .map_err(ConnectError::Tcp)?;
         // gRPC is latency bound: small messages must not wait for Nagle.
         tcp.set_nodelay(true).map_err(ConnectError::Tcp)?;
-        let (io, events) = Watched::new(tcp);
-        let (sender, conn) = h2::client::Builder::new()
+        liveness::set_tcp_options(&tcp, liveness).map_err(ConnectError::Tcp)?;
+        let signals = Arc::new(Signals::default());
+        let (io, events) = Watched::new(tcp, signals.clone());
+        let (sender, mut conn) = h2::client::Builder::new()
             // Fixed windows. h2 sizes its budget for small DATA frames from the connection
             // window, so small adaptive windows got gRPC's many small frames the connection
             // closed (ENHANCE_YOUR_CALM, too_many_data_frames) under load. The windows also
@@ -488,9 +579,18 @@ pub(crate) async fn connect(
             .handshake::<_, Bytes>(io)
             .await
             .map_err(ConnectError::Handshake)?;
+        let mut pings = conn.ping_pong().ok_or(ConnectError::Silent)?;
         let mut conn = Box::pin(conn);
-        // Drive the connection until the server has spoken; if it ends first, it never served.
+        // Drive the connection until the server has spoken and answered a PING; if it ends
+        // first, it never served.
         let mut spoke = events.spoke;
+        let answered = async {
+            (&mut spoke).await.map_err(|_| ConnectError::Silent)?;
+            pings
+                .ping(h2::Ping::opaque())
+                .await
+                .map_err(ConnectError::Handshake)
+        };
         tokio::select! {
             res = &mut conn => {
                 return Err(match res {
@@ -498,7 +598,7 @@ pub(crate) async fn connect(
                     Err(error) => ConnectError::Handshake(error),
                 });
             }
-            res = &mut spoke => res.map_err(|_| ConnectError::Silent)?,
+            res = answered => { res?; }
         }
         let ended = tokio::spawn(
             async move {
@@ -513,6 +613,8 @@ pub(crate) async fn connect(
             sender,
             ended,
             go_away: events.go_away,
+            pings,
+            signals,
         })
     };
     tokio::time::timeout(timeout, attempt)
@@ -520,11 +622,37 @@ pub(crate) async fn connect(
         .map_err(|_| ConnectError::Timeout)?
 }
 
+/// The liveness monitor of connection `generation`, reporting to the pool. Its connect sent
+/// one PING before the server sent any HEADERS or DATA.
+async fn monitor(
+    pool: Weak<Pool>,
+    id: EndpointId,
+    generation: u64,
+    pings: h2::PingPong,
+    signals: Arc<Signals>,
+    liveness: LivenessConfig,
+    probe: Option<Arc<Notify>>,
+) -> Verdict {
+    let report = |report| {
+        if let Some(p) = pool.upgrade() {
+            p.liveness_report(id, generation, report);
+        }
+    };
+    liveness::monitor(pings, &signals, &liveness, 1, probe.as_deref(), report).await
+}
+
 /// Keeps the endpoint's primary HTTP/2 connection up: connects, publishes it, and when it stops
-/// taking streams (upstream GOAWAY, close, error) replaces it at once, backing off only when
-/// connects fail or connections die young. Opens extra connections when asked through `grow`;
-/// those live until they stop taking streams and are not replaced.
-async fn connection_task(pool: Weak<Pool>, id: EndpointId, addr: SocketAddr, grow: Arc<Notify>) {
+/// taking streams (upstream GOAWAY, close, error, dead) replaces it at once, backing off only
+/// when connects fail or connections die young. Opens extra connections when asked through
+/// `grow`; those live until they stop taking streams and are not replaced. `probe` asks for a
+/// PING that proves the endpoint alive (its ejection is over).
+async fn connection_task(
+    pool: Weak<Pool>,
+    id: EndpointId,
+    addr: SocketAddr,
+    grow: Arc<Notify>,
+    probe: Arc<Notify>,
+) {
     let Some(mut config) = pool.upgrade().map(|p| p.subscribe_config()) else {
         return;
     };
@@ -533,19 +661,22 @@ async fn connection_task(pool: Weak<Pool>, id: EndpointId, addr: SocketAddr, gro
     let mut backoff = config.borrow().reconnect_backoff.0;
     loop {
         // Connection settings as of this connect: a reconfiguration applies from the next one.
-        let (timeout, (base, max), max_conns) = {
+        let (timeout, (base, max), max_conns, liveness) = {
             let c = config.borrow_and_update();
             (
                 c.connect_timeout,
                 c.reconnect_backoff,
                 c.max_connections_per_endpoint,
+                c.liveness.clone(),
             )
         };
-        match connect(addr, timeout).await {
+        match connect(addr, timeout, &liveness).await {
             Ok(Connected {
                 sender,
                 mut ended,
                 go_away,
+                pings,
+                signals,
             }) => {
                 let generation = GENERATION.fetch_add(1, Ordering::Relaxed);
                 tracing::debug!(generation, "connected");
@@ -556,7 +687,13 @@ async fn connection_task(pool: Weak<Pool>, id: EndpointId, addr: SocketAddr, gro
                 let mut health_service = config.borrow_and_update().health_service.clone();
                 p.lock().endpoints.set_serving(id, health_service.is_none());
                 let retired = Arc::new(Notify::new());
-                p.add_upstream(id, generation, sender.clone(), retired.clone());
+                p.add_upstream(
+                    id,
+                    generation,
+                    sender.clone(),
+                    signals.clone(),
+                    retired.clone(),
+                );
                 drop(p);
                 let health_watch = |service: String| {
                     // Aborted when dropped: on a health service change and when this
@@ -573,10 +710,36 @@ async fn connection_task(pool: Weak<Pool>, id: EndpointId, addr: SocketAddr, gro
                     ))
                 };
                 let mut health = health_service.clone().map(health_watch);
+                let mut alive = std::pin::pin!(monitor(
+                    pool.clone(),
+                    id,
+                    generation,
+                    pings,
+                    signals,
+                    liveness.clone(),
+                    Some(probe.clone()),
+                ));
                 let started = Instant::now();
                 loop {
                     tokio::select! {
                         _ = &mut ended => break,
+                        verdict = &mut alive => {
+                            match verdict {
+                                Verdict::Dead => {
+                                    if let Some(p) = pool.upgrade() {
+                                        p.connection_dead(id, generation);
+                                    }
+                                    // Its requests fail now (UNAVAILABLE, retried where safe),
+                                    // not at their deadlines.
+                                    ended.abort();
+                                }
+                                Verdict::ProbeNeedsNewConnection => {
+                                    tracing::debug!("probing with a new connection");
+                                }
+                                Verdict::Closed => {}
+                            }
+                            break;
+                        }
                         () = go_away.notified() => {
                             tracing::debug!("upstream sent GOAWAY, replacing the connection");
                             break;
@@ -589,7 +752,7 @@ async fn connection_task(pool: Weak<Pool>, id: EndpointId, addr: SocketAddr, gro
                             while extras.try_join_next().is_some() {}
                             if extras.len() + 1 < max_conns {
                                 tracing::debug!(connections = extras.len() + 2, "opening another connection");
-                                extras.spawn(extra_connection(pool.clone(), id, addr, timeout).in_current_span());
+                                extras.spawn(extra_connection(pool.clone(), id, addr, timeout, liveness.clone()).in_current_span());
                             }
                         }
                         Ok(()) = config.changed() => {
@@ -629,6 +792,13 @@ async fn connection_task(pool: Weak<Pool>, id: EndpointId, addr: SocketAddr, gro
                     continue;
                 }
             }
+            Err(ConnectError::Timeout) => {
+                // Nothing answered (a lost node, a partition): the attempt itself waited the
+                // connect timeout, so try again soon; the endpoint is back within about a
+                // connect timeout of answering again.
+                tracing::debug!(backoff_ms = base.as_millis(), "connect timed out");
+                backoff = base;
+            }
             Err(error) => {
                 tracing::debug!(%error, backoff_ms = backoff.as_millis(), "connect failed");
             }
@@ -638,8 +808,14 @@ async fn connection_task(pool: Weak<Pool>, id: EndpointId, addr: SocketAddr, gro
     }
 }
 
-/// One extra connection, used until it stops taking streams.
-async fn extra_connection(pool: Weak<Pool>, id: EndpointId, addr: SocketAddr, timeout: Duration) {
+/// One extra connection, used until it stops taking streams (or its monitor finds it dead).
+async fn extra_connection(
+    pool: Weak<Pool>,
+    id: EndpointId,
+    addr: SocketAddr,
+    timeout: Duration,
+    liveness: LivenessConfig,
+) {
     /// Unpublishes the connection however this task ends (closed, aborted).
     struct Unpublish(Weak<Pool>, EndpointId, u64);
     impl Drop for Unpublish {
@@ -653,7 +829,9 @@ async fn extra_connection(pool: Weak<Pool>, id: EndpointId, addr: SocketAddr, ti
         sender,
         mut ended,
         go_away,
-    } = match connect(addr, timeout).await {
+        pings,
+        signals,
+    } = match connect(addr, timeout, &liveness).await {
         Ok(ok) => ok,
         Err(error) => {
             tracing::debug!(%error, "extra connection failed");
@@ -663,11 +841,19 @@ async fn extra_connection(pool: Weak<Pool>, id: EndpointId, addr: SocketAddr, ti
     let generation = GENERATION.fetch_add(1, Ordering::Relaxed);
     let Some(p) = pool.upgrade() else { return };
     let retired = Arc::new(Notify::new());
-    p.add_upstream(id, generation, sender, retired.clone());
+    p.add_upstream(id, generation, sender, signals.clone(), retired.clone());
     drop(p);
-    let _unpublish = Unpublish(pool, id, generation);
+    let _unpublish = Unpublish(pool.clone(), id, generation);
     tokio::select! {
         _ = &mut ended => {}
+        verdict = monitor(pool.clone(), id, generation, pings, signals, liveness, None) => {
+            if verdict == Verdict::Dead {
+                if let Some(p) = pool.upgrade() {
+                    p.connection_dead(id, generation);
+                }
+                ended.abort();
+            }
+        }
         () = go_away.notified() => tracing::debug!("upstream sent GOAWAY to an extra connection"),
         () = retired.notified() => {}
     }

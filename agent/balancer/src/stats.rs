@@ -16,7 +16,8 @@ pub enum EndpointState {
     Active,
     /// Too slow compared to its peers: only probe requests.
     Degraded,
-    /// Failed repeatedly: no requests until its ejection time is over.
+    /// Failed repeatedly, or its connection died (an unanswered PING): no requests until its
+    /// ejection time is over and it has answered a PING or a new connection.
     Ejected,
 }
 

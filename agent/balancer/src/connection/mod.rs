@@ -400,11 +400,13 @@ async fn health_task(shared: Weak<Shared>, id: EndpointId, addr: SocketAddr, ser
         let Some(timeout) = shared.upgrade().map(|s| s.config.borrow().connect_timeout) else {
             return;
         };
-        match pool::connect(addr, timeout).await {
+        // The default TCP backstop; the connect itself ends with a PING the server answers.
+        match pool::connect(addr, timeout, &crate::LivenessConfig::default()).await {
             Ok(pool::Connected {
                 sender,
                 mut ended,
                 go_away,
+                ..
             }) => {
                 let started = Instant::now();
                 let report = {
