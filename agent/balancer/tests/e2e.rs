@@ -1844,3 +1844,169 @@ async fn an_endpoint_that_does_not_speak_http2_gets_no_calls() {
     assert_eq!(broken.requests, 0, "no call was sent to it: {broken:?}");
     b.stop().await;
 }
+
+/// A TCP forwarder in front of one pod that can blackhole it: while the returned flag holds
+/// true it moves no byte either way and closes nothing (no RST, no FIN), which is how a lost
+/// node or a network partition looks from the balancer's side. Connections made meanwhile
+/// complete the TCP handshake (the kernel does it) but are never answered. Bytes sent into the
+/// blackhole arrive once it lifts, as TCP's retransmissions would.
+async fn blackholable(to: SocketAddr) -> (SocketAddr, watch::Sender<bool>) {
+    async fn pump(
+        mut from: tokio::net::tcp::OwnedReadHalf,
+        mut to: tokio::net::tcp::OwnedWriteHalf,
+        mut dark: watch::Receiver<bool>,
+    ) {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            if dark.wait_for(|d| !*d).await.is_err() {
+                return;
+            }
+            let n = match from.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            };
+            if dark.wait_for(|d| !*d).await.is_err() || to.write_all(&buf[..n]).await.is_err() {
+                return;
+            }
+        }
+        let _ = to.shutdown().await;
+    }
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let (dark, rx) = watch::channel(false);
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            let rx = rx.clone();
+            tokio::spawn(async move {
+                let Ok(server) = tokio::net::TcpStream::connect(to).await else {
+                    return;
+                };
+                let (cr, cw) = client.into_split();
+                let (sr, sw) = server.into_split();
+                tokio::join!(pump(cr, sw, rx.clone()), pump(sr, cw, rx));
+            });
+        }
+    });
+    (addr, dark)
+}
+
+/// Issue 11 §1: five pods, one blackholed both ways while it stays listed, 50 calls in flight
+/// with 2 s deadlines. Only calls sent to it in the first second may fail (the ones in flight,
+/// and those sent before its connection was found suspect); it gets no call from then on until
+/// it answers again, and is back in rotation within 5 s of answering.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_blackholed_pod_costs_no_call_after_the_first_second_and_returns_within_5s() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use tokio::time::Instant;
+    const PODS: usize = 5;
+    const IN_FLIGHT: usize = 50;
+    let pods = pods(PODS).await;
+    let mut eps = Vec::new();
+    let mut darks = Vec::new();
+    for p in &pods {
+        let (addr, dark) = blackholable(p.addr).await;
+        eps.push(Endpoint::new(addr, &p.name));
+        darks.push(dark);
+    }
+    let b = balancer(Config::default(), eps).await;
+    let c = client(b.addr).await;
+    let started = Instant::now();
+    // Bounded: 50 callers for at most 30 s (in practice ~14 s).
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for _ in 0..IN_FLIGHT {
+        let (mut c, stop) = (c.clone(), stop.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut calls = Vec::new();
+            let give_up = started + Duration::from_secs(30);
+            while !stop.load(Ordering::Relaxed) && Instant::now() < give_up {
+                let sent = Instant::now();
+                let mut r = tonic::Request::new(req(b"b"));
+                r.set_timeout(Duration::from_secs(2));
+                let result = c.echo(r).await.map(|r| r.into_inner().pod);
+                calls.push((sent, Instant::now(), result));
+            }
+            calls
+        }));
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let dark_at = Instant::now();
+    darks[4].send_replace(true);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let requests_at_1s = b.balancer.stats()[4].requests;
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    let stats_before_lift = b.balancer.stats();
+    let lit_at = Instant::now();
+    darks[4].send_replace(false);
+    // Back: in rotation again (not ejected, not degraded) within 5 s of answering.
+    let back_at = loop {
+        let s = &b.balancer.stats()[4];
+        if s.state == skewless_balancer::EndpointState::Active {
+            break Instant::now();
+        }
+        assert!(
+            lit_at.elapsed() < Duration::from_secs(5),
+            "the pod is back within 5 s of answering again: {:?}",
+            b.balancer.stats()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    stop.store(true, Ordering::Relaxed);
+    let mut calls = Vec::new();
+    for t in tasks {
+        calls.extend(t.await.expect("caller"));
+    }
+    // Seconds since the blackhole began (negative: before).
+    let at = |t: Instant| {
+        t.saturating_duration_since(dark_at).as_secs_f64()
+            - dark_at.saturating_duration_since(t).as_secs_f64()
+    };
+    let failed: Vec<_> = calls
+        .iter()
+        .filter_map(|(sent, ended, r)| r.as_ref().err().map(|s| (at(*sent), at(*ended), s)))
+        .collect();
+    let after_first_second = dark_at + Duration::from_secs(1);
+    let late: Vec<_> = calls
+        .iter()
+        .filter(|(sent, _, r)| *sent >= after_first_second && r.is_err())
+        .map(|(sent, ended, r)| (at(*sent), at(*ended), r.as_ref().err()))
+        .collect();
+    let served_by_4 = |from: Instant, to: Instant| {
+        calls
+            .iter()
+            .filter(|(_, ended, r)| {
+                *ended >= from && *ended < to && r.as_ref().is_ok_and(|p| p == "pod-4")
+            })
+            .count()
+    };
+    println!(
+        "{} calls; {} failed, all sent within {:.2} s of the blackhole; pod-4 back {:.2} s after \
+         answering, {} of its calls in the last 2 s",
+        calls.len(),
+        failed.len(),
+        failed.iter().map(|f| f.0).fold(0.0, f64::max),
+        (back_at - lit_at).as_secs_f64(),
+        served_by_4(back_at, back_at + Duration::from_secs(2)),
+    );
+    assert!(
+        failed.iter().all(|(_, ended, _)| *ended >= 0.0),
+        "nothing fails before the blackhole: {failed:?}"
+    );
+    assert!(
+        late.is_empty(),
+        "no call sent after the first second of the blackhole fails: {} of them: {:?}",
+        late.len(),
+        &late[..late.len().min(10)]
+    );
+    assert_eq!(
+        stats_before_lift[4].requests, requests_at_1s,
+        "no call goes to the blackholed pod after the first second, until it answers: {stats_before_lift:?}"
+    );
+    assert!(
+        served_by_4(back_at, back_at + Duration::from_secs(2)) > 0,
+        "once back in rotation it serves calls again"
+    );
+    b.stop().await;
+}
