@@ -92,7 +92,7 @@ fn lookups_find_dnat_entries_among_many_and_miss_absent_ones() {
 #[test]
 #[ignore = "privileged: network namespace and ctnetlink (run as root via cargo xtask test)"]
 fn the_resolver_asks_about_each_vip_connection_once() {
-    let (_tb, ct) = bed();
+    let (tb, ct) = bed();
     let entries: Vec<Entry> = (0..1_000).map(entry).collect();
     ct.open()
         .unwrap()
@@ -130,7 +130,7 @@ fn the_resolver_asks_about_each_vip_connection_once() {
     // are gone from the dump are forgotten.
     let mut flush = std::process::Command::new("nsenter");
     flush.args([
-        &format!("--net=/run/netns/{}", _tb.node(0).netns),
+        &format!("--net=/run/netns/{}", tb.node(0).netns),
         "conntrack",
         "-F",
     ]);

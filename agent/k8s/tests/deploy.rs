@@ -73,6 +73,10 @@ impl Object {
     }
 }
 
+#[expect(
+    clippy::unnecessary_box_returns,
+    reason = "every caller stores it in a boxed variant of Object"
+)]
 fn typed<T: serde::de::DeserializeOwned>(v: Value, what: &str) -> Box<T> {
     Box::new(serde_json::from_value(v).unwrap_or_else(|e| panic!("{what}: {e}")))
 }
@@ -128,7 +132,8 @@ fn objects_of(dir: &Path) -> Vec<Object> {
     kustomization_resources(dir)
         .iter()
         .flat_map(|p| {
-            let text = std::fs::read_to_string(p).unwrap_or_else(|e| panic!("{p:?}: {e}"));
+            let text =
+                std::fs::read_to_string(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
             parse_objects(&text, &p.display().to_string())
         })
         .collect()

@@ -19,7 +19,7 @@ use std::{
 use skewless_admin::json::{ObservedBackend, ObservedService};
 use skewless_datapath::{
     Datapath,
-    conntrack::{self, Attributed, Conntrack, Resolver},
+    conntrack::{self, Attributed, Conntrack, NatTable, Resolver},
 };
 use skewless_model::{Mode, ServiceKey, Snapshot as Model};
 use skewless_observe::{ServiceReport, ServiceSpec, Snapshot, aggregate};
@@ -69,7 +69,7 @@ pub async fn run(
                 }),
             };
             (
-                result.map_err(|e| (e, conntrack::attribute(&conns, &Default::default()))),
+                result.map_err(|e| (e, conntrack::attribute(&conns, &NatTable::default()))),
                 taken,
             )
         })

@@ -603,10 +603,9 @@ pub async fn wait_for<T: Clone, R>(
             rx.changed().await.expect("sender alive");
         }
     };
-    match tokio::time::timeout(timeout, fut).await {
-        Ok(r) => r,
-        Err(_) => panic!("timed out after {timeout:?} waiting for: {what}"),
-    }
+    tokio::time::timeout(timeout, fut)
+        .await
+        .unwrap_or_else(|_| panic!("timed out after {timeout:?} waiting for: {what}"))
 }
 
 /// Waits until `f` holds (polled every 10 ms), or panics after `timeout`.
