@@ -395,6 +395,22 @@ fn connection_opened_before_opt_in_is_left_alone_and_reported_pinned() {
     );
 }
 
+/// Waits until the agent has balanced more than 60 calls (the tests assert over 50 before
+/// their fault). A fixed sleep after spawning the client once injected the fault before the
+/// client's first 50 calls: its start-up time grows with the machine's load.
+fn wait_for_load(tb: &skewless_testbed::Testbed) {
+    wait_until("the load runs through the balancer", || {
+        status_json(tb)["services"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .flat_map(|s| s["endpoints"].as_array().into_iter().flatten())
+            .filter_map(|e| e["requests"].as_u64())
+            .sum::<u64>()
+            > 60
+    });
+}
+
 #[test]
 #[ignore = "privileged: needs root and the real kernel; run with `cargo xtask test`"]
 fn sigkill_under_grpc_load_every_call_a_second_later_succeeds() {
@@ -422,7 +438,7 @@ fn sigkill_under_grpc_load_every_call_a_second_later_succeeds() {
         &log_arg,
     ];
     let client_pid = spawn_long_client(&mut tb, &gen_dir, vip, 4, &extra);
-    std::thread::sleep(Duration::from_millis(1500));
+    wait_for_load(&tb);
     let killed_at = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
@@ -648,7 +664,7 @@ fn rolling_upgrade_under_grpc_load_fails_no_call() {
     let log_arg = log.display().to_string();
     let extra = ["--duration", "8", "--timeout", "5", "--log", &log_arg];
     let client = spawn_long_client(&mut tb, &gen_dir, vip, 4, &extra);
-    std::thread::sleep(Duration::from_millis(2000));
+    wait_for_load(&tb);
 
     // The upgrade: the old agent is told to stop (it removes its redirects, then drains its
     // balancers with the two-phase GOAWAY), and the new one starts while it drains. Both
