@@ -204,6 +204,22 @@ pub fn state_label(state: &str) -> &'static str {
     }
 }
 
+/// The exported value of connection mode's rotation policy state (bounded: unknown names map
+/// to `unknown`).
+#[must_use]
+pub fn rotation_state_label(state: &str) -> &'static str {
+    match state {
+        "idle" => "idle",
+        "balanced" => "balanced",
+        "holding" => "holding",
+        "rotating" => "rotating",
+        "waiting" => "waiting",
+        "as_even_as_possible" => "as_even_as_possible",
+        "disabled" => "disabled",
+        _ => "unknown",
+    }
+}
+
 impl Collector for AgentCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let s = self
@@ -385,6 +401,21 @@ impl Collector for AgentCollector {
             names::BALANCER_SKEW,
             services().filter_map(|(l, x)| x.balancer_skew.map(|k| (l, ConstGauge::new(k)))),
         )?;
+        let connection_mode =
+            || services().filter_map(|(l, x)| x.connection.as_ref().map(|c| (l, c)));
+        family(
+            &mut encoder,
+            names::UNROTATABLE_CONNECTIONS,
+            connection_mode().map(|(l, c)| (l, count(c.unrotatable_connections))),
+        )?;
+        family(
+            &mut encoder,
+            names::ROTATION_STATE,
+            connection_mode().map(|([service, vip], c)| {
+                let l: ReasonLabels<'_> = [service, vip, ("state", rotation_state_label(&c.state))];
+                (l, gauge(1))
+            }),
+        )?;
 
         let observed_backends = || {
             s.observed.iter().flat_map(|o| {
@@ -459,43 +490,46 @@ mod tests {
                 capacity: 65536,
             }],
             refused_peers: 1,
-            services: vec![ServiceStatus {
-                service: "ns/echo".to_owned(),
-                mode: "request".to_owned(),
-                vip: "10.0.0.1:80".to_owned(),
-                listener: "169.254.77.1:4000".to_owned(),
-                ready_endpoints: 1,
-                endpoints: vec![EndpointStatus {
-                    name: "echo-0".to_owned(),
-                    addr: "10.1.0.1:80".to_owned(),
-                    state: "NotServing".to_owned(),
-                    requests: 42,
-                    failures: 2,
-                    share: 1.0,
-                    latency_ms: Some(1.5),
-                    in_flight: 3,
-                    upstream_connections: 1,
-                    latency: latency.clone(),
-                    recent_p99: Some(0.2),
-                }],
-                latency_bounds: LATENCY_BOUNDS.to_vec(),
-                latency,
-                failures: crate::json::Failures {
-                    deadline: 2,
-                    ..crate::json::Failures::default()
+            services: vec![
+                ServiceStatus {
+                    service: "ns/echo".to_owned(),
+                    mode: "request".to_owned(),
+                    vip: "10.0.0.1:80".to_owned(),
+                    listener: "169.254.77.1:4000".to_owned(),
+                    ready_endpoints: 1,
+                    endpoints: vec![EndpointStatus {
+                        name: "echo-0".to_owned(),
+                        addr: "10.1.0.1:80".to_owned(),
+                        state: "NotServing".to_owned(),
+                        requests: 42,
+                        failures: 2,
+                        share: 1.0,
+                        latency_ms: Some(1.5),
+                        in_flight: 3,
+                        upstream_connections: 1,
+                        latency: latency.clone(),
+                        recent_p99: Some(0.2),
+                    }],
+                    latency_bounds: LATENCY_BOUNDS.to_vec(),
+                    latency,
+                    failures: crate::json::Failures {
+                        deadline: 2,
+                        ..crate::json::Failures::default()
+                    },
+                    retries: 4,
+                    ejections: 1,
+                    rotations: vec![crate::json::Rotation {
+                        reason: "max_age".to_owned(),
+                        count: 6,
+                    }],
+                    client_connections: 2,
+                    connection_bounds: CONNECTION_BOUNDS.to_vec(),
+                    connection_duration,
+                    balancer_skew: Some(1.0),
+                    connection: None,
                 },
-                retries: 4,
-                ejections: 1,
-                rotations: vec![crate::json::Rotation {
-                    reason: "max_age".to_owned(),
-                    count: 6,
-                }],
-                client_connections: 2,
-                connection_bounds: CONNECTION_BOUNDS.to_vec(),
-                connection_duration,
-                balancer_skew: Some(1.0),
-                connection: None,
-            }],
+                connection_mode(),
+            ],
             observed: vec![ObservedService {
                 service: "ns/obs".to_owned(),
                 mode: "observe".to_owned(),
@@ -513,6 +547,37 @@ mod tests {
                     received_per_sec: 0.0,
                 }],
             }],
+        }
+    }
+
+    /// A connection-mode Service port: one backend with two relayed connections.
+    fn connection_mode() -> ServiceStatus {
+        ServiceStatus {
+            service: "ns/conn".to_owned(),
+            mode: "connection".to_owned(),
+            vip: "10.0.0.3:80".to_owned(),
+            ready_endpoints: 1,
+            endpoints: vec![EndpointStatus {
+                name: "conn-0".to_owned(),
+                addr: "10.1.0.3:80".to_owned(),
+                state: "Active".to_owned(),
+                requests: 9,
+                upstream_connections: 2,
+                latency: Histogram::empty(LATENCY_BOUNDS),
+                ..EndpointStatus::default()
+            }],
+            latency_bounds: LATENCY_BOUNDS.to_vec(),
+            latency: Histogram::empty(LATENCY_BOUNDS),
+            connection_bounds: CONNECTION_BOUNDS.to_vec(),
+            connection_duration: Histogram::empty(CONNECTION_BOUNDS),
+            balancer_skew: Some(1.0),
+            connection: Some(crate::json::ConnectionStatus {
+                skew: 1.0,
+                state: "waiting".to_owned(),
+                unrotatable_connections: 1,
+                ..crate::json::ConnectionStatus::default()
+            }),
+            ..ServiceStatus::default()
         }
     }
 
@@ -585,6 +650,10 @@ mod tests {
             // The observed Service's ready backends, the balanced one's from its balancer.
             "skewless_service_ready_backends{service=\"ns/obs\",vip=\"10.0.0.2:80\"} 2\n",
             "skewless_service_ready_backends{service=\"ns/echo\",vip=\"10.0.0.1:80\"} 1\n",
+            // Connection mode: the relayed connections per backend, the policy's view.
+            "skewless_backend_upstream_connections{service=\"ns/conn\",vip=\"10.0.0.3:80\",backend=\"conn-0\"} 2\n",
+            "skewless_unrotatable_connections{service=\"ns/conn\",vip=\"10.0.0.3:80\"} 1\n",
+            "skewless_rotation_state{service=\"ns/conn\",vip=\"10.0.0.3:80\",state=\"waiting\"} 1\n",
         ] {
             assert!(text.contains(line), "{line} in {text}");
         }
@@ -598,7 +667,7 @@ mod tests {
         let text = Metrics::new(&model(), "1").encode(scrape).unwrap();
         let ready = text
             .lines()
-            .filter(|l| l.starts_with("skewless_service_ready_backends{"))
+            .filter(|l| l.starts_with("skewless_service_ready_backends{service=\"ns/echo\""))
             .count();
         assert_eq!(ready, 1, "one series per Service port: {text}");
     }

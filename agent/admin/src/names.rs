@@ -152,8 +152,8 @@ pub const BUILD_INFO: Family = Family::new(
     "The agent's version, in its label; always 1",
 );
 
-// Request mode, per backend (the per-backend table; nothing else per backend, see
-// docs/metrics.md on cardinality).
+// Per backend, both modes (the per-backend table; nothing else per backend, see
+// docs/metrics.md on cardinality). In connection mode a request is a relayed stream.
 pub const BACKEND_REQUESTS: Family = Family::new(
     "backend_requests",
     Kind::Counter,
@@ -176,7 +176,7 @@ pub const BACKEND_UPSTREAM_CONNECTIONS: Family = Family::new(
     "backend_upstream_connections",
     Kind::Gauge,
     BACKEND,
-    "Open HTTP/2 connections from the balancer to a backend",
+    "Open connections from the balancer to a backend: request mode's pooled HTTP/2 connections, connection mode's relayed client connections (one each)",
 );
 pub const BACKEND_STATE: Family = Family::new(
     "backend_state",
@@ -191,7 +191,7 @@ pub const BACKEND_LATENCY_P99: Family = Family::new(
     "The 99th percentile of a backend's request durations over the last 30 to 60 s, estimated from its request duration buckets",
 );
 
-// Request mode, per Service port.
+// Per Service port, both modes.
 pub const SERVICE_READY_BACKENDS: Family = Family::new(
     "service_ready_backends",
     Kind::Gauge,
@@ -202,7 +202,7 @@ pub const REQUEST_DURATION: Family = Family::new(
     "request_duration_seconds",
     Kind::Histogram,
     SERVICE,
-    "Durations of the calls the balancer answered, from the client's request headers to the end of the response (where the request's load completes), local answers included",
+    "Durations of the calls the balancer answered, from the client's request headers to the end of the response (where the request's load completes), local answers included; in connection mode, relayed streams from HEADERS to their end both ways or reset",
 );
 pub const REQUEST_FAILURES: Family = Family::new(
     "request_failures",
@@ -250,7 +250,21 @@ pub const BALANCER_SKEW: Family = Family::new(
     "balancer_skew",
     Kind::Gauge,
     SERVICE,
-    "Largest request share over the ready backends / fair share (1 = even), as the balancer sent requests over the last 30 to 60 s",
+    "Largest request share over the ready backends / fair share (1 = even), as the balancer sent requests over the last 30 to 60 s (connection mode: the rotation policy's own 30 s window)",
+);
+
+// Connection mode, per Service port.
+pub const UNROTATABLE_CONNECTIONS: Family = Family::new(
+    "unrotatable_connections",
+    Kind::Gauge,
+    SERVICE,
+    "Relayed client connections never rotated for skew because their client fails calls on a GOAWAY (tonic, recognised by its user-agent); connection mode",
+);
+pub const ROTATION_STATE: Family = Family::new(
+    "rotation_state",
+    Kind::Gauge,
+    &["service", "vip", "state"],
+    "Where connection mode's rotation policy stands: 1 on the series of that state (idle, balanced, holding, rotating, waiting: the budget or spacing holds the next rotation back, as_even_as_possible, disabled), the other states are not exported",
 );
 
 // Observed Services (eBPF, no balancer).
@@ -337,6 +351,8 @@ pub const ALL: &[Family] = &[
     CLIENT_CONNECTIONS,
     CLIENT_CONNECTION_DURATION,
     BALANCER_SKEW,
+    UNROTATABLE_CONNECTIONS,
+    ROTATION_STATE,
     OBSERVED_SKEW,
     OBSERVED_BACKENDS_RECEIVING,
     OBSERVED_BACKEND_SHARE,

@@ -79,7 +79,11 @@ impl Window {
                 e.recent_p99 = latency.quantile(&s.latency_bounds, 0.99);
                 recent_requests.push(requests);
             }
-            s.balancer_skew = skew(&recent_requests, s.ready_endpoints);
+            s.balancer_skew = match &s.connection {
+                // Connection mode: the rotation policy's own window, the skew it acts on.
+                Some(c) => (c.skew > 0.0).then_some(c.skew),
+                None => skew(&recent_requests, s.ready_endpoints),
+            };
         }
     }
 }
@@ -171,6 +175,28 @@ mod tests {
         assert_eq!(skew(&[10, 0], 4), Some(4.0), "all on one of four");
         assert_eq!(skew(&[0, 0], 2), None, "no requests, no skew");
         assert_eq!(skew(&[], 2), None);
+    }
+
+    #[test]
+    fn a_connection_mode_service_reports_its_rotation_policys_skew() {
+        let mut w = Window::default();
+        let mut svc = service(&[(100, [0; 4]), (0, [0; 4])], 2);
+        w.rotate(std::slice::from_ref(&svc));
+        svc.endpoints[0].requests = 200;
+        svc.connection = Some(crate::json::ConnectionStatus {
+            skew: 1.25,
+            ..crate::json::ConnectionStatus::default()
+        });
+        let mut now = [svc];
+        w.apply(&mut now);
+        assert_eq!(
+            now[0].balancer_skew,
+            Some(1.25),
+            "the policy's view, not the window's (2.0)"
+        );
+        now[0].connection.as_mut().unwrap().skew = 0.0;
+        w.apply(&mut now);
+        assert_eq!(now[0].balancer_skew, None, "no traffic, no skew");
     }
 
     #[test]

@@ -6,8 +6,8 @@
 //! the socket's own peer under socket-level balancing), and aggregate per Service and
 //! backend. Redirected connections are left out (they go to the
 //! balancer by design, and the balancer's own counters show where their requests went), so
-//! for a `request`-mode Service this shows the connections it does not balance: those opened
-//! before it opted in, still pinned.
+//! for a balanced (`request` or `connection` mode) Service this shows the connections it does
+//! not balance: those opened before it opted in, still pinned.
 
 use std::{
     collections::HashSet,
@@ -97,7 +97,7 @@ pub async fn run(
             .iter()
             .zip(&owners)
             // A balanced Service is only worth showing while unbalanced connections remain.
-            .filter(|(r, (_, mode))| *mode != Mode::Request || !r.backends.is_empty())
+            .filter(|(r, (_, mode))| *mode == Mode::Observe || !r.backends.is_empty())
             .map(|(r, (key, mode))| publish(key, *mode, r))
             .collect();
         debug!(
