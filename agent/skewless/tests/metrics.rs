@@ -288,16 +288,21 @@ fn metric_names(expr: &str) -> Vec<String> {
 }
 
 /// The services file of the end-to-end test: `echo` balanced (request mode) at `balanced`,
-/// `obs` observed at `observed` over the same pods, and `bad` with an invalid annotation (so
-/// the rejection counter has a series).
-fn write_two_services(
+/// `obs` observed at `observed` and `conn` in connection mode at `relayed`, over the same
+/// pods, and `bad` with an invalid annotation (so the rejection counter has a series).
+fn write_three_services(
     path: &std::path::Path,
     tb: &Testbed,
     balanced: SocketAddrV4,
     observed: SocketAddrV4,
+    relayed: SocketAddrV4,
 ) {
     let mut yaml = String::from("services:\n");
-    for (name, vip, mode) in [("echo", balanced, "request"), ("obs", observed, "observe")] {
+    for (name, vip, mode) in [
+        ("echo", balanced, "request"),
+        ("obs", observed, "observe"),
+        ("conn", relayed, "connection"),
+    ] {
         yaml.push_str(&format!(
             "  - name: {name}\n    clusterIPs: [\"{}\"]\n    mode: {mode}\n    ports:\n      - port: {p}\n        targetPort: {p}\n    endpoints:\n",
             vip.ip(),
@@ -324,6 +329,7 @@ fn a_real_prometheus_scrapes_the_agent_and_every_dashboard_query_and_rule_return
     use skewless_admin::monitoring;
     let balanced = SocketAddrV4::new(Ipv4Addr::new(198, 19, 0, 42), 50051);
     let observed = SocketAddrV4::new(Ipv4Addr::new(198, 19, 0, 43), 50051);
+    let relayed = SocketAddrV4::new(Ipv4Addr::new(198, 19, 0, 44), 50051);
     let mut b = Testbed::builder().nodes(1).pod("client", 0);
     for p in ECHO_PODS {
         b = b.pod(p, 0);
@@ -341,6 +347,13 @@ fn a_real_prometheus_scrapes_the_agent_and_every_dashboard_query_and_rule_return
             *observed.ip(),
             observed.port(),
             observed.port(),
+            &ECHO_PODS,
+        )
+        .service(
+            "conn",
+            *relayed.ip(),
+            relayed.port(),
+            relayed.port(),
             &ECHO_PODS,
         )
         .build()
@@ -362,18 +375,19 @@ fn a_real_prometheus_scrapes_the_agent_and_every_dashboard_query_and_rule_return
         .unwrap();
     }
     let services = TempPath::new(format!("skewless-test-services-{}.yaml", tb.id()));
-    write_two_services(&services, &tb, balanced, observed);
+    write_three_services(&services, &tb, balanced, observed, relayed);
     let traffic_from = std::time::SystemTime::now();
     spawn_file_agent(&mut tb, &services);
-    wait_until("the agent redirects the balanced Service", || {
-        services_in_status(&tb) == 1
+    wait_until("the agent redirects the balanced Services", || {
+        services_in_status(&tb) == 2
     });
     let prometheus = Prometheus::start(&mut tb);
 
     // Pinned pick_first clients: one to each Service (one connection each, calls until the
-    // test ends). The balanced one's calls are spread per request; the observed one's all go
-    // to the pod its connection was DNATed to.
-    for vip in [balanced, observed] {
+    // test ends). The request-mode one's calls are spread per request; the observed one's all
+    // go to the pod its connection was DNATed to; the connection-mode one's to the pod its
+    // connection was placed on (one connection cannot be spread: as even as possible).
+    for vip in [balanced, observed, relayed] {
         testbed_agent::spawn_long_client(&mut tb, &gen_dir, vip, 2, &[]);
     }
     // A broken services file for a moment: the agent keeps its last good state and counts the
@@ -397,15 +411,20 @@ fn a_real_prometheus_scrapes_the_agent_and_every_dashboard_query_and_rule_return
             &tb,
             r#"count(rate(skewless_backend_requests_total{service="default/echo"}[10s]) > 0) > 1"#,
         );
+        let relaying = prometheus.query(
+            &tb,
+            r#"rate(skewless_request_duration_seconds_count{service="default/conn"}[10s]) > 0"#,
+        );
         if !pinned.is_empty()
             && !balancing.is_empty()
+            && !relaying.is_empty()
             && started.elapsed() > Duration::from_secs(15)
         {
             break;
         }
         assert!(
             started.elapsed() < Duration::from_secs(90),
-            "Prometheus must see both Services within 90 s; its log: {}",
+            "Prometheus must see the three Services within 90 s; its log: {}",
             prometheus.log()
         );
         std::thread::sleep(Duration::from_secs(1));
@@ -424,8 +443,41 @@ fn a_real_prometheus_scrapes_the_agent_and_every_dashboard_query_and_rule_return
     assert_eq!(active[0]["health"], "up", "{targets}");
     assert_eq!(active[0]["lastError"], "", "{targets}");
 
-    // Every dashboard query, with the variables substituted, returns data for one of the two
-    // Services (request-mode panels for the balanced one, observed ones for the other).
+    // Connection mode as a scrape shows it: its one relayed connection on one backend, its
+    // calls timed, the policy's skew (all on one of four) and state, nothing unrotatable.
+    let conn = |name: &str| -> Vec<f64> {
+        samples(&text, name)
+            .into_iter()
+            .filter(|(l, _)| l.get("service").map(String::as_str) == Some("default/conn"))
+            .map(|(_, v)| v)
+            .collect()
+    };
+    assert_eq!(
+        conn("skewless_backend_upstream_connections")
+            .iter()
+            .sum::<f64>(),
+        1.0,
+        "one relayed connection: {text}"
+    );
+    assert!(
+        conn("skewless_request_duration_seconds_count")[0] > 0.0,
+        "connection mode's calls are timed: {text}"
+    );
+    let skew = conn("skewless_balancer_skew");
+    assert!(
+        skew.len() == 1 && (skew[0] - 4.0).abs() < 0.01,
+        "all calls on one of four backends, as the policy sees it: {skew:?}"
+    );
+    assert_eq!(conn("skewless_rotation_state"), [1.0], "one state: {text}");
+    assert_eq!(
+        conn("skewless_unrotatable_connections"),
+        [0.0],
+        "grpcio rotates"
+    );
+
+    // Every dashboard query, with the variables substituted, returns data for one of the three
+    // Services (request-mode panels for the balanced ones, observed ones for the other), and
+    // every query of a number connection mode reports returns data for `conn`.
     let dashboard: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(monitoring::dir().join(monitoring::DASHBOARD_FILE)).unwrap(),
     )
@@ -440,7 +492,7 @@ fn a_real_prometheus_scrapes_the_agent_and_every_dashboard_query_and_rule_return
     for panel in dashboard["panels"].as_array().unwrap() {
         for target in panel["targets"].as_array().unwrap() {
             let expr = target["expr"].as_str().unwrap();
-            let answered: Vec<&str> = ["default/echo", "default/obs"]
+            let answered: Vec<&str> = ["default/echo", "default/obs", "default/conn"]
                 .into_iter()
                 .filter(|svc| !prometheus.query(&tb, &substitute(expr, svc)).is_empty())
                 .collect();
@@ -449,6 +501,22 @@ fn a_real_prometheus_scrapes_the_agent_and_every_dashboard_query_and_rule_return
                 "panel {:?}: no data for {expr}",
                 panel["title"]
             );
+            let connection_mode = [
+                "skewless_backend_requests_total",
+                "skewless_backend_upstream_connections",
+                "skewless_request_duration_seconds",
+                "skewless_balancer_skew",
+                "skewless_client_connections",
+                "skewless_rotation_state",
+                "skewless_unrotatable_connections",
+            ];
+            if connection_mode.iter().any(|m| expr.contains(m)) {
+                assert!(
+                    answered.contains(&"default/conn"),
+                    "panel {:?}: no data for the connection-mode Service: {expr}",
+                    panel["title"]
+                );
+            }
             queries += 1;
         }
     }
@@ -529,9 +597,30 @@ fn a_real_prometheus_scrapes_the_agent_and_every_dashboard_query_and_rule_return
         "the pinned Service is flagged: {firing:?}"
     );
     assert!(
-        !firing.iter().any(|s| s == "default/echo"),
-        "the balanced Service is not: {firing:?}"
+        !firing
+            .iter()
+            .any(|s| s == "default/echo" || s == "default/conn"),
+        "the balanced Services are not: {firing:?}"
     );
+    // Connection mode's alerts are false for a Service that is as even as one connection can
+    // be and has nothing unrotatable (promtool's tests make them fire).
+    for alert in [
+        "SkewlessRotationBudgetExhausted",
+        "SkewlessConnectionsUnrotatable",
+    ] {
+        let expr = rules["groups"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|g| g["rules"].as_array().unwrap().iter())
+            .find(|r| r["name"] == alert)
+            .unwrap_or_else(|| panic!("{alert}"))["query"]
+            .as_str()
+            .unwrap()
+            .to_owned();
+        let firing = prometheus.query(&tb, &expr);
+        assert!(firing.is_empty(), "{alert}: {firing:?}");
+    }
 
     // With SKEWLESS_PANEL_DATA=DIR, run on for two minutes and keep the dashboard's time
     // series of this run for docs/metrics.md's pictures (`panel_charts` draws them).
