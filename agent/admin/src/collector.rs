@@ -410,6 +410,11 @@ impl Collector for AgentCollector {
         )?;
         family(
             &mut encoder,
+            names::NO_BACKEND_CONNECTIONS,
+            connection_mode().map(|(l, c)| (l, ConstCounter::new(c.no_backend))),
+        )?;
+        family(
+            &mut encoder,
             names::ROTATION_STATE,
             connection_mode().map(|([service, vip], c)| {
                 let l: ReasonLabels<'_> = [service, vip, ("state", rotation_state_label(&c.state))];
@@ -575,6 +580,7 @@ mod tests {
                 skew: 1.0,
                 state: "waiting".to_owned(),
                 unrotatable_connections: 1,
+                no_backend: 4,
                 ..crate::json::ConnectionStatus::default()
             }),
             ..ServiceStatus::default()
@@ -653,6 +659,7 @@ mod tests {
             // Connection mode: the relayed connections per backend, the policy's view.
             "skewless_backend_upstream_connections{service=\"ns/conn\",vip=\"10.0.0.3:80\",backend=\"conn-0\"} 2\n",
             "skewless_unrotatable_connections{service=\"ns/conn\",vip=\"10.0.0.3:80\"} 1\n",
+            "skewless_no_backend_connections_total{service=\"ns/conn\",vip=\"10.0.0.3:80\"} 4\n",
             "skewless_rotation_state{service=\"ns/conn\",vip=\"10.0.0.3:80\",state=\"waiting\"} 1\n",
         ] {
             assert!(text.contains(line), "{line} in {text}");

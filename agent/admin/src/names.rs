@@ -260,6 +260,12 @@ pub const UNROTATABLE_CONNECTIONS: Family = Family::new(
     SERVICE,
     "Relayed client connections never rotated for skew because their client fails calls on a GOAWAY (tonic, recognised by its user-agent); connection mode",
 );
+pub const NO_BACKEND_CONNECTIONS: Family = Family::new(
+    "no_backend_connections",
+    Kind::Counter,
+    SERVICE,
+    "Client connections closed before any byte was relayed because no backend could be connected (connection mode; the client sees its calls fail as UNAVAILABLE)",
+);
 pub const ROTATION_STATE: Family = Family::new(
     "rotation_state",
     Kind::Gauge,
@@ -352,6 +358,7 @@ pub const ALL: &[Family] = &[
     CLIENT_CONNECTION_DURATION,
     BALANCER_SKEW,
     UNROTATABLE_CONNECTIONS,
+    NO_BACKEND_CONNECTIONS,
     ROTATION_STATE,
     OBSERVED_SKEW,
     OBSERVED_BACKENDS_RECEIVING,
