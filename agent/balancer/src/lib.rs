@@ -49,6 +49,7 @@ pub mod connection;
 pub mod endpoint;
 pub mod endpoints;
 mod error;
+mod flood;
 pub mod grpc;
 pub mod health;
 mod io;

@@ -12,6 +12,7 @@ use tokio::net::TcpStream;
 use tokio::sync::watch;
 
 use crate::config::Config;
+use crate::flood::{FloodLimits, Guarded};
 use crate::linger::Lingering;
 use crate::pool::{self, Pool};
 use crate::proxy;
@@ -71,7 +72,11 @@ async fn serve(pool: Arc<Pool>, stream: TcpStream, mut stop: Stop<Config>) {
         .max_header_list_size(pool::MAX_HEADER_LIST)
         .max_send_buffer_size(pool::MAX_SEND_BUFFER)
         .max_local_error_reset_streams(Some(MAX_LOCAL_ERROR_RESETS))
-        .handshake::<_, Bytes>(Lingering::new(stream));
+        .handshake::<_, Bytes>(Guarded::new(
+            Lingering::new(stream),
+            FloodLimits::default(),
+            pool.counters.floods.clone(),
+        ));
     let mut conn = match tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake).await {
         Ok(Ok(conn)) => conn,
         Ok(Err(error)) => {

@@ -138,6 +138,12 @@ pub struct BalancerCounters {
     pub local_deadline_exceeded: u64,
     /// Endpoints ejected for failing.
     pub ejections: u64,
+    /// Client connections closed for a PING flood (more PINGs than the balancer answers).
+    pub ping_floods: u64,
+    /// Client connections closed for a SETTINGS flood.
+    pub settings_floods: u64,
+    /// Client connections closed for an RST_STREAM flood.
+    pub rst_stream_floods: u64,
 }
 
 /// Lock-free cells behind [`BalancerCounters`].
@@ -149,6 +155,8 @@ pub(crate) struct Counters {
     pub(crate) local_unavailable: std::sync::atomic::AtomicU64,
     pub(crate) upstream_failures: std::sync::atomic::AtomicU64,
     pub(crate) local_deadline_exceeded: std::sync::atomic::AtomicU64,
+    /// Client connections cut off for a flood (shared with each connection's guard).
+    pub(crate) floods: std::sync::Arc<crate::flood::FloodCounters>,
 }
 
 impl Counters {
@@ -167,6 +175,9 @@ impl Counters {
             local_deadline_exceeded: get(&self.local_deadline_exceeded),
             // The picker counts these; the pool adds them to the snapshot.
             ejections: 0,
+            ping_floods: get(&self.floods.ping),
+            settings_floods: get(&self.floods.settings),
+            rst_stream_floods: get(&self.floods.rst_stream),
         }
     }
 }

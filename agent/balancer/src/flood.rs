@@ -1,0 +1,349 @@
+//! Request mode's guard against clients that flood a connection with frames that cost the
+//! balancer work but carry no call: PINGs (each one answered), SETTINGS (each one applied and
+//! acknowledged) and RST_STREAMs (each one a stream torn down).
+//!
+//! h2 bounds what such frames make it hold (one pending PONG, one pending SETTINGS ack, reset
+//! streams capped by `max_pending_accept_reset_streams` and `max_local_error_reset_streams`),
+//! but not how many it processes: a client that reads its PONGs can keep a core busy answering
+//! them for as long as it likes. So the client's byte stream is followed frame by frame (the
+//! frame headers only, as [`crate::io`] does for upstreams; decoding stays h2's) and each kind
+//! spends from its own token bucket; a client that empties one is cut off (its connection
+//! ends as h2 sees a read error) and counted. The budgets are far above what a gRPC client
+//! sends (grpc-go's BDP and keepalive PINGs, one SETTINGS per connection, one RST_STREAM per
+//! cancelled call), the approach of Envoy's and nginx's HTTP/2 flood limits.
+
+use std::io;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll};
+
+use skewless_frame::{Follower, Kind};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::time::Instant;
+
+/// A token bucket: `burst` frames at once, refilled at `per_second`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct FrameBudget {
+    pub(crate) burst: u32,
+    pub(crate) per_second: u32,
+}
+
+/// The budgets of one client connection, per frame kind.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct FloodLimits {
+    /// PINGs that ask for an answer (not acks).
+    pub(crate) ping: FrameBudget,
+    /// SETTINGS that ask for an ack (not acks).
+    pub(crate) settings: FrameBudget,
+    /// RST_STREAMs (a cancelled call sends one).
+    pub(crate) rst_stream: FrameBudget,
+}
+
+impl Default for FloodLimits {
+    fn default() -> Self {
+        Self {
+            ping: FrameBudget {
+                burst: 1_000,
+                per_second: 1_000,
+            },
+            settings: FrameBudget {
+                burst: 100,
+                per_second: 10,
+            },
+            rst_stream: FrameBudget {
+                burst: 10_000,
+                per_second: 10_000,
+            },
+        }
+    }
+}
+
+/// Which budget a client emptied.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum Flood {
+    #[error("PING flood")]
+    Ping,
+    #[error("SETTINGS flood")]
+    Settings,
+    #[error("RST_STREAM flood")]
+    RstStream,
+}
+
+/// Client connections cut off for a flood, by kind.
+#[derive(Debug, Default)]
+pub(crate) struct FloodCounters {
+    pub(crate) ping: AtomicU64,
+    pub(crate) settings: AtomicU64,
+    pub(crate) rst_stream: AtomicU64,
+}
+
+impl FloodCounters {
+    fn count(&self, flood: Flood) {
+        let cell = match flood {
+            Flood::Ping => &self.ping,
+            Flood::Settings => &self.settings,
+            Flood::RstStream => &self.rst_stream,
+        };
+        cell.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+#[derive(Debug)]
+struct Bucket {
+    budget: FrameBudget,
+    tokens: f64,
+    at: Instant,
+}
+
+impl Bucket {
+    fn new(budget: FrameBudget, now: Instant) -> Self {
+        Self {
+            budget,
+            tokens: f64::from(budget.burst),
+            at: now,
+        }
+    }
+
+    /// Spends one token; false when there was none.
+    fn spend(&mut self, now: Instant) -> bool {
+        let elapsed = now.saturating_duration_since(self.at).as_secs_f64();
+        self.at = now;
+        self.tokens = (self.tokens + elapsed * f64::from(self.budget.per_second))
+            .min(f64::from(self.budget.burst));
+        if self.tokens < 1.0 {
+            return false;
+        }
+        self.tokens -= 1.0;
+        true
+    }
+}
+
+/// The per-connection state: where the frame boundaries are, and the buckets.
+#[derive(Debug)]
+pub(crate) struct FloodGuard {
+    frames: Follower,
+    ping: Bucket,
+    settings: Bucket,
+    rst_stream: Bucket,
+    tripped: Option<Flood>,
+}
+
+impl FloodGuard {
+    pub(crate) fn new(limits: FloodLimits, now: Instant) -> Self {
+        Self {
+            // Frame sizes are h2's to check: the follower accepts any.
+            frames: Follower::client(skewless_frame::MAX_MAX_FRAME_SIZE),
+            ping: Bucket::new(limits.ping, now),
+            settings: Bucket::new(limits.settings, now),
+            rst_stream: Bucket::new(limits.rst_stream, now),
+            tripped: None,
+        }
+    }
+
+    /// Follows `bytes` read from the client; the flood they complete, if any. Once tripped it
+    /// stays tripped. A broken preface or frame is h2's to report: the guard stops following.
+    pub(crate) fn feed(&mut self, mut bytes: &[u8], now: Instant) -> Option<Flood> {
+        if self.tripped.is_some() {
+            return self.tripped;
+        }
+        while let Ok(Some(head)) = self.frames.next_head(&mut bytes) {
+            let (bucket, flood) = match head.kind {
+                Kind::Ping if !head.is_ack() => (&mut self.ping, Flood::Ping),
+                Kind::Settings if !head.is_ack() => (&mut self.settings, Flood::Settings),
+                Kind::RstStream => (&mut self.rst_stream, Flood::RstStream),
+                _ => continue,
+            };
+            if !bucket.spend(now) {
+                self.tripped = Some(flood);
+                return self.tripped;
+            }
+        }
+        None
+    }
+}
+
+/// A client socket behind a [`FloodGuard`]: a read that completes a flood fails instead (h2
+/// ends the connection) and is counted once.
+pub(crate) struct Guarded<T> {
+    inner: T,
+    guard: FloodGuard,
+    counters: Arc<FloodCounters>,
+}
+
+impl<T> Guarded<T> {
+    pub(crate) fn new(inner: T, limits: FloodLimits, counters: Arc<FloodCounters>) -> Self {
+        Self {
+            inner,
+            guard: FloodGuard::new(limits, Instant::now()),
+            counters,
+        }
+    }
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for Guarded<T> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = &mut *self;
+        if let Some(flood) = this.guard.tripped {
+            return Poll::Ready(Err(io::Error::other(flood)));
+        }
+        let before = buf.filled().len();
+        let res = Pin::new(&mut this.inner).poll_read(cx, buf);
+        if matches!(res, Poll::Ready(Ok(()))) {
+            let new = &buf.filled()[before..];
+            if let Some(flood) = this.guard.feed(new, Instant::now()) {
+                this.counters.count(flood);
+                tracing::debug!(%flood, "client flood, closing its connection");
+                // What this read brought is not handed to h2.
+                buf.set_filled(before);
+                return Poll::Ready(Err(io::Error::other(flood)));
+            }
+        }
+        res
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for Guarded<T> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use bytes::BytesMut;
+    use skewless_frame::{Head, PREFACE, Ping};
+
+    use super::*;
+
+    fn frame(kind: Kind, flags: u8, stream_id: u32, len: u32) -> Vec<u8> {
+        let mut b = Head::new(kind, flags, stream_id, len).encode().to_vec();
+        b.resize(b.len() + len as usize, 0);
+        b
+    }
+
+    fn ping() -> Vec<u8> {
+        let mut b = BytesMut::new();
+        Ping {
+            ack: false,
+            opaque: [1; 8],
+        }
+        .encode(&mut b);
+        b.to_vec()
+    }
+
+    fn limits(burst: u32, per_second: u32) -> FloodLimits {
+        let b = FrameBudget { burst, per_second };
+        FloodLimits {
+            ping: b,
+            settings: b,
+            rst_stream: b,
+        }
+    }
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn a_burst_within_the_budget_passes_and_one_more_trips_it() {
+        let mut g = FloodGuard::new(limits(10, 10), Instant::now());
+        assert_eq!(g.feed(PREFACE, Instant::now()), None);
+        for _ in 0..10 {
+            assert_eq!(g.feed(&ping(), Instant::now()), None, "within the burst");
+        }
+        assert_eq!(g.feed(&ping(), Instant::now()), Some(Flood::Ping));
+        assert_eq!(
+            g.feed(&frame(Kind::Data, 0, 1, 0), Instant::now()),
+            Some(Flood::Ping),
+            "tripped for good"
+        );
+    }
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn a_steady_rate_at_the_refill_never_trips() {
+        let mut g = FloodGuard::new(limits(5, 100), Instant::now());
+        g.feed(PREFACE, Instant::now());
+        for _ in 0..10_000 {
+            tokio::time::advance(Duration::from_millis(10)).await;
+            assert_eq!(
+                g.feed(&ping(), Instant::now()),
+                None,
+                "100 per second is allowed"
+            );
+        }
+    }
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn each_kind_has_its_own_budget_and_acks_and_other_frames_are_free() {
+        let mut g = FloodGuard::new(limits(3, 1), Instant::now());
+        g.feed(PREFACE, Instant::now());
+        let mut bytes = Vec::new();
+        for _ in 0..3 {
+            bytes.extend(ping());
+            bytes.extend(frame(Kind::Settings, 0, 0, 0));
+            bytes.extend(frame(Kind::RstStream, 0, 1, 4));
+        }
+        for _ in 0..1_000 {
+            bytes.extend(frame(Kind::Settings, 0x1, 0, 0));
+            bytes.extend(frame(Kind::Ping, 0x1, 0, 8));
+            bytes.extend(frame(Kind::Data, 0, 1, 16));
+            bytes.extend(frame(Kind::WindowUpdate, 0, 0, 4));
+        }
+        assert_eq!(g.feed(&bytes, Instant::now()), None);
+        assert_eq!(
+            g.feed(&frame(Kind::Settings, 0, 0, 0), Instant::now()),
+            Some(Flood::Settings)
+        );
+        let mut g = FloodGuard::new(limits(3, 1), Instant::now());
+        g.feed(PREFACE, Instant::now());
+        let rsts: Vec<u8> = (0..4)
+            .flat_map(|i| frame(Kind::RstStream, 0, 2 * i + 1, 4))
+            .collect();
+        assert_eq!(g.feed(&rsts, Instant::now()), Some(Flood::RstStream));
+    }
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn frames_split_across_reads_are_followed() {
+        let mut g = FloodGuard::new(limits(2, 1), Instant::now());
+        let mut bytes = PREFACE.to_vec();
+        for _ in 0..3 {
+            bytes.extend(ping());
+        }
+        let mut tripped = None;
+        for b in bytes.chunks(1) {
+            tripped = tripped.or(g.feed(b, Instant::now()));
+        }
+        assert_eq!(
+            tripped,
+            Some(Flood::Ping),
+            "a byte at a time, the third PING trips it"
+        );
+    }
+}

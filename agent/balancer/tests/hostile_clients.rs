@@ -1,0 +1,244 @@
+//! Hostile clients in request mode (issue 11 §3): a client that floods its connection with
+//! PINGs, SETTINGS or RST_STREAMs is cut off and counted, and a well-behaved client of the same
+//! balancer is served all along. The hostile client is a raw TCP peer writing frames
+//! (skewless-frame's codec; the one header block is a static-table constant, never HPACK
+//! encoding), on loopback, bounded in bytes and time.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use bytes::BytesMut;
+use skewless_balancer::{Balancer, BalancerCounters, Config, Endpoint};
+use skewless_echo::SpawnedEcho;
+use skewless_echo::pb::EchoRequest;
+use skewless_echo::pb::echo_client::EchoClient;
+use skewless_frame::{Head, Kind, PREFACE, Ping, flags};
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{oneshot, watch};
+use tonic::transport::Channel;
+
+/// Frames the flooder may send before the test calls the balancer unbounded.
+const MAX_FRAMES: usize = 2_000_000;
+/// Frames per write.
+const CHUNK: usize = 2_000;
+
+fn frame(kind: Kind, flags: u8, stream_id: u32, payload: &[u8]) -> Vec<u8> {
+    let len = u32::try_from(payload.len()).expect("small");
+    let mut b = Head::new(kind, flags, stream_id, len).encode().to_vec();
+    b.extend_from_slice(payload);
+    b
+}
+
+fn ping() -> Vec<u8> {
+    let mut b = BytesMut::new();
+    Ping {
+        ack: false,
+        opaque: [7; 8],
+    }
+    .encode(&mut b);
+    b.to_vec()
+}
+
+/// The preface and an empty SETTINGS, as every client starts.
+fn start() -> Vec<u8> {
+    let mut b = PREFACE.to_vec();
+    b.extend(frame(Kind::Settings, 0, 0, &[]));
+    b
+}
+
+struct Bed {
+    addr: SocketAddr,
+    balancer: Arc<Balancer>,
+    _pod: SpawnedEcho,
+    _endpoints: watch::Sender<Vec<Endpoint>>,
+    stop: Option<oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Bed {
+    async fn start() -> Self {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_test_writer()
+            .try_init();
+        let pod = SpawnedEcho::start("127.0.0.1:0".parse().expect("addr"), "pod-0")
+            .await
+            .expect("echo starts");
+        let (tx, rx) = watch::channel(vec![Endpoint::new(pod.addr, "pod-0")]);
+        let balancer = Arc::new(Balancer::new(Config::default(), rx));
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let (stop, stopped) = oneshot::channel::<()>();
+        let b = balancer.clone();
+        let task = tokio::spawn(async move {
+            b.serve(listener, async {
+                let _ = stopped.await;
+            })
+            .await
+            .expect("serve");
+        });
+        Self {
+            addr,
+            balancer,
+            _pod: pod,
+            _endpoints: tx,
+            stop: Some(stop),
+            task,
+        }
+    }
+
+    async fn stop(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        tokio::time::timeout(Duration::from_secs(15), &mut self.task)
+            .await
+            .expect("the balancer drains")
+            .expect("serve task");
+    }
+}
+
+/// A well-behaved client calling in a loop until told to stop; the calls it made, and those
+/// that failed.
+fn good_client(
+    addr: SocketAddr,
+    stop: Arc<AtomicBool>,
+) -> tokio::task::JoinHandle<(usize, Vec<tonic::Status>)> {
+    tokio::spawn(async move {
+        let channel = Channel::from_shared(format!("http://{addr}"))
+            .expect("uri")
+            .timeout(Duration::from_secs(10))
+            .connect()
+            .await
+            .expect("the good client connects");
+        let mut c = EchoClient::new(channel);
+        let (mut calls, mut failed) = (0, Vec::new());
+        while !stop.load(Ordering::Relaxed) || calls < 20 {
+            let r = c
+                .echo(EchoRequest {
+                    payload: b"good".to_vec(),
+                    ..EchoRequest::default()
+                })
+                .await;
+            calls += 1;
+            if let Err(status) = r {
+                failed.push(status);
+            }
+        }
+        (calls, failed)
+    })
+}
+
+/// Connects, writes `opening`, then `unit` over and over (reading and discarding everything
+/// the balancer answers, so its PONGs and ACKs never push back) until the balancer closes the
+/// connection; the number of units written. Panics if it never does within `MAX_FRAMES` or
+/// 30 s.
+async fn flood(addr: SocketAddr, opening: &[u8], unit: &[u8]) -> usize {
+    let stream = TcpStream::connect(addr)
+        .await
+        .expect("the flooder connects");
+    let (mut rd, mut wr) = stream.into_split();
+    let closed = Arc::new(AtomicBool::new(false));
+    let reader = tokio::spawn({
+        let closed = closed.clone();
+        async move {
+            let mut buf = vec![0u8; 64 * 1024];
+            while let Ok(n) = rd.read(&mut buf).await {
+                if n == 0 {
+                    break;
+                }
+            }
+            closed.store(true, Ordering::Relaxed);
+        }
+    });
+    wr.write_all(opening).await.expect("the opening is written");
+    let chunk: Vec<u8> = unit.repeat(CHUNK);
+    let sent = AtomicUsize::new(0);
+    let flooding = async {
+        while sent.load(Ordering::Relaxed) < MAX_FRAMES && !closed.load(Ordering::Relaxed) {
+            if wr.write_all(&chunk).await.is_err() {
+                break;
+            }
+            sent.fetch_add(CHUNK, Ordering::Relaxed);
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(30), flooding)
+        .await
+        .expect("the flood is bounded in time");
+    tokio::time::timeout(Duration::from_secs(10), reader)
+        .await
+        .expect("the balancer closes the flooding connection")
+        .expect("reader");
+    let sent = sent.load(Ordering::Relaxed);
+    assert!(
+        sent < MAX_FRAMES,
+        "the balancer cut the flood off before {MAX_FRAMES} frames"
+    );
+    sent
+}
+
+/// Runs `flood` against a balancer that a good client uses all along; the flood's frame
+/// count and the balancer's counters afterwards.
+async fn flooded_while_serving(opening: Vec<u8>, unit: Vec<u8>) -> (usize, BalancerCounters) {
+    let bed = Bed::start().await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let good = good_client(bed.addr, stop.clone());
+    let sent = flood(bed.addr, &opening, &unit).await;
+    stop.store(true, Ordering::Relaxed);
+    let (calls, failed) = good.await.expect("good client");
+    assert!(
+        failed.is_empty(),
+        "the good client is unaffected: {} of {calls} calls failed, first {:?}",
+        failed.len(),
+        failed.first()
+    );
+    let counters = bed.balancer.counters();
+    bed.stop().await;
+    (sent, counters)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ping_flood_is_cut_off_and_counted_and_other_clients_are_served() {
+    let (sent, counters) = flooded_while_serving(start(), ping()).await;
+    assert_eq!(
+        counters.ping_floods, 1,
+        "the flood is counted once: {counters:?}"
+    );
+    assert_eq!(counters.settings_floods + counters.rst_stream_floods, 0);
+    eprintln!("PING flood cut off after {sent} frames written");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_settings_flood_is_cut_off_and_counted_and_other_clients_are_served() {
+    let (sent, counters) = flooded_while_serving(start(), frame(Kind::Settings, 0, 0, &[])).await;
+    assert_eq!(
+        counters.settings_floods, 1,
+        "the flood is counted once: {counters:?}"
+    );
+    assert_eq!(counters.ping_floods + counters.rst_stream_floods, 0);
+    eprintln!("SETTINGS flood cut off after {sent} frames written");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_rst_stream_flood_on_a_closed_stream_is_cut_off_and_counted() {
+    // One stream (GET /, a static-table header block), then RST_STREAM on it again and
+    // again: h2 ignores a reset of a closed stream, so only the guard can stop this.
+    let mut opening = start();
+    opening.extend(frame(
+        Kind::Headers,
+        flags::END_HEADERS | flags::END_STREAM,
+        1,
+        &[0x82, 0x86, 0x84],
+    ));
+    let rst = frame(Kind::RstStream, 0, 1, &8u32.to_be_bytes());
+    let (sent, counters) = flooded_while_serving(opening, rst).await;
+    assert_eq!(
+        counters.rst_stream_floods, 1,
+        "the flood is counted once: {counters:?}"
+    );
+    assert_eq!(counters.ping_floods + counters.settings_floods, 0);
+    eprintln!("RST_STREAM flood cut off after {sent} frames written");
+}
