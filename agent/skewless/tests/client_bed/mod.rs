@@ -156,6 +156,32 @@ impl ClientBed {
     /// Starts the agent attached to every client pod (only their networks may use the
     /// balancer) and waits until the Service is redirected.
     pub fn start_agent(&mut self) {
+        self.spawn_agent();
+        self.wait_status("the agent redirects the Service", |s| {
+            s["services"].as_array().is_some_and(|v| !v.is_empty())
+        });
+    }
+
+    /// Starts the agent for a Service it does not redirect (`observe`: plain L4, the control
+    /// of the tests that show a mode's effect) and waits for its admin API.
+    pub fn start_agent_unredirected(&mut self) {
+        self.spawn_agent();
+        self.wait_status("the agent serves its admin API", |s| s.is_object());
+    }
+
+    fn wait_status(&self, what: &str, done: impl Fn(&serde_json::Value) -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !done(&self.status()) {
+            assert!(
+                Instant::now() < deadline,
+                "{what} within 20 s: {}",
+                self.status()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    fn spawn_agent(&mut self) {
         let mut argv: Vec<String> = vec![
             env!("CARGO_BIN_EXE_skewless").into(),
             "agent".into(),
@@ -172,18 +198,6 @@ impl ClientBed {
         }
         let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
         self.agent = Some(self.tb.spawn(Place::Node(0), &argv).unwrap());
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while self.status()["services"]
-            .as_array()
-            .is_none_or(Vec::is_empty)
-        {
-            assert!(
-                Instant::now() < deadline,
-                "the agent redirects the Service within 20 s: {}",
-                self.status()
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
     }
 
     pub fn status(&self) -> serde_json::Value {
