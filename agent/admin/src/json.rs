@@ -76,11 +76,18 @@ pub struct ServiceStatus {
 
 /// A connection-mode Service port: how even its connections are and what rotation does.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
 pub struct ConnectionStatus {
     /// Largest request share / fair share over the ready backends, last 30 s (1 = even).
     pub skew: f64,
     /// The same over the current placement (each connection at its recent rate).
     pub live_skew: f64,
+    /// The Service's `skew-threshold`: rotation starts above it.
+    pub skew_threshold: f64,
+    /// Backends that take new connections (listed, serving, not ejected).
+    pub ready_backends: usize,
+    /// Relayed client connections open now (per backend: its `upstream_connections`).
+    pub connections: usize,
     /// Where the rotation policy stands: idle, balanced, holding, rotating, waiting,
     /// as_even_as_possible, disabled.
     pub state: String,

@@ -6,7 +6,7 @@
 
 use std::{fmt::Write as _, time::Duration};
 
-use crate::json::{EndpointStatus, Histogram, ServiceStatus, Status};
+use crate::json::{ConnectionStatus, EndpointStatus, Histogram, ServiceStatus, Status};
 
 /// The human-readable form of `now`; with `earlier` (a document taken `interval` before), also
 /// calls per second, success rate and p50/p99 per Service and backend over that interval.
@@ -152,6 +152,10 @@ fn write_status(
                 interval.as_secs_f64(),
             )?;
         }
+        if let Some(c) = &svc.connection {
+            write_connection(out, svc, c, then)?;
+            continue;
+        }
         writeln!(
             out,
             "  {:<12} {:<22} {:<10} {:>9} {:>8} {:>7} {:>10} {:>9} {:>8} {:>7} {:>7}",
@@ -195,6 +199,76 @@ fn write_status(
                 Recent::columns(recent.as_ref())
             )?;
         }
+    }
+    Ok(())
+}
+
+/// A connection-mode Service's rotation view and its backends: relayed connections and
+/// request shares (a relay times calls per Service, not per backend).
+fn write_connection(
+    out: &mut String,
+    svc: &ServiceStatus,
+    c: &ConnectionStatus,
+    then: Option<(&ServiceStatus, Duration)>,
+) -> std::fmt::Result {
+    writeln!(
+        out,
+        "  skew {:.2} (live {:.2}, threshold {:.2}), rotation {}; {} backends take connections; \
+         {} connections, {} unrotatable (tonic)",
+        c.skew,
+        c.live_skew,
+        c.skew_threshold,
+        c.state,
+        c.ready_backends,
+        c.connections,
+        c.unrotatable_connections,
+    )?;
+    let reasons: Vec<String> = svc
+        .rotations
+        .iter()
+        .map(|r| format!("{} {}", r.reason, r.count))
+        .collect();
+    writeln!(
+        out,
+        "  rotations: {} for skew in the last minute; since start: {}",
+        c.rotations_last_minute,
+        reasons.join(", ")
+    )?;
+    if c.no_backend > 0 {
+        writeln!(
+            out,
+            "  {} client connections closed: no backend could be connected",
+            c.no_backend
+        )?;
+    }
+    if c.as_even_as_possible {
+        writeln!(
+            out,
+            "  as even as connection mode can be: use mode request (it balances per call; \
+             no connection can move to lower the skew)"
+        )?;
+    }
+    writeln!(
+        out,
+        "  {:<12} {:<22} {:<10} {:>6} {:>9} {:>7} {:>9} {:>13}",
+        "BACKEND", "ADDRESS", "STATE", "CONNS", "REQUESTS", "SHARE", "RPS", "CONNECT FAILS"
+    )?;
+    for e in &svc.endpoints {
+        let rps = then.map_or_else(
+            || "-".to_owned(),
+            |(t, interval)| {
+                let before = find_endpoint(t, e).map_or(0, |b| b.requests);
+                #[expect(clippy::cast_precision_loss, reason = "counts far below 2^52")]
+                let per_sec =
+                    e.requests.saturating_sub(before) as f64 / interval.as_secs_f64().max(1e-9);
+                format!("{per_sec:.1}")
+            },
+        );
+        writeln!(
+            out,
+            "  {:<12} {:<22} {:<10} {:>6} {:>9} {:>7.3} {:>9} {:>13}",
+            e.name, e.addr, e.state, e.upstream_connections, e.requests, e.share, rps, e.failures
+        )?;
     }
     Ok(())
 }
@@ -264,5 +338,105 @@ mod tests {
         assert!(!text.contains("calls "), "{text}");
         let row = text.lines().find(|l| l.contains("echo-0")).unwrap();
         assert!(row.ends_with("        -        -       -       -"), "{row}");
+    }
+
+    fn connection(requests: [u64; 2], as_even_as_possible: bool) -> Status {
+        let endpoint = |i: usize, conns: u64| EndpointStatus {
+            name: format!("echo-{i}"),
+            addr: format!("10.1.0.{i}:80"),
+            state: "Active".into(),
+            requests: requests[i],
+            upstream_connections: conns,
+            share: 0.5,
+            ..EndpointStatus::default()
+        };
+        Status {
+            node: "n1".into(),
+            services: vec![ServiceStatus {
+                service: "ns/echo".into(),
+                mode: "connection".into(),
+                vip: "10.0.0.1:80".into(),
+                listener: "169.254.77.1:4000".into(),
+                ready_endpoints: 2,
+                endpoints: vec![endpoint(0, 3), endpoint(1, 1)],
+                latency_bounds: BOUNDS.to_vec(),
+                latency: Histogram::empty(BOUNDS),
+                rotations: vec![
+                    crate::json::Rotation {
+                        reason: "skew".into(),
+                        count: 4,
+                    },
+                    crate::json::Rotation {
+                        reason: "drain".into(),
+                        count: 0,
+                    },
+                ],
+                connection: Some(ConnectionStatus {
+                    skew: 2.0,
+                    live_skew: 1.8,
+                    skew_threshold: 1.5,
+                    state: "rotating".into(),
+                    ready_backends: 2,
+                    connections: 4,
+                    backends_receiving: 2,
+                    rotations_last_minute: 3,
+                    unrotatable_connections: 1,
+                    as_even_as_possible,
+                    no_backend: 0,
+                }),
+                ..ServiceStatus::default()
+            }],
+            redirects: Vec::new(),
+            connect_seen: 0,
+            connect_redirected: 0,
+            refused_peers: 0,
+            observed: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn a_connection_mode_service_shows_its_skew_rotations_and_connections_per_backend() {
+        let then = connection([100, 0], false);
+        let now = connection([300, 50], false);
+        let text = status_text(&now, Some((&then, Duration::from_secs(2))));
+        assert!(
+            text.contains(
+                "skew 2.00 (live 1.80, threshold 1.50), rotation rotating; 2 backends take \
+                 connections; 4 connections, 1 unrotatable (tonic)"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains("rotations: 3 for skew in the last minute; since start: skew 4, drain 0"),
+            "{text}"
+        );
+        let row = text.lines().find(|l| l.contains("echo-0")).unwrap();
+        assert_eq!(
+            row.split_whitespace().collect::<Vec<_>>(),
+            [
+                "echo-0",
+                "10.1.0.0:80",
+                "Active",
+                "3",
+                "300",
+                "0.500",
+                "100.0",
+                "0"
+            ],
+            "connections, requests, share, requests per second over the interval: {row}"
+        );
+        assert!(!text.contains("EWMA"), "no request-mode columns: {text}");
+        assert!(!text.contains("use mode request"), "{text}");
+    }
+
+    #[test]
+    fn a_connection_mode_service_as_even_as_it_can_be_points_to_request_mode() {
+        let text = status_text(&connection([1, 0], true), None);
+        assert!(
+            text.contains("as even as connection mode can be: use mode request"),
+            "{text}"
+        );
+        let row = text.lines().find(|l| l.contains("echo-1")).unwrap();
+        assert!(row.contains(" - "), "no rate from one document: {row}");
     }
 }

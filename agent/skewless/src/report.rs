@@ -94,10 +94,9 @@ pub fn connection_status(
         state,
         skew,
         live_skew,
-        // The model's count is the one every mode reports.
-        ready_backends: _,
+        ready_backends,
         backends_receiving,
-        connections: _,
+        connections,
         unrotatable_connections,
         // The metric cells below carry them (the same cells).
         rotations: _,
@@ -137,6 +136,9 @@ pub fn connection_status(
         connection: Some(ConnectionStatus {
             skew,
             live_skew,
+            skew_threshold: balancer.config().rotation.skew_threshold,
+            ready_backends,
+            connections,
             state: policy_state(state).to_owned(),
             backends_receiving,
             rotations_last_minute,

@@ -620,7 +620,11 @@ async fn connection_mode_redirects_only_to_a_listener_that_relays_and_reports_it
     assert_eq!(status[0].mode, "connection");
     let connection = status[0].connection.as_ref().expect("connection figures");
     assert!(!connection.as_even_as_possible);
+    assert_eq!(connection.ready_backends, 1, "{connection:?}");
+    assert_eq!(connection.skew_threshold, 1.5, "the annotation's default");
+    assert_eq!(connection.state, "idle", "no traffic yet: {connection:?}");
     assert_eq!(status[0].endpoints.len(), 1, "{status:?}");
+    assert_eq!(status[0].endpoints[0].state, "Active", "{status:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
