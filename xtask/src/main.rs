@@ -364,6 +364,18 @@ fn test(args: TestArgs) -> Result<()> {
         docs.args(["doc", "--workspace", "--no-deps"])
             .env("RUSTDOCFLAGS", "-D warnings");
         tiers.push(("docs (warnings denied)", docs));
+        // deny.toml: licences, banned/wildcard dependencies, sources (crates.io only). The
+        // advisories check needs the network and is not run.
+        let mut deny = cargo();
+        deny.args([
+            "deny",
+            "check",
+            "--hide-inclusion-graph",
+            "licenses",
+            "bans",
+            "sources",
+        ]);
+        tiers.push(("dependency policy (cargo deny)", deny));
         let mut unit_tests = cargo();
         unit_tests
             .args(["test", "--workspace", "--"])

@@ -36,6 +36,9 @@ const BPF_LINKER_VERSION: &str = "0.13.0";
 /// cargo-fuzz version the fuzz tier runs (`cargo xtask fuzz`, `cargo xtask test`).
 const CARGO_FUZZ_VERSION: &str = "0.13.2";
 
+/// cargo-deny version the dependency-policy tier runs (`deny.toml`, `cargo xtask test`).
+const CARGO_DENY_VERSION: &str = "0.20.2";
+
 /// Python packages for the independent gRPC peers (grpcio clients and servers).
 const PYTHON_PACKAGES: &[&str] = &[
     "grpcio==1.85.*",
@@ -84,6 +87,11 @@ const STEPS: &[Step] = &[
         name: "cargo-fuzz (the fuzz tier)",
         missing: missing_cargo_fuzz,
         install: install_cargo_fuzz,
+    },
+    Step {
+        name: "cargo-deny (the dependency-policy tier)",
+        missing: missing_cargo_deny,
+        install: install_cargo_deny,
     },
     Step {
         name: "kubectl (renders deploy/ with kustomize)",
@@ -409,6 +417,27 @@ fn install_cargo_fuzz() -> Result<()> {
         "cargo-fuzz",
         "--version",
         CARGO_FUZZ_VERSION,
+        "--locked",
+    ]))
+}
+
+fn missing_cargo_deny() -> Option<String> {
+    match output(Command::new("rustup").args(["run", "stable", "cargo", "deny", "--version"])) {
+        Ok(v) if v.contains(CARGO_DENY_VERSION) => None,
+        Ok(v) => Some(format!("found {}, need {CARGO_DENY_VERSION}", v.trim())),
+        Err(_) => Some(format!("building cargo-deny {CARGO_DENY_VERSION}")),
+    }
+}
+
+fn install_cargo_deny() -> Result<()> {
+    run(Command::new("rustup").args([
+        "run",
+        "stable",
+        "cargo",
+        "install",
+        "cargo-deny",
+        "--version",
+        CARGO_DENY_VERSION,
         "--locked",
     ]))
 }

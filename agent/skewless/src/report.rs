@@ -14,6 +14,7 @@ use skewless_balancer::{
         ServiceSnapshot,
     },
 };
+use skewless_model::Mode;
 
 /// Where a Service port is balanced.
 pub struct Port<'a> {
@@ -115,7 +116,7 @@ pub fn connection_status(
     } = balancer.metrics();
     ServiceStatus {
         service,
-        mode: "connection".to_owned(),
+        mode: Mode::Connection.to_string(),
         vip,
         listener,
         ready_endpoints,
