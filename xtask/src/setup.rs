@@ -401,43 +401,40 @@ fn install_rust_components() -> Result<()> {
 }
 
 fn missing_cargo_fuzz() -> Option<String> {
-    match output(Command::new("rustup").args(["run", "stable", "cargo", "fuzz", "--version"])) {
-        Ok(v) if v.contains(CARGO_FUZZ_VERSION) => None,
-        Ok(v) => Some(format!("found {}, need {CARGO_FUZZ_VERSION}", v.trim())),
-        Err(_) => Some(format!("building cargo-fuzz {CARGO_FUZZ_VERSION}")),
-    }
+    missing_cargo_subcommand("fuzz", CARGO_FUZZ_VERSION)
 }
 
 fn install_cargo_fuzz() -> Result<()> {
-    run(Command::new("rustup").args([
-        "run",
-        "stable",
-        "cargo",
-        "install",
-        "cargo-fuzz",
-        "--version",
-        CARGO_FUZZ_VERSION,
-        "--locked",
-    ]))
+    install_cargo_subcommand("fuzz", CARGO_FUZZ_VERSION)
 }
 
 fn missing_cargo_deny() -> Option<String> {
-    match output(Command::new("rustup").args(["run", "stable", "cargo", "deny", "--version"])) {
-        Ok(v) if v.contains(CARGO_DENY_VERSION) => None,
-        Ok(v) => Some(format!("found {}, need {CARGO_DENY_VERSION}", v.trim())),
-        Err(_) => Some(format!("building cargo-deny {CARGO_DENY_VERSION}")),
-    }
+    missing_cargo_subcommand("deny", CARGO_DENY_VERSION)
 }
 
 fn install_cargo_deny() -> Result<()> {
+    install_cargo_subcommand("deny", CARGO_DENY_VERSION)
+}
+
+/// Why `cargo-<name>` `version` needs installing for the stable toolchain, if it does.
+fn missing_cargo_subcommand(name: &str, version: &str) -> Option<String> {
+    match output(Command::new("rustup").args(["run", "stable", "cargo", name, "--version"])) {
+        Ok(v) if v.contains(version) => None,
+        Ok(v) => Some(format!("found {}, need {version}", v.trim())),
+        Err(_) => Some(format!("building cargo-{name} {version}")),
+    }
+}
+
+/// Builds `cargo-<name>` `version` from crates.io with its own lock file.
+fn install_cargo_subcommand(name: &str, version: &str) -> Result<()> {
     run(Command::new("rustup").args([
         "run",
         "stable",
         "cargo",
         "install",
-        "cargo-deny",
+        &format!("cargo-{name}"),
         "--version",
-        CARGO_DENY_VERSION,
+        version,
         "--locked",
     ]))
 }
