@@ -7,7 +7,7 @@
 //! but not how many it processes: a client that reads its PONGs can keep a core busy answering
 //! them for as long as it likes. So the client's byte stream is followed frame by frame (the
 //! frame headers only, as [`crate::io`] does for upstreams; decoding stays h2's) and each kind
-//! spends from its own token bucket; a client that empties one is cut off (its connection
+//! spends from its own token bucket ([`crate::budget`]); a client that empties one is cut off (its connection
 //! ends as h2 sees a read error) and counted. The budgets are far above what a gRPC client
 //! sends (grpc-go's BDP and keepalive PINGs, one SETTINGS per connection, one RST_STREAM per
 //! cancelled call), the approach of Envoy's and nginx's HTTP/2 flood limits.
@@ -15,117 +15,20 @@
 use std::io;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
 
-use skewless_frame::{Follower, Kind};
+use skewless_frame::Follower;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::time::Instant;
 
-/// A token bucket: `burst` frames at once, refilled at `per_second`.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub(crate) struct FrameBudget {
-    pub(crate) burst: u32,
-    pub(crate) per_second: u32,
-}
-
-/// The budgets of one client connection, per frame kind.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub(crate) struct FloodLimits {
-    /// PINGs that ask for an answer (not acks).
-    pub(crate) ping: FrameBudget,
-    /// SETTINGS that ask for an ack (not acks).
-    pub(crate) settings: FrameBudget,
-    /// RST_STREAMs (a cancelled call sends one).
-    pub(crate) rst_stream: FrameBudget,
-}
-
-impl Default for FloodLimits {
-    fn default() -> Self {
-        Self {
-            ping: FrameBudget {
-                burst: 1_000,
-                per_second: 1_000,
-            },
-            settings: FrameBudget {
-                burst: 100,
-                per_second: 10,
-            },
-            rst_stream: FrameBudget {
-                burst: 10_000,
-                per_second: 10_000,
-            },
-        }
-    }
-}
-
-/// Which budget a client emptied.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-pub(crate) enum Flood {
-    #[error("PING flood")]
-    Ping,
-    #[error("SETTINGS flood")]
-    Settings,
-    #[error("RST_STREAM flood")]
-    RstStream,
-}
-
-/// Client connections cut off for a flood, by kind.
-#[derive(Debug, Default)]
-pub(crate) struct FloodCounters {
-    pub(crate) ping: AtomicU64,
-    pub(crate) settings: AtomicU64,
-    pub(crate) rst_stream: AtomicU64,
-}
-
-impl FloodCounters {
-    fn count(&self, flood: Flood) {
-        let cell = match flood {
-            Flood::Ping => &self.ping,
-            Flood::Settings => &self.settings,
-            Flood::RstStream => &self.rst_stream,
-        };
-        cell.fetch_add(1, Ordering::Relaxed);
-    }
-}
-
-#[derive(Debug)]
-struct Bucket {
-    budget: FrameBudget,
-    tokens: f64,
-    at: Instant,
-}
-
-impl Bucket {
-    fn new(budget: FrameBudget, now: Instant) -> Self {
-        Self {
-            budget,
-            tokens: f64::from(budget.burst),
-            at: now,
-        }
-    }
-
-    /// Spends one token; false when there was none.
-    fn spend(&mut self, now: Instant) -> bool {
-        let elapsed = now.saturating_duration_since(self.at).as_secs_f64();
-        self.at = now;
-        self.tokens = (self.tokens + elapsed * f64::from(self.budget.per_second))
-            .min(f64::from(self.budget.burst));
-        if self.tokens < 1.0 {
-            return false;
-        }
-        self.tokens -= 1.0;
-        true
-    }
-}
+use crate::budget::FrameBudgets;
+pub(crate) use crate::budget::{Flood, FloodCounters, FloodLimits};
 
 /// The per-connection state: where the frame boundaries are, and the buckets.
 #[derive(Debug)]
 pub(crate) struct FloodGuard {
     frames: Follower,
-    ping: Bucket,
-    settings: Bucket,
-    rst_stream: Bucket,
+    budgets: FrameBudgets,
     tripped: Option<Flood>,
 }
 
@@ -134,9 +37,7 @@ impl FloodGuard {
         Self {
             // Frame sizes are h2's to check: the follower accepts any.
             frames: Follower::client(skewless_frame::MAX_MAX_FRAME_SIZE),
-            ping: Bucket::new(limits.ping, now),
-            settings: Bucket::new(limits.settings, now),
-            rst_stream: Bucket::new(limits.rst_stream, now),
+            budgets: FrameBudgets::new(limits, now),
             tripped: None,
         }
     }
@@ -148,13 +49,7 @@ impl FloodGuard {
             return self.tripped;
         }
         while let Ok(Some(head)) = self.frames.next_head(&mut bytes) {
-            let (bucket, flood) = match head.kind {
-                Kind::Ping if !head.is_ack() => (&mut self.ping, Flood::Ping),
-                Kind::Settings if !head.is_ack() => (&mut self.settings, Flood::Settings),
-                Kind::RstStream => (&mut self.rst_stream, Flood::RstStream),
-                _ => continue,
-            };
-            if !bucket.spend(now) {
+            if let Some(flood) = self.budgets.spend(&head, now) {
                 self.tripped = Some(flood);
                 return self.tripped;
             }
@@ -242,7 +137,9 @@ mod tests {
     use std::time::Duration;
 
     use bytes::BytesMut;
-    use skewless_frame::{Head, PREFACE, Ping};
+    use skewless_frame::{Head, Kind, PREFACE, Ping};
+
+    use crate::budget::FrameBudget;
 
     use super::*;
 

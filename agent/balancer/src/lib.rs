@@ -44,6 +44,7 @@
 //! connection mode is [`connection`] (placement, the skew policy, rotations) over [`relay`].
 #![forbid(unsafe_code)]
 
+mod budget;
 pub mod config;
 pub mod connection;
 pub mod endpoint;
