@@ -53,7 +53,7 @@ impl Default for FloodLimits {
 
 /// Which budget a client emptied.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-pub(crate) enum Flood {
+pub enum Flood {
     #[error("PING flood")]
     Ping,
     #[error("SETTINGS flood")]
@@ -109,6 +109,12 @@ impl Bucket {
         self.tokens -= 1.0;
         true
     }
+}
+
+/// Whether a frame of this kind spends from a budget (so a caller can skip reading the clock
+/// for every other frame).
+pub(crate) fn budgeted(head: &Head) -> bool {
+    matches!(head.kind, Kind::Ping | Kind::Settings | Kind::RstStream)
 }
 
 /// The buckets of one connection.

@@ -8,7 +8,7 @@ use std::time::Duration;
 use bytes::BytesMut;
 use skewless_balancer::metrics::{FailureReason, LATENCY_BOUNDS, ServiceMetrics};
 use skewless_balancer::relay::{
-    ProtocolError, RelayEnd, RelayError, RelayHandle, RelaySettings, RotateReason, relay,
+    Flood, ProtocolError, RelayEnd, RelayError, RelayHandle, RelaySettings, RotateReason, relay,
 };
 use skewless_frame::{
     ErrorCode, FrameError, Frames, GoAway, Head, Kind, MAX_MAX_FRAME_SIZE, MAX_STREAM_ID, PREFACE,
@@ -164,8 +164,8 @@ async fn open_bed(settings: RelaySettings) -> Bed {
     open_bed_with(settings, RelayHandle::new()).await
 }
 
-async fn open_bed_with(settings: RelaySettings, handle: RelayHandle) -> Bed {
-    let mut b = bed_with(settings, handle);
+/// The client's preface and SETTINGS, checked at the backend.
+async fn client_hello(b: &mut Bed) {
     let mut hello = PREFACE.to_vec();
     hello.extend(empty_settings());
     b.client.send(&hello).await;
@@ -177,6 +177,11 @@ async fn open_bed_with(settings: RelaySettings, handle: RelayHandle) -> Bed {
         .expect("preface");
     assert_eq!(&preface, PREFACE, "the preface is forwarded as it is");
     b.backend.expect(Kind::Settings).await;
+}
+
+async fn open_bed_with(settings: RelaySettings, handle: RelayHandle) -> Bed {
+    let mut b = bed_with(settings, handle);
+    client_hello(&mut b).await;
     b.backend.send(&empty_settings()).await;
     b.client.expect(Kind::Settings).await;
     let mut req = headers(1, flags::END_HEADERS);
@@ -788,4 +793,206 @@ async fn streams_open_when_the_backend_closes_fail_and_those_the_client_leaves_d
     let s = metrics.snapshot();
     assert_eq!(s.latency.count(), 1, "stream 1 is over");
     assert_eq!(s.failures, [0; 5], "the client left: no failure");
+}
+
+// Hostile clients (issue 11 section 3): each is cut off, bounded in what the relay carries for
+// it, and told why when it spoke HTTP/2.
+
+/// Reads every frame `peer` gets until EOF; the number of frames of `kind`, and the last frame.
+async fn drain(mut peer: Peer, kind: Kind) -> (usize, Option<(Head, Vec<u8>)>) {
+    let (mut n, mut last) = (0, None);
+    while let Some(f) = peer.next().await {
+        n += usize::from(f.0.kind == kind);
+        last = Some(f);
+    }
+    (n, last)
+}
+
+/// Sends `bytes` from the client after [`open_bed`] while both peers read what they get;
+/// the relay's error, how many frames of `kind` reached the backend, and the client's last
+/// frame (which must be the GOAWAY the relay ended with).
+async fn hostile(bytes: Vec<u8>, kind: Kind) -> (RelayError, usize, GoAway<'static>, RelayHandle) {
+    let Bed {
+        client,
+        backend,
+        handle,
+        task,
+    } = open_bed(RelaySettings::default()).await;
+    let Peer { io, buf } = client;
+    let (mut read, mut write) = tokio::io::split(io);
+    // The relay stops reading mid-flood: the rest of the write may fail.
+    let writer = tokio::spawn(async move {
+        let _ = write.write_all(&bytes).await;
+        write
+    });
+    let backend = tokio::spawn(drain(backend, kind));
+    let mut rest = buf.to_vec();
+    tokio::time::timeout(STUCK, read.read_to_end(&mut rest))
+        .await
+        .expect("the relay is stuck")
+        .expect("client EOF");
+    let err = task
+        .await
+        .expect("task")
+        .expect_err("the client is cut off");
+    let (forwarded, _) = backend.await.expect("backend reader");
+    drop(writer.await.expect("writer"));
+    let frames: Vec<_> = Frames::new(&rest, MAX_MAX_FRAME_SIZE)
+        .map(|f| f.expect("whole frames to the client"))
+        .map(|(h, p)| (h, p.to_vec()))
+        .collect();
+    let (head, payload) = frames.last().expect("a GOAWAY before the FIN").clone();
+    let g = GoAway::decode(&head, &payload).expect("the last frame is a GOAWAY");
+    let g = GoAway {
+        last_stream_id: g.last_stream_id,
+        error_code: g.error_code,
+        debug_data: b"",
+    };
+    (err, forwarded, g, handle)
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn ping_settings_and_rst_stream_floods_are_cut_off_at_their_budget_with_enhance_your_calm() {
+    // The budgets (request mode's): 1,000 PINGs, 100 SETTINGS (the client's first included),
+    // 10,000 RST_STREAMs; acks and other frames are free. Time stands still (paused), so
+    // nothing refills: exactly the burst is relayed, the next frame cuts the client off.
+    let pings: Vec<u8> = (0..5_000).flat_map(|_| ping(false, [7; 8])).collect();
+    let settings: Vec<u8> = (0..5_000).flat_map(|_| empty_settings()).collect();
+    let resets: Vec<u8> = (0..50_000)
+        .flat_map(|_| rst(1, ErrorCode::CANCEL))
+        .collect();
+    for (bytes, kind, flood, relayed) in [
+        (pings, Kind::Ping, Flood::Ping, 1_000),
+        (settings, Kind::Settings, Flood::Settings, 99),
+        (resets, Kind::RstStream, Flood::RstStream, 10_000),
+    ] {
+        let (err, forwarded, go_away, _) = hostile(bytes, kind).await;
+        assert!(
+            matches!(err, RelayError::ClientProtocol(ProtocolError::Flood(f)) if f == flood),
+            "{err:?}"
+        );
+        assert_eq!(
+            forwarded, relayed,
+            "{kind:?}: the budget is relayed, no more"
+        );
+        assert_eq!(go_away.error_code, ErrorCode::ENHANCE_YOUR_CALM);
+        assert_eq!(
+            go_away.last_stream_id, 1,
+            "the one stream the client opened"
+        );
+    }
+    // Acks cost nothing: 5,000 PING ACKs and SETTINGS ACKs pass.
+    let Bed {
+        mut client,
+        backend,
+        task,
+        ..
+    } = open_bed(RelaySettings::default()).await;
+    let backend = tokio::spawn(drain(backend, Kind::Ping));
+    let mut acks = Vec::new();
+    for _ in 0..5_000 {
+        acks.extend(ping(true, [7; 8]));
+        Settings::encode(true, &[], &mut acks);
+    }
+    client.send(&acks).await;
+    client.io.shutdown().await.expect("shutdown");
+    client.expect_eof().await;
+    assert_eq!(backend.await.expect("backend").0, 5_000);
+    task.await.expect("task").expect("acks are no flood");
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn rapid_reset_is_cut_off_by_the_rst_stream_budget_and_never_holds_streams() {
+    // HEADERS then RST_STREAM on 100,000 new streams (CVE-2023-44487's shape).
+    let mut bytes = Vec::new();
+    for i in 0..100_000u32 {
+        let id = 3 + 2 * i;
+        bytes.extend(headers(id, flags::END_HEADERS));
+        bytes.extend(rst(id, ErrorCode::CANCEL));
+    }
+    let (err, forwarded, go_away, handle) = hostile(bytes, Kind::Headers).await;
+    assert!(
+        matches!(
+            err,
+            RelayError::ClientProtocol(ProtocolError::Flood(Flood::RstStream))
+        ),
+        "{err:?}"
+    );
+    assert_eq!(
+        forwarded, 10_001,
+        "10,000 reset streams, and the HEADERS of the one whose reset trips the budget"
+    );
+    assert_eq!(go_away.error_code, ErrorCode::ENHANCE_YOUR_CALM);
+    assert_eq!(
+        handle.stats().requests(),
+        10_002,
+        "stream 1 and the reset ones"
+    );
+    assert_eq!(handle.stats().open_streams(), 0);
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_hundred_thousand_open_streams_are_cut_off_at_max_streams() {
+    // A backend that never answers and a client that opens 100,000 streams: the relay tracks
+    // `max_streams` (8,192, stream 1 included) and closes the connection at the next one.
+    let bytes: Vec<u8> = (0..100_000u32)
+        .flat_map(|i| headers(3 + 2 * i, flags::END_HEADERS))
+        .collect();
+    let (err, forwarded, go_away, handle) = hostile(bytes, Kind::Headers).await;
+    assert!(
+        matches!(
+            err,
+            RelayError::ClientProtocol(ProtocolError::TooManyStreams { max: 8192 })
+        ),
+        "{err:?}"
+    );
+    assert_eq!(forwarded, 8_191, "the streams tracked besides stream 1");
+    assert_eq!(go_away.error_code, ErrorCode::ENHANCE_YOUR_CALM);
+    assert_eq!(handle.stats().requests(), 8_192);
+    assert_eq!(handle.stats().open_streams(), 0, "abandoned at the close");
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_client_that_sends_no_preface_is_closed_after_the_handshake_timeout() {
+    for sent in [&b""[..], &PREFACE[..12], &PREFACE[..]] {
+        let mut b = bed(RelaySettings::default());
+        let t0 = Instant::now();
+        b.client.send(sent).await;
+        let mut rest = Vec::new();
+        tokio::time::timeout(STUCK, b.client.io.read_to_end(&mut rest))
+            .await
+            .expect("the relay never closes the silent client")
+            .expect("client EOF");
+        let waited = t0.elapsed();
+        assert!(
+            waited >= Duration::from_secs(10) && waited < Duration::from_millis(10_100),
+            "closed at the 10 s handshake timeout, after {waited:?}"
+        );
+        assert!(
+            rest.is_empty(),
+            "no GOAWAY to a client that never spoke HTTP/2"
+        );
+        b.backend
+            .io
+            .read_to_end(&mut rest)
+            .await
+            .expect("backend EOF");
+        drop(b.client);
+        let err = b.task.await.expect("task").expect_err("closed");
+        assert!(
+            matches!(err, RelayError::ClientProtocol(ProtocolError::NoPreface(_))),
+            "{} preface bytes: {err:?}",
+            sent.len()
+        );
+        assert!(err.is_client());
+    }
+
+    // A slow but complete handshake is no offence.
+    let mut b = bed(RelaySettings::default());
+    tokio::time::sleep(Duration::from_secs(9)).await;
+    client_hello(&mut b).await;
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    b.client.send(&headers(1, flags::END_HEADERS)).await;
+    b.backend.expect(Kind::Headers).await;
+    assert!(!b.task.is_finished(), "still relaying after the timeout");
 }

@@ -13,6 +13,7 @@ use skewless_frame::{
 use tokio::time::Instant;
 
 use super::{RotateReason, Shared};
+use crate::budget::{self, Flood, FloodLimits, FrameBudgets};
 use crate::metrics::FailureReason;
 
 /// Our PING's opaque data: no gRPC server uses it (grpc-go sends 0x0106010800030309, Java a
@@ -62,6 +63,25 @@ pub enum ProtocolError {
     TooManyStreams { max: usize },
     #[error("HEADERS on stream 0")]
     HeadersOnStreamZero,
+    /// The client emptied a frame budget (see `budget`): more PINGs, SETTINGS or
+    /// RST_STREAMs than the relay carries.
+    #[error("the client flooded the connection")]
+    Flood(#[source] Flood),
+    /// The client sent no connection preface and SETTINGS within the handshake timeout.
+    #[error("no HTTP/2 preface within {0:?}")]
+    NoPreface(std::time::Duration),
+}
+
+impl ProtocolError {
+    /// The error code of the GOAWAY the relay sends a client that spoke HTTP/2 before it broke
+    /// it: ENHANCE_YOUR_CALM for abuse, PROTOCOL_ERROR otherwise (RFC 9113 section 5.4.1).
+    pub(super) fn go_away_code(&self) -> ErrorCode {
+        match self {
+            Self::Flood(_) | Self::TooManyStreams { .. } => ErrorCode::ENHANCE_YOUR_CALM,
+            Self::Frame(FrameError::TooLarge { .. }) => ErrorCode::FRAME_SIZE_ERROR,
+            _ => ErrorCode::PROTOCOL_ERROR,
+        }
+    }
 }
 
 impl From<FrameError> for ProtocolError {
@@ -135,6 +155,9 @@ const BACKEND_ENDED: u8 = 2;
 pub(super) struct Conn {
     shared: std::sync::Arc<Shared>,
     max_streams: usize,
+    /// The client's frame budgets: the relay forwards each PING, SETTINGS and RST_STREAM to
+    /// the backend, so a client that floods them is cut off as request mode cuts it off.
+    budgets: FrameBudgets,
     /// Per open stream: which sides ended it, and when the client opened it.
     streams: HashMap<u32, (u8, Instant)>,
     highest_client: u32,
@@ -165,6 +188,7 @@ impl Conn {
         Self {
             shared,
             max_streams,
+            budgets: FrameBudgets::new(FloodLimits::default(), Instant::now()),
             streams: HashMap::new(),
             highest_client: 0,
             go_last: None,
@@ -270,6 +294,11 @@ impl Conn {
         match side {
             Side::Client => {
                 Self::block(&mut self.client_block, head)?;
+                if budget::budgeted(head)
+                    && let Some(flood) = self.budgets.spend(head, Instant::now())
+                {
+                    return Err(ProtocolError::Flood(flood));
+                }
                 self.on_client_frame(head, payload)
             }
             Side::Backend => {
@@ -508,6 +537,22 @@ impl Conn {
             self.record(opened, failure);
         }
         self.set_open();
+    }
+
+    /// A GOAWAY with `code` for a client that broke the protocol: its last-stream-id is the
+    /// highest stream the client opened (never above one already sent).
+    pub(super) fn error_go_away(&self, code: ErrorCode) -> Vec<u8> {
+        let last = self
+            .go_last
+            .map_or(self.highest_client, |sent| sent.min(self.highest_client));
+        let mut buf = Vec::with_capacity(skewless_frame::HEADER_LEN + 8);
+        GoAway {
+            last_stream_id: last,
+            error_code: code,
+            debug_data: b"",
+        }
+        .encode(&mut buf);
+        buf
     }
 
     /// Client bytes to keep for the user-agent check: the first header block.

@@ -34,6 +34,7 @@ use tokio::sync::Notify;
 
 use crate::metrics::ServiceMetrics;
 
+pub use crate::budget::Flood;
 pub use conn::ProtocolError;
 pub use pipe::{Io, RelayEnd, RelayError};
 
@@ -95,6 +96,9 @@ pub struct RelaySettings {
     /// Open streams tracked per connection; a client that opens more (with a backend that
     /// allows it) has its connection closed.
     pub max_streams: usize,
+    /// How long a new client connection may take to send its connection preface and first
+    /// SETTINGS frame (request mode's handshake timeout).
+    pub handshake_timeout: Duration,
 }
 
 impl Default for RelaySettings {
@@ -104,6 +108,7 @@ impl Default for RelaySettings {
             drain_grace: Duration::from_secs(10),
             buffer_size: 32 * 1024,
             max_streams: 8192,
+            handshake_timeout: Duration::from_secs(10),
         }
     }
 }
@@ -245,7 +250,9 @@ impl RelayHandle {
 ///
 /// # Errors
 /// The client or the backend broke HTTP/2 (not HTTP/2 at all, a malformed or oversized
-/// frame, too many streams) or its socket failed; that connection alone is closed (FIN).
+/// frame, too many streams), the client flooded it with PINGs, SETTINGS or RST_STREAMs or sent
+/// no preface within `handshake_timeout`, or a socket failed; that connection alone is closed
+/// (a client that spoke HTTP/2 first gets a GOAWAY with the error, then FIN both ways).
 pub async fn relay(
     client: impl Io,
     backend: impl Io,

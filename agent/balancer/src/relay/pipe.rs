@@ -15,7 +15,7 @@ use std::sync::atomic::Ordering;
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
-use skewless_frame::{FrameError, HEADER_LEN, Head, PREFACE};
+use skewless_frame::{ErrorCode, FrameError, HEADER_LEN, Head, PREFACE};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::time::Instant;
 
@@ -458,13 +458,33 @@ impl Relay {
     /// FIN to both peers after writing what is decided, then read (and discard) until both
     /// close or `LINGER` passes, so nothing unread makes the kernel answer with RST (see
     /// [`crate::linger`], which closes request mode's client connections the same way).
-    async fn close(&mut self, client: &mut impl Io, backend: &mut impl Io) {
+    ///
+    /// A client that broke the protocol after its preface gets `go_away` (a GOAWAY with the
+    /// error) after the decided bytes, when they end between frames and outside a header
+    /// block, so it learns why (ENHANCE_YOUR_CALM for a flood) instead of seeing a bare FIN.
+    async fn close(
+        &mut self,
+        client: &mut impl Io,
+        backend: &mut impl Io,
+        go_away: Option<ErrorCode>,
+    ) {
         use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let go_away = go_away
+            .filter(|_| {
+                self.c2b.started
+                    && self.conn.backend_started
+                    && self.conn.backend_block.is_none()
+                    && self.b2c.pass == 0
+            })
+            .map(|code| self.conn.error_go_away(code));
         let _ = tokio::time::timeout(LINGER, async {
             let c2b = &self.c2b;
             let b2c = &self.b2c;
             let _ = backend.write_all(&c2b.buf[c2b.start..c2b.scan]).await;
             let _ = client.write_all(&b2c.buf[b2c.start..b2c.scan]).await;
+            if let Some(frame) = &go_away {
+                let _ = client.write_all(frame).await;
+            }
             let _ = client.shutdown().await;
             let _ = backend.shutdown().await;
             // The pipes' buffers are free now: read into them.
@@ -513,6 +533,8 @@ pub(super) async fn run<C: Io, B: Io>(
         half_closed: false,
         first_eof: None,
     };
+    // Cleared once the client's first frame (its SETTINGS, after the preface) is through.
+    let mut handshake_deadline = Some(Instant::now() + settings.handshake_timeout);
     let mut half_closed_deadline = None;
     let mut ping_deadline = None;
     let mut grace_deadline = None;
@@ -530,6 +552,15 @@ pub(super) async fn run<C: Io, B: Io>(
                 ping_deadline = Some(Instant::now() + ping_timeout);
                 grace_deadline = Some(Instant::now() + settings.drain_grace);
                 continue;
+            }
+            () = sleep_until(handshake_deadline) => {
+                handshake_deadline = None;
+                if r.c2b.started {
+                    continue;
+                }
+                break Err(RelayError::ClientProtocol(ProtocolError::NoPreface(
+                    settings.handshake_timeout,
+                )));
             }
             () = sleep_until(half_closed_deadline) => break Ok(RelayEnd::Closed),
             () = sleep_until(hard_deadline) => break Ok(RelayEnd::GraceExpired {
@@ -573,6 +604,10 @@ pub(super) async fn run<C: Io, B: Io>(
         Ok(_) => r.first_eof == Some(Side::Backend),
     };
     r.conn.abandon(backend_lost);
-    r.close(&mut client, &mut backend).await;
+    let go_away = match &outcome {
+        Err(RelayError::ClientProtocol(e)) => Some(e.go_away_code()),
+        _ => None,
+    };
+    r.close(&mut client, &mut backend, go_away).await;
     outcome
 }
