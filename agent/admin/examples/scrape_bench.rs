@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use skewless_admin::{
     collector::{Kernel, MapUsage, Metrics, Scrape},
-    json::{EndpointStatus, Failures, Histogram, Rotation, ServiceStatus},
+    json::{ClientError, EndpointStatus, Failures, Histogram, Rotation, ServiceStatus},
     window::Window,
 };
 
@@ -73,6 +73,20 @@ fn services(n: usize, backends: usize, round: u64) -> Vec<ServiceStatus> {
                     count: 2,
                 })
                 .collect(),
+            client_errors: [
+                "no_preface",
+                "malformed",
+                "ping_flood",
+                "settings_flood",
+                "rst_stream_flood",
+                "too_many_streams",
+            ]
+            .iter()
+            .map(|r| ClientError {
+                reason: (*r).to_owned(),
+                count: 1,
+            })
+            .collect(),
             client_connections: 4,
             connection_bounds: CONNECTION_BOUNDS.to_vec(),
             connection_duration: histogram(CONNECTION_BOUNDS, s as u64),

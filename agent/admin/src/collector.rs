@@ -383,6 +383,16 @@ impl Collector for AgentCollector {
         )?;
         family(
             &mut encoder,
+            names::CLIENT_PROTOCOL_ERRORS,
+            services().flat_map(|([service, vip], x)| {
+                x.client_errors.iter().map(move |e| {
+                    let l: ReasonLabels<'_> = [service, vip, ("reason", e.reason.as_str())];
+                    (l, ConstCounter::new(e.count))
+                })
+            }),
+        )?;
+        family(
+            &mut encoder,
             names::CLIENT_CONNECTIONS,
             services().map(|(l, x)| (l, gauge(x.client_connections))),
         )?;
@@ -527,6 +537,10 @@ mod tests {
                         reason: "max_age".to_owned(),
                         count: 6,
                     }],
+                    client_errors: vec![crate::json::ClientError {
+                        reason: "ping_flood".to_owned(),
+                        count: 1,
+                    }],
                     client_connections: 2,
                     connection_bounds: CONNECTION_BOUNDS.to_vec(),
                     connection_duration,
@@ -653,6 +667,7 @@ mod tests {
             "skewless_request_failures_total{service=\"ns/echo\",vip=\"10.0.0.1:80\",reason=\"deadline\"} 2\n",
             "skewless_request_failures_total{service=\"ns/echo\",vip=\"10.0.0.1:80\",reason=\"refused\"} 0\n",
             "skewless_rotations_total{service=\"ns/echo\",vip=\"10.0.0.1:80\",reason=\"max_age\"} 6\n",
+            "skewless_client_protocol_errors_total{service=\"ns/echo\",vip=\"10.0.0.1:80\",reason=\"ping_flood\"} 1\n",
             // The observed Service's ready backends, the balanced one's from its balancer.
             "skewless_service_ready_backends{service=\"ns/obs\",vip=\"10.0.0.2:80\"} 2\n",
             "skewless_service_ready_backends{service=\"ns/echo\",vip=\"10.0.0.1:80\"} 1\n",

@@ -68,6 +68,10 @@ pub struct ServiceStatus {
     /// agent's recent window ([`crate::window`]); `None` without recent requests.
     #[serde(default)]
     pub balancer_skew: Option<f64>,
+    /// Client connections the balancer closed for what the client sent or failed to send
+    /// (no preface, malformed frames, floods, too many streams), by reason.
+    #[serde(default)]
+    pub client_errors: Vec<ClientError>,
     /// Connection mode's rotation view; `None` in request mode. In connection mode an
     /// endpoint's `upstream_connections` are the client connections relayed to it.
     #[serde(default)]
@@ -267,6 +271,15 @@ impl Failures {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Rotation {
     /// A bounded label value (`max_age`, `drain`; connection mode adds its own).
+    pub reason: String,
+    pub count: u64,
+}
+
+/// Client connections closed for one reason of the client's making.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClientError {
+    /// A bounded label value (`no_preface`, `malformed`, `ping_flood`, `settings_flood`,
+    /// `rst_stream_flood`, `too_many_streams`).
     pub reason: String,
     pub count: u64,
 }

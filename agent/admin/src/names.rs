@@ -234,6 +234,12 @@ pub const ROTATIONS: Family = Family::new(
     &["service", "vip", "reason"],
     "Client connections the balancer told to go away (two-phase GOAWAY), by reason",
 );
+pub const CLIENT_PROTOCOL_ERRORS: Family = Family::new(
+    "client_protocol_errors",
+    Kind::Counter,
+    &["service", "vip", "reason"],
+    "Client connections the balancer closed for what the client sent or failed to send, by reason (no_preface, malformed, ping_flood, settings_flood, rst_stream_flood, too_many_streams)",
+);
 pub const CLIENT_CONNECTIONS: Family = Family::new(
     "client_connections",
     Kind::Gauge,
@@ -354,6 +360,7 @@ pub const ALL: &[Family] = &[
     EJECTIONS,
     EJECTED_BACKENDS,
     ROTATIONS,
+    CLIENT_PROTOCOL_ERRORS,
     CLIENT_CONNECTIONS,
     CLIENT_CONNECTION_DURATION,
     BALANCER_SKEW,

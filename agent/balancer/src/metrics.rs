@@ -170,6 +170,49 @@ impl RotationReason {
     }
 }
 
+/// Why the balancer closed a client connection for what the client sent, or failed to send:
+/// a bounded set (a metric label). See docs/balancer.md and docs/connection-mode.md.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClientErrorReason {
+    /// No HTTP/2 connection preface and SETTINGS within the handshake timeout.
+    NoPreface,
+    /// Not HTTP/2, or a malformed or oversized frame.
+    Malformed,
+    /// More PINGs than the balancer answers (or relays).
+    PingFlood,
+    /// More SETTINGS than the balancer applies (or relays).
+    SettingsFlood,
+    /// More RST_STREAMs than the balancer processes (rapid reset).
+    RstStreamFlood,
+    /// More open streams than the balancer tracks on one connection.
+    TooManyStreams,
+}
+
+impl ClientErrorReason {
+    /// Every reason, in label order.
+    pub const ALL: [Self; 6] = [
+        Self::NoPreface,
+        Self::Malformed,
+        Self::PingFlood,
+        Self::SettingsFlood,
+        Self::RstStreamFlood,
+        Self::TooManyStreams,
+    ];
+
+    /// The label value.
+    #[must_use]
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::NoPreface => "no_preface",
+            Self::Malformed => "malformed",
+            Self::PingFlood => "ping_flood",
+            Self::SettingsFlood => "settings_flood",
+            Self::RstStreamFlood => "rst_stream_flood",
+            Self::TooManyStreams => "too_many_streams",
+        }
+    }
+}
+
 impl FailureReason {
     /// Every reason, in label order.
     pub const ALL: [Self; 5] = [
@@ -211,6 +254,7 @@ pub struct ServiceMetrics {
     client_connections: AtomicU64,
     /// Lifetimes of the client connections that closed.
     pub connection_duration: ConnectionHistogram,
+    client_errors: [AtomicU64; ClientErrorReason::ALL.len()],
 }
 
 /// A reading of [`ServiceMetrics`].
@@ -223,6 +267,8 @@ pub struct ServiceSnapshot {
     pub rotations: [u64; RotationReason::ALL.len()],
     pub client_connections: u64,
     pub connection_duration: HistogramSnapshot,
+    /// Client connections closed for what the client sent, by [`ClientErrorReason::ALL`].
+    pub client_errors: [u64; ClientErrorReason::ALL.len()],
 }
 
 impl ServiceSnapshot {
@@ -237,6 +283,9 @@ impl ServiceSnapshot {
         }
         self.client_connections += other.client_connections;
         self.connection_duration.add(&other.connection_duration);
+        for (a, b) in self.client_errors.iter_mut().zip(other.client_errors) {
+            *a += b;
+        }
     }
 }
 
@@ -257,6 +306,15 @@ impl ServiceMetrics {
             .position(|r| *r == reason)
             .unwrap_or(0);
         self.rotations[i].fetch_add(1, Relaxed);
+    }
+
+    /// Counts a client connection closed for what the client sent (or failed to send).
+    pub fn client_error(&self, reason: ClientErrorReason) {
+        let i = ClientErrorReason::ALL
+            .iter()
+            .position(|r| *r == reason)
+            .unwrap_or(0);
+        self.client_errors[i].fetch_add(1, Relaxed);
     }
 
     /// A client connection opened; the guard counts it closed (and its lifetime) on drop.
@@ -287,6 +345,7 @@ impl ServiceMetrics {
             rotations: std::array::from_fn(|i| self.rotations[i].load(Relaxed)),
             client_connections: self.client_connections.load(Relaxed),
             connection_duration: self.connection_duration.snapshot(),
+            client_errors: std::array::from_fn(|i| self.client_errors[i].load(Relaxed)),
         }
     }
 }

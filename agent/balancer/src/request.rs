@@ -14,6 +14,7 @@ use tokio::sync::watch;
 use crate::config::Config;
 use crate::flood::{FloodLimits, Guarded};
 use crate::linger::Lingering;
+use crate::metrics::ClientErrorReason;
 use crate::pool::{self, Pool};
 use crate::proxy;
 use crate::server::{Lifecycle, NewConnection, Stop};
@@ -80,10 +81,12 @@ async fn serve(pool: Arc<Pool>, stream: TcpStream, mut stop: Stop<Config>) {
     let mut conn = match tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake).await {
         Ok(Ok(conn)) => conn,
         Ok(Err(error)) => {
+            count_client_error(&pool, &error);
             tracing::debug!(%error, "client handshake failed");
             return;
         }
         Err(_) => {
+            pool.metrics.client_error(ClientErrorReason::NoPreface);
             tracing::debug!("client sent no HTTP/2 preface in time");
             return;
         }
@@ -103,6 +106,7 @@ async fn serve(pool: Arc<Pool>, stream: TcpStream, mut stop: Stop<Config>) {
                 next = conn.accept() => match next {
                     Some(Ok(stream)) => spawn_stream(stream),
                     Some(Err(error)) => {
+                        count_client_error(&pool, &error);
                         tracing::debug!(%error, "client connection failed");
                         return;
                     }
@@ -123,6 +127,7 @@ async fn serve(pool: Arc<Pool>, stream: TcpStream, mut stop: Stop<Config>) {
             match next {
                 Ok(stream) => spawn_stream(stream),
                 Err(error) => {
+                    count_client_error(&pool, &error);
                     tracing::debug!(%error, "client connection failed while draining");
                     return;
                 }
@@ -140,4 +145,21 @@ async fn serve(pool: Arc<Pool>, stream: TcpStream, mut stop: Stop<Config>) {
         )
         .await;
     }
+}
+
+/// Counts a client connection h2 ended for the client's protocol error: the GOAWAY h2 sent it
+/// says what (ENHANCE_YOUR_CALM: it kept opening streams h2 had to refuse or reset, past
+/// `MAX_LOCAL_ERROR_RESETS` or h2's pending-reset bound; any other code: a malformed frame or
+/// header block). Socket errors, the client's own GOAWAY and the flood guard's cut-offs (an
+/// I/O error here, counted by the guard) are not counted.
+fn count_client_error(pool: &Pool, error: &h2::Error) {
+    if !(error.is_go_away() && error.is_library()) {
+        return;
+    }
+    let reason = match error.reason() {
+        Some(h2::Reason::NO_ERROR) | None => return,
+        Some(h2::Reason::ENHANCE_YOUR_CALM) => ClientErrorReason::TooManyStreams,
+        Some(_) => ClientErrorReason::Malformed,
+    };
+    pool.metrics.client_error(reason);
 }

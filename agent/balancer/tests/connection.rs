@@ -487,3 +487,108 @@ async fn every_relayed_call_is_timed_once_in_the_services_histogram() {
     assert_eq!(m.failures, [0; 5], "no failed call");
     b.stop().await;
 }
+
+/// Connects to the balancer, writes `bytes`, and reads until it closes the connection; how
+/// long that took.
+async fn hostile(addr: SocketAddr, bytes: Vec<u8>) -> Duration {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let t0 = tokio::time::Instant::now();
+    let tcp = TcpStream::connect(addr).await.expect("connects");
+    let (mut rd, mut wr) = tcp.into_split();
+    // The balancer stops reading mid-flood: the rest of the write may fail.
+    let writer = tokio::spawn(async move {
+        let _ = wr.write_all(&bytes).await;
+        wr
+    });
+    let mut buf = vec![0u8; 64 * 1024];
+    tokio::time::timeout(Duration::from_secs(30), async {
+        while matches!(rd.read(&mut buf).await, Ok(n) if n > 0) {}
+    })
+    .await
+    .expect("the balancer closes the hostile connection");
+    drop(writer.await.expect("writer"));
+    t0.elapsed()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_clients_are_closed_and_counted_by_reason_and_other_clients_keep_their_calls() {
+    use skewless_balancer::metrics::ClientErrorReason;
+    use skewless_frame::{Head, Kind, PREFACE, Ping, Settings};
+    let pods = pods(1).await;
+    let b = bed(quick(), endpoints(&pods)).await;
+    let (stop, stop_rx) = watch::channel(false);
+    let clients = vec![client(b.addr, stop_rx)];
+    until("the good client relayed", Duration::from_secs(20), || {
+        b.balancer.stats().connections == 1
+    })
+    .await;
+
+    let mut start = PREFACE.to_vec();
+    Settings::encode(false, &[], &mut start);
+    let mut pings = start.clone();
+    for _ in 0..5_000 {
+        Ping {
+            ack: false,
+            opaque: [7; 8],
+        }
+        .encode(&mut pings);
+    }
+    let mut oversized = start.clone();
+    oversized.extend(Head::new(Kind::Data, 0, 1, 1 << 20).encode());
+    let (silent, http1, flood, big) = tokio::join!(
+        hostile(b.addr, Vec::new()),
+        hostile(b.addr, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n".to_vec()),
+        hostile(b.addr, pings),
+        hostile(b.addr, oversized),
+    );
+    assert!(
+        silent >= Duration::from_millis(9_900),
+        "a silent client is closed at the 10 s handshake timeout, not before: {silent:?}"
+    );
+    eprintln!(
+        "closed after: silent {silent:?}, HTTP/1.1 {http1:?}, PING flood {flood:?}, oversized frame {big:?}"
+    );
+
+    let reports = finish(&stop, clients).await;
+    assert_eq!(
+        failed(&reports),
+        0,
+        "the good client is unaffected: {reports:?}"
+    );
+    assert!(
+        reports[0].connections == 1,
+        "and keeps its connection: {reports:?}"
+    );
+    let s = b.balancer.metrics();
+    let count = |reason: ClientErrorReason| {
+        s.client_errors[ClientErrorReason::ALL
+            .iter()
+            .position(|r| *r == reason)
+            .expect("a reason")]
+    };
+    assert_eq!(
+        count(ClientErrorReason::NoPreface),
+        1,
+        "{:?}",
+        s.client_errors
+    );
+    assert_eq!(
+        count(ClientErrorReason::Malformed),
+        2,
+        "{:?}",
+        s.client_errors
+    );
+    assert_eq!(
+        count(ClientErrorReason::PingFlood),
+        1,
+        "{:?}",
+        s.client_errors
+    );
+    assert_eq!(
+        s.client_errors.iter().sum::<u64>(),
+        4,
+        "{:?}",
+        s.client_errors
+    );
+    b.stop().await;
+}

@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::BytesMut;
+use skewless_balancer::metrics::{ClientErrorReason, ServiceSnapshot};
 use skewless_balancer::{Balancer, BalancerCounters, Config, Endpoint};
 use skewless_echo::SpawnedEcho;
 use skewless_echo::pb::EchoRequest;
@@ -132,11 +133,11 @@ fn good_client(
     })
 }
 
-/// Connects, writes `opening`, then `unit` over and over (reading and discarding everything
-/// the balancer answers, so its PONGs and ACKs never push back) until the balancer closes the
-/// connection; the number of units written. Panics if it never does within `MAX_FRAMES` or
-/// 30 s.
-async fn flood(addr: SocketAddr, opening: &[u8], unit: &[u8]) -> usize {
+/// Connects, writes `opening`, then `unit(0)`, `unit(1)`, ... (reading and discarding
+/// everything the balancer answers, so its PONGs and ACKs never push back) until the balancer
+/// closes the connection; the number of units written. Panics if it never does within
+/// `MAX_FRAMES` or 30 s.
+async fn flood(addr: SocketAddr, opening: &[u8], unit: impl Fn(usize) -> Vec<u8>) -> usize {
     let stream = TcpStream::connect(addr)
         .await
         .expect("the flooder connects");
@@ -155,10 +156,11 @@ async fn flood(addr: SocketAddr, opening: &[u8], unit: &[u8]) -> usize {
         }
     });
     wr.write_all(opening).await.expect("the opening is written");
-    let chunk: Vec<u8> = unit.repeat(CHUNK);
     let sent = AtomicUsize::new(0);
     let flooding = async {
         while sent.load(Ordering::Relaxed) < MAX_FRAMES && !closed.load(Ordering::Relaxed) {
+            let from = sent.load(Ordering::Relaxed);
+            let chunk: Vec<u8> = (from..from + CHUNK).flat_map(&unit).collect();
             if wr.write_all(&chunk).await.is_err() {
                 break;
             }
@@ -183,10 +185,20 @@ async fn flood(addr: SocketAddr, opening: &[u8], unit: &[u8]) -> usize {
 /// Runs `flood` against a balancer that a good client uses all along; the flood's frame
 /// count and the balancer's counters afterwards.
 async fn flooded_while_serving(opening: Vec<u8>, unit: Vec<u8>) -> (usize, BalancerCounters) {
+    let (sent, counters, _) = flooded_while_serving_with(opening, move |_| unit.clone()).await;
+    (sent, counters)
+}
+
+/// [`flooded_while_serving`] with the `i`-th unit made by `unit(i)`; also the Service's
+/// numbers afterwards.
+async fn flooded_while_serving_with(
+    opening: Vec<u8>,
+    unit: impl Fn(usize) -> Vec<u8>,
+) -> (usize, BalancerCounters, ServiceSnapshot) {
     let bed = Bed::start().await;
     let stop = Arc::new(AtomicBool::new(false));
     let good = good_client(bed.addr, stop.clone());
-    let sent = flood(bed.addr, &opening, &unit).await;
+    let sent = flood(bed.addr, &opening, unit).await;
     stop.store(true, Ordering::Relaxed);
     let (calls, failed) = good.await.expect("good client");
     assert!(
@@ -196,8 +208,17 @@ async fn flooded_while_serving(opening: Vec<u8>, unit: Vec<u8>) -> (usize, Balan
         failed.first()
     );
     let counters = bed.balancer.counters();
+    let service = bed.balancer.metrics();
     bed.stop().await;
-    (sent, counters)
+    (sent, counters, service)
+}
+
+fn client_errors(s: &ServiceSnapshot, reason: ClientErrorReason) -> u64 {
+    let i = ClientErrorReason::ALL
+        .iter()
+        .position(|r| *r == reason)
+        .expect("a reason");
+    s.client_errors[i]
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -241,4 +262,81 @@ async fn an_rst_stream_flood_on_a_closed_stream_is_cut_off_and_counted() {
     );
     assert_eq!(counters.ping_floods + counters.settings_floods, 0);
     eprintln!("RST_STREAM flood cut off after {sent} frames written");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hundred_thousand_streams_on_one_connection_are_cut_off_and_counted() {
+    // 100,000 requests opened and never finished (GET /, a static-table header block, no
+    // END_STREAM): h2 takes 1,024 at once (MAX_CLIENT_STREAMS), refuses the next ones, and at
+    // 1,024 refusals (MAX_LOCAL_ERROR_RESETS) ends the connection with ENHANCE_YOUR_CALM.
+    let headers = |i: usize| {
+        let id = u32::try_from(1 + 2 * i).expect("small");
+        frame(Kind::Headers, flags::END_HEADERS, id, &[0x82, 0x86, 0x84])
+    };
+    let (sent, counters, service) = flooded_while_serving_with(start(), headers).await;
+    assert!(
+        sent <= 100_000,
+        "cut off before 100,000 streams, after {sent} were written"
+    );
+    assert_eq!(
+        client_errors(&service, ClientErrorReason::TooManyStreams),
+        1,
+        "counted once: {:?}",
+        service.client_errors
+    );
+    assert_eq!(
+        counters.ping_floods + counters.settings_floods + counters.rst_stream_floods,
+        0
+    );
+    eprintln!("stream flood cut off after {sent} HEADERS written");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_that_send_no_preface_are_closed_after_the_handshake_timeout_and_counted() {
+    // 50 connections that send nothing and one that sends half a preface, beside a good
+    // client: each is closed at the 10 s handshake timeout (not before), counted once.
+    let bed = Bed::start().await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let good = good_client(bed.addr, stop.clone());
+    let t0 = tokio::time::Instant::now();
+    let mut silent = Vec::new();
+    for i in 0..51 {
+        let mut s = TcpStream::connect(bed.addr).await.expect("connects");
+        if i == 50 {
+            s.write_all(&PREFACE[..12]).await.expect("half a preface");
+        }
+        silent.push(tokio::spawn(async move {
+            let mut rest = Vec::new();
+            // EOF or a reset: either way the balancer closed it.
+            let _ = s.read_to_end(&mut rest).await;
+            (rest.len(), t0.elapsed())
+        }));
+    }
+    for s in silent {
+        // What came before the close is h2's SETTINGS (a server sends its own preface at
+        // once).
+        let (_, waited) = tokio::time::timeout(Duration::from_secs(30), s)
+            .await
+            .expect("the balancer closes a silent client")
+            .expect("reader");
+        assert!(
+            waited >= Duration::from_millis(9_900),
+            "closed at the 10 s handshake timeout, not before: {waited:?}"
+        );
+    }
+    stop.store(true, Ordering::Relaxed);
+    let (calls, failed) = good.await.expect("good client");
+    assert!(
+        failed.is_empty(),
+        "{} of {calls} calls failed",
+        failed.len()
+    );
+    let service = bed.balancer.metrics();
+    assert_eq!(
+        client_errors(&service, ClientErrorReason::NoPreface),
+        51,
+        "{:?}",
+        service.client_errors
+    );
+    bed.stop().await;
 }

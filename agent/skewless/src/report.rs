@@ -4,14 +4,14 @@
 use std::sync::Arc;
 
 use skewless_admin::json::{
-    ConnectionStatus, EndpointStatus, Failures, Histogram, Rotation, ServiceStatus,
+    ClientError, ConnectionStatus, EndpointStatus, Failures, Histogram, Rotation, ServiceStatus,
 };
 use skewless_balancer::{
     Balancer, ConnectionBalancer, EndpointStats,
     connection::{BackendStats, ConnectionStats, PolicyState},
     metrics::{
-        CONNECTION_BOUNDS, FailureReason, HistogramSnapshot, LATENCY_BOUNDS, RotationReason,
-        ServiceSnapshot,
+        CONNECTION_BOUNDS, ClientErrorReason, FailureReason, HistogramSnapshot, LATENCY_BOUNDS,
+        RotationReason, ServiceSnapshot,
     },
 };
 use skewless_model::Mode;
@@ -49,6 +49,14 @@ pub fn service_status(port: Port<'_>) -> ServiceStatus {
         let c = b.counters();
         retries += c.retries;
         ejections += c.ejections;
+        // The flood guard counts its cut-offs itself (it sits below h2, on the socket).
+        for (reason, n) in [
+            (ClientErrorReason::PingFlood, c.ping_floods),
+            (ClientErrorReason::SettingsFlood, c.settings_floods),
+            (ClientErrorReason::RstStreamFlood, c.rst_stream_floods),
+        ] {
+            total.client_errors[client_error_index(reason)] += n;
+        }
     }
     let ServiceSnapshot {
         latency,
@@ -56,6 +64,7 @@ pub fn service_status(port: Port<'_>) -> ServiceStatus {
         rotations,
         client_connections,
         connection_duration,
+        client_errors,
     } = total;
     ServiceStatus {
         service,
@@ -73,6 +82,7 @@ pub fn service_status(port: Port<'_>) -> ServiceStatus {
         retries,
         ejections,
         rotations: rotations_by_reason(rotations),
+        client_errors: client_errors_by_reason(client_errors),
         client_connections,
         connection_bounds: CONNECTION_BOUNDS.to_vec(),
         connection_duration: histogram(connection_duration),
@@ -113,6 +123,7 @@ pub fn connection_status(
         rotations,
         client_connections,
         connection_duration,
+        client_errors,
     } = balancer.metrics();
     ServiceStatus {
         service,
@@ -130,6 +141,7 @@ pub fn connection_status(
         retries: 0,
         ejections: 0,
         rotations: rotations_by_reason(rotations),
+        client_errors: client_errors_by_reason(client_errors),
         client_connections,
         connection_bounds: CONNECTION_BOUNDS.to_vec(),
         connection_duration: histogram(connection_duration),
@@ -173,6 +185,25 @@ fn rotations_by_reason(counts: [u64; RotationReason::ALL.len()]) -> Vec<Rotation
         .iter()
         .zip(counts)
         .map(|(r, count)| Rotation {
+            reason: r.label().to_owned(),
+            count,
+        })
+        .collect()
+}
+
+fn client_error_index(reason: ClientErrorReason) -> usize {
+    ClientErrorReason::ALL
+        .iter()
+        .position(|r| *r == reason)
+        .unwrap_or(0)
+}
+
+/// The client-error counters with their reason labels.
+fn client_errors_by_reason(counts: [u64; ClientErrorReason::ALL.len()]) -> Vec<ClientError> {
+    ClientErrorReason::ALL
+        .iter()
+        .zip(counts)
+        .map(|(r, count)| ClientError {
             reason: r.label().to_owned(),
             count,
         })

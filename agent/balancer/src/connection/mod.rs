@@ -359,7 +359,12 @@ async fn serve(shared: Arc<Shared>, client: TcpStream, mut stop: Stop<Connection
     };
     match end {
         Ok(end) => tracing::debug!(?end, "relayed connection over"),
-        Err(error) => tracing::debug!(%error, "relayed connection failed"),
+        Err(error) => {
+            if let relay::RelayError::ClientProtocol(e) = &error {
+                shared.metrics.client_error(e.client_error_reason());
+            }
+            tracing::debug!(%error, "relayed connection failed");
+        }
     }
     drop(registered);
 }

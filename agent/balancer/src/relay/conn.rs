@@ -14,7 +14,7 @@ use tokio::time::Instant;
 
 use super::{RotateReason, Shared};
 use crate::budget::{self, Flood, FloodLimits, FrameBudgets};
-use crate::metrics::FailureReason;
+use crate::metrics::{ClientErrorReason, FailureReason};
 
 /// Our PING's opaque data: no gRPC server uses it (grpc-go sends 0x0106010800030309, Java a
 /// counter), so its ACK is recognised and swallowed, every other ACK is forwarded.
@@ -73,6 +73,23 @@ pub enum ProtocolError {
 }
 
 impl ProtocolError {
+    /// What the client did, as the `client_protocol_errors` label.
+    #[must_use]
+    pub fn client_error_reason(&self) -> ClientErrorReason {
+        match self {
+            Self::NoPreface(_) => ClientErrorReason::NoPreface,
+            Self::Flood(Flood::Ping) => ClientErrorReason::PingFlood,
+            Self::Flood(Flood::Settings) => ClientErrorReason::SettingsFlood,
+            Self::Flood(Flood::RstStream) => ClientErrorReason::RstStreamFlood,
+            Self::TooManyStreams { .. } => ClientErrorReason::TooManyStreams,
+            Self::Frame(_)
+            | Self::InsideHeaderBlock { .. }
+            | Self::StrayContinuation
+            | Self::ControlFrameTooLarge { .. }
+            | Self::HeadersOnStreamZero => ClientErrorReason::Malformed,
+        }
+    }
+
     /// The error code of the GOAWAY the relay sends a client that spoke HTTP/2 before it broke
     /// it: ENHANCE_YOUR_CALM for abuse, PROTOCOL_ERROR otherwise (RFC 9113 section 5.4.1).
     pub(super) fn go_away_code(&self) -> ErrorCode {
