@@ -4,7 +4,10 @@
 //! a ClusterIP VIP that exists only as a kube-proxy-style nftables DNAT (`numgen random`, one
 //! choice per connection). Clients in their own pods use grpcio's default channel (pick_first,
 //! one HTTP/2 connection) and count which pod answered each call. First without skewless, then
-//! with `skewless agent` running in the node: same clients, same VIP, no client change.
+//! with `skewless agent` running in the node: same clients, same VIP, no client change. Last,
+//! connection mode and the seed's scale-up ([`connection`]).
+
+mod connection;
 
 use std::{
     net::{Ipv4Addr, SocketAddrV4},
@@ -92,7 +95,8 @@ pub fn run(args: &Args) -> Result<()> {
     println!(
         "\n2) With skewless: `skewless agent` in the node, the Service opted in with mode: request"
     );
-    let services_file = write_services_file(&tb, &servers)?;
+    let services_file = target_dir().join(format!("demo-services-{}.yaml", tb.id()));
+    write_services_file(&tb, &services_file, "request", &[], &servers)?;
     let mut argv: Vec<String> = vec![
         agent_bin.display().to_string(),
         "agent".into(),
@@ -131,6 +135,22 @@ pub fn run(args: &Args) -> Result<()> {
          pod sees its delay on every call. With the agent, the same clients (no change, same VIP) \
          are spread over every pod per request, and the slow pod gets only probe traffic."
     );
+
+    let healthy = if slow_ms > 0 {
+        &servers[..servers.len() - 1]
+    } else {
+        &servers[..]
+    };
+    connection::run(
+        &mut tb,
+        &connection::Act {
+            gen_dir: &gen_dir,
+            agent_bin: &agent_bin,
+            services_file: &services_file,
+            healthy,
+            clients: &client_names,
+        },
+    )?;
     let graceful = tb.terminate(agent, Duration::from_secs(10));
     if !graceful {
         bail!("the agent did not exit within 10 s of SIGTERM");
@@ -143,20 +163,37 @@ fn target_dir() -> PathBuf {
         .map_or_else(|| workspace_root().join("target"), PathBuf::from)
 }
 
-/// The echo Service as the agent's services file describes it: what Kubernetes would say.
-fn write_services_file(tb: &Testbed, servers: &[String]) -> Result<PathBuf> {
-    let mut yaml = format!(
-        "services:\n  - name: echo\n    clusterIPs: [\"{VIP}\"]\n    mode: request\n    ports:\n      - port: {PORT}\n        targetPort: {PORT}\n    endpoints:\n"
-    );
-    for name in servers {
+/// The echo Service as the agent's services file describes it (what Kubernetes would say):
+/// its mode, `skewless.io/` annotations and endpoints. Written whole, then renamed into place,
+/// so the agent never reads half a file.
+fn write_services_file(
+    tb: &Testbed,
+    path: &Path,
+    mode: &str,
+    annotations: &[(&str, &str)],
+    endpoints: &[String],
+) -> Result<()> {
+    let mut yaml =
+        format!("services:\n  - name: echo\n    clusterIPs: [\"{VIP}\"]\n    mode: {mode}\n");
+    if !annotations.is_empty() {
+        yaml.push_str("    annotations:\n");
+        for (k, v) in annotations {
+            yaml.push_str(&format!("      skewless.io/{k}: \"{v}\"\n"));
+        }
+    }
+    yaml.push_str(&format!(
+        "    ports:\n      - port: {PORT}\n        targetPort: {PORT}\n    endpoints:\n"
+    ));
+    for name in endpoints {
         yaml.push_str(&format!(
             "      - {{address: {}, target: {name}}}\n",
             tb.pod(name)?.ip
         ));
     }
-    let path = target_dir().join(format!("demo-services-{}.yaml", tb.id()));
-    std::fs::write(&path, yaml).with_context(|| format!("writing {}", path.display()))?;
-    Ok(path)
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, yaml).with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
 }
 
 /// Waits until the agent reports the Service redirected (or fails if the agent died).
