@@ -235,8 +235,8 @@ impl ClientBed {
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
-    /// An unlabelled counter from the agent's /metrics.
-    pub fn metric(&self, name: &str) -> f64 {
+    /// The agent's /metrics, as text.
+    fn metrics_text(&self) -> String {
         let url = format!("http://{ADMIN}/metrics");
         let out = self
             .tb
@@ -245,12 +245,27 @@ impl ClientBed {
                 &["python3", skewless_testbed::scripts::HTTP_GET, &url],
             )
             .unwrap();
-        let text = String::from_utf8_lossy(&out.stdout);
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// An unlabelled counter from the agent's /metrics.
+    pub fn metric(&self, name: &str) -> f64 {
+        let text = self.metrics_text();
         text.lines()
             .find(|l| l.split_whitespace().next() == Some(name))
             .and_then(|l| l.split_whitespace().last())
             .and_then(|v| v.parse().ok())
             .unwrap_or_else(|| panic!("{name} in /metrics: {text}"))
+    }
+
+    /// The sum of a labelled counter's series in the agent's /metrics whose labels contain
+    /// `label` (e.g. `reason="malformed"`); 0 when there is none.
+    pub fn labelled_metric(&self, name: &str, label: &str) -> f64 {
+        self.metrics_text()
+            .lines()
+            .filter(|l| l.starts_with(&format!("{name}{{")) && l.contains(label))
+            .filter_map(|l| l.split_whitespace().last()?.parse::<f64>().ok())
+            .sum()
     }
 
     /// Fails the test when the agent's heartbeat went stale during the run: connects were then
@@ -579,6 +594,18 @@ pub fn bad_input_closes_only_that_connection(octet: u8, mode: &str) {
         assert!(
             how == "fin" || how == "reset",
             "{mode}: the {kind} connection must be closed, not left open: {line}"
+        );
+    }
+    if mode == "connection" {
+        let counted = bed.labelled_metric(
+            "skewless_client_protocol_errors_total",
+            "reason=\"malformed\"",
+        );
+        eprintln!("{mode}: broken connections counted as malformed: {counted}");
+        assert!(
+            counted >= 4.0,
+            "{mode}: each broken connection is counted (skewless_client_protocol_errors_total \
+             reason=malformed): {counted}"
         );
     }
     let ordinary = ordinary.wait(&mut bed.tb).unwrap();
