@@ -216,8 +216,32 @@ async fn expect_response(peer: &mut Peer, id: u32) {
     }
 }
 
+/// The opaque data of the relay's second PING (the quiet check before the final GOAWAY).
+const QUIET_PING: [u8; 8] = *b"skwl\x00fin";
+
+/// The client's side of the settling phase: answers the relay's quiet PINGs until the final
+/// GOAWAY comes; returns its last-stream-id. Any other frame (a RST_STREAM) fails the test.
+async fn ack_quiet_pings_until_the_final_go_away(client: &mut Peer) -> u32 {
+    loop {
+        let (head, payload) = client.next().await.expect("EOF before the final GOAWAY");
+        match head.kind {
+            Kind::Ping => {
+                let p = Ping::decode(&head, &payload).expect("PING");
+                assert_eq!((p.ack, p.opaque), (false, QUIET_PING), "the quiet PING");
+                client.send(&ping(true, p.opaque)).await;
+            }
+            Kind::GoAway => {
+                let g = GoAway::decode(&head, &payload).expect("GOAWAY");
+                assert_eq!(g.error_code, ErrorCode::NO_ERROR);
+                return g.last_stream_id;
+            }
+            _ => panic!("expected the quiet PING or the final GOAWAY, got {head:?} {payload:?}"),
+        }
+    }
+}
+
 #[tokio::test(flavor = "current_thread", start_paused = true)]
-async fn rotation_is_goaway_max_and_ping_then_on_the_ack_the_final_goaway_then_fin() {
+async fn rotation_is_goaway_max_and_ping_then_a_quiet_ping_then_the_final_goaway_then_fin() {
     let mut b = open_bed(RelaySettings::default()).await;
     b.handle.rotate(RotateReason::Skew);
     assert_eq!(
@@ -229,6 +253,11 @@ async fn rotation_is_goaway_max_and_ping_then_on_the_ack_the_final_goaway_then_f
     assert!(!ours.ack);
     assert_eq!(b.handle.stats().rotating(), Some(RotateReason::Skew));
     b.client.send(&ping(true, ours.opaque)).await;
+    // Stream 1 is ended by the client: it has nothing left to send, so the relay checks that
+    // it has gone quiet with a second PING, and on its ACK sends the final GOAWAY.
+    let quiet = b.client.expect_ping().await;
+    assert_eq!((quiet.ack, quiet.opaque), (false, QUIET_PING));
+    b.client.send(&ping(true, quiet.opaque)).await;
     assert_eq!(
         b.client.expect_go_away().await,
         1,
@@ -243,6 +272,102 @@ async fn rotation_is_goaway_max_and_ping_then_on_the_ack_the_final_goaway_then_f
     assert_eq!(b.handle.stats().open_streams(), 0);
     let end = b.task.await.expect("task").expect("clean end");
     assert_eq!(end, RelayEnd::Rotated(RotateReason::Skew));
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_stream_the_client_writes_after_its_ping_ack_is_relayed_and_under_the_final_goaway() {
+    // grpc-core writes a PING ACK ahead of the streams queued in the same write: a stream it
+    // created before it read GOAWAY(2^31-1) can reach the relay after the ACK, in a later
+    // read. The final GOAWAY must not be below it (the client would fail or retry a call it
+    // had sent: grpc-core fails one larger than its 256 KiB retry buffer).
+    let mut b = open_bed(RelaySettings::default()).await;
+    b.handle.rotate(RotateReason::MaxAge);
+    b.client.expect_go_away().await;
+    let ours = b.client.expect_ping().await;
+    b.client.send(&ping(true, ours.opaque)).await;
+    // The relay acts on the ACK before the rest of the client's write arrives.
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    let mut late = headers(3, flags::END_HEADERS);
+    late.extend(frame(
+        Kind::Data,
+        flags::END_STREAM,
+        3,
+        b"sent before the GOAWAY",
+    ));
+    b.client.send(&late).await;
+    let (h, _) = b.backend.expect(Kind::Headers).await;
+    assert_eq!(h.stream_id, 3);
+    let (d, _) = b.backend.expect(Kind::Data).await;
+    assert_eq!(
+        d.stream_id, 3,
+        "stream 3 is relayed to the backend, not cancelled"
+    );
+    assert_eq!(
+        ack_quiet_pings_until_the_final_go_away(&mut b.client).await,
+        3,
+        "the final GOAWAY covers every stream the client sent"
+    );
+    assert_eq!(b.handle.stats().refused(), 0);
+    assert_eq!(b.handle.stats().requests(), 2);
+    b.backend.send(&response(1)).await;
+    b.backend.send(&response(3)).await;
+    expect_response(&mut b.client, 1).await;
+    expect_response(&mut b.client, 3).await;
+    b.client.expect_eof().await;
+    b.backend.expect_eof().await;
+    let end = b.task.await.expect("task").expect("clean end");
+    assert_eq!(end, RelayEnd::Rotated(RotateReason::MaxAge));
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn the_final_goaway_waits_for_the_client_to_end_its_streams_at_most_half_the_grace() {
+    let settings = RelaySettings {
+        drain_grace: Duration::from_secs(16),
+        ..RelaySettings::default()
+    };
+    let mut b = open_bed(settings).await;
+    // Stream 3: the client is still sending its request.
+    b.client.send(&headers(3, flags::END_HEADERS)).await;
+    b.backend.expect(Kind::Headers).await;
+    let started = Instant::now();
+    b.handle.rotate(RotateReason::Skew);
+    b.client.expect_go_away().await;
+    let ours = b.client.expect_ping().await;
+    b.client.send(&ping(true, ours.opaque)).await;
+    b.client.expect_silence().await;
+    // The request ends: now the relay checks the client is quiet.
+    b.client
+        .send(&frame(Kind::Data, flags::END_STREAM, 3, b"end"))
+        .await;
+    b.backend.expect(Kind::Data).await;
+    assert_eq!(
+        ack_quiet_pings_until_the_final_go_away(&mut b.client).await,
+        3
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "as soon as it is quiet"
+    );
+
+    // A client that never goes quiet (a request body that never ends).
+    let mut b = open_bed(RelaySettings {
+        drain_grace: Duration::from_secs(16),
+        ..RelaySettings::default()
+    })
+    .await;
+    b.client.send(&headers(3, flags::END_HEADERS)).await;
+    b.backend.expect(Kind::Headers).await;
+    let started = Instant::now();
+    b.handle.rotate(RotateReason::Skew);
+    b.client.expect_go_away().await;
+    let ours = b.client.expect_ping().await;
+    b.client.send(&ping(true, ours.opaque)).await;
+    assert_eq!(b.client.expect_go_away().await, 3);
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_secs(8) && waited < Duration::from_secs(9),
+        "the final GOAWAY comes halfway through the 16 s grace: {waited:?}"
+    );
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
@@ -272,7 +397,10 @@ async fn other_pings_and_acks_pass_through_both_ways_even_during_a_rotation() {
     b.backend.send(&ping(true, *b"interlvd")).await;
     assert_eq!(b.client.expect_ping().await.opaque, *b"interlvd");
     b.client.send(&ping(true, ours.opaque)).await;
-    assert_eq!(b.client.expect_go_away().await, 1);
+    assert_eq!(
+        ack_quiet_pings_until_the_final_go_away(&mut b.client).await,
+        1
+    );
     b.backend.send(&response(1)).await;
     expect_response(&mut b.client, 1).await;
     b.client.expect_eof().await;
@@ -312,7 +440,10 @@ async fn streams_opened_after_the_final_goaway_are_refused_keeping_hpack_and_win
     b.client.expect_go_away().await;
     let ours = b.client.expect_ping().await;
     b.client.send(&ping(true, ours.opaque)).await;
-    assert_eq!(b.client.expect_go_away().await, 1);
+    assert_eq!(
+        ack_quiet_pings_until_the_final_go_away(&mut b.client).await,
+        1
+    );
     // A client that ignores the GOAWAY: a new stream with a 100-byte body.
     let mut late = headers(3, flags::END_HEADERS);
     late.extend(frame(Kind::Data, flags::END_STREAM, 3, &[7; 100]));
@@ -417,7 +548,10 @@ async fn at_the_end_of_the_drain_grace_open_streams_are_reset_both_ways_then_fin
     b.client.expect_go_away().await;
     let ours = b.client.expect_ping().await;
     b.client.send(&ping(true, ours.opaque)).await;
-    assert_eq!(b.client.expect_go_away().await, 1);
+    assert_eq!(
+        ack_quiet_pings_until_the_final_go_away(&mut b.client).await,
+        1
+    );
     // The backend never answers stream 1.
     let rst = b.client.expect_rst().await;
     assert_eq!((rst.stream_id, rst.error_code), (1, ErrorCode::CANCEL));

@@ -20,6 +20,10 @@ use crate::metrics::{ClientErrorReason, FailureReason};
 /// counter), so its ACK is recognised and swallowed, every other ACK is forwarded.
 pub(super) const OUR_PING: [u8; 8] = *b"skwl\x00rot";
 
+/// The opaque data of our second PING, the one that checks the client has gone quiet before
+/// the final GOAWAY (see [`Conn::settle_step`]).
+pub(super) const OUR_QUIET_PING: [u8; 8] = *b"skwl\x00fin";
+
 /// Decodes the fixed part of a GOAWAY from the first `min(len, 8)` payload bytes (its debug
 /// data streams through unread).
 fn go_away_prefix<'a>(head: &Head, payload: &'a [u8]) -> Result<GoAway<'a>, FrameError> {
@@ -161,6 +165,11 @@ pub(super) enum Phase {
     Open,
     /// GOAWAY(2^31-1) and our PING sent; waiting for its ACK or the timeout.
     Announced,
+    /// The ACK came: the client has read GOAWAY(2^31-1) and opens no new stream, but streams
+    /// it had already created may still be on their way (a client may write the ACK ahead
+    /// of them). Every stream is still relayed; the final GOAWAY waits until the client is
+    /// quiet (see [`Conn::settle_step`]).
+    Settling,
     /// The final GOAWAY sent: streams above its last-stream-id are refused.
     Final,
 }
@@ -177,6 +186,8 @@ pub(super) struct Conn {
     budgets: FrameBudgets,
     /// Per open stream: which sides ended it, and when the client opened it.
     streams: HashMap<u32, (u8, Instant)>,
+    /// Open streams the client has not ended yet (it may still send on them).
+    client_open: usize,
     highest_client: u32,
     /// Lowest last-stream-id any GOAWAY to the client carried (ours or the backend's).
     go_last: Option<u32>,
@@ -186,6 +197,12 @@ pub(super) struct Conn {
     pub(super) reason: Option<RotateReason>,
     /// Our PING's ACK arrived (taken by the run loop).
     pub(super) ping_acked: bool,
+    /// Settling: `highest_client` when our quiet PING went out, while its ACK is awaited.
+    quiet_sent: Option<u32>,
+    /// The quiet PING's ACK arrived (taken by [`Conn::settle_step`]).
+    quiet_acked: bool,
+    /// When the final GOAWAY went out (for the refusal's trace line).
+    final_at: Option<Instant>,
     /// Header block open in each direction (stream id).
     pub(super) client_block: Option<u32>,
     pub(super) backend_block: Option<u32>,
@@ -207,12 +224,16 @@ impl Conn {
             max_streams,
             budgets: FrameBudgets::new(FloodLimits::default(), Instant::now()),
             streams: HashMap::new(),
+            client_open: 0,
             highest_client: 0,
             go_last: None,
             refuse_above: None,
             phase: Phase::Open,
             reason: None,
             ping_acked: false,
+            quiet_sent: None,
+            quiet_acked: false,
+            final_at: None,
             client_block: None,
             backend_block: None,
             client_max_frame: DEFAULT_MAX_FRAME_SIZE,
@@ -247,6 +268,9 @@ impl Conn {
 
     fn end(&mut self, stream_id: u32, side: u8) {
         if let Some((flags, opened)) = self.streams.get_mut(&stream_id) {
+            if side == CLIENT_ENDED && *flags & CLIENT_ENDED == 0 {
+                self.client_open -= 1;
+            }
             *flags |= side;
             if *flags == CLIENT_ENDED | BACKEND_ENDED {
                 let opened = *opened;
@@ -260,7 +284,10 @@ impl Conn {
     /// A stream was reset: by the client (a cancellation), by the backend (`failure`: what
     /// the call failed of), or by us.
     fn reset(&mut self, stream_id: u32, failure: Option<FailureReason>) {
-        if let Some((_, opened)) = self.streams.remove(&stream_id) {
+        if let Some((flags, opened)) = self.streams.remove(&stream_id) {
+            if flags & CLIENT_ENDED == 0 {
+                self.client_open -= 1;
+            }
             self.set_open();
             self.record(opened, failure);
         }
@@ -375,6 +402,9 @@ impl Conn {
                 if ping.ack && ping.opaque == OUR_PING {
                     self.ping_acked = true;
                     Action::Drop
+                } else if ping.ack && ping.opaque == OUR_QUIET_PING {
+                    self.quiet_acked = true;
+                    Action::Drop
                 } else {
                     Action::Forward
                 }
@@ -396,6 +426,15 @@ impl Conn {
             self.to_backend.rst(id, ErrorCode::CANCEL);
             self.to_client.rst(id, ErrorCode::REFUSED_STREAM);
             self.shared.stats.refused.fetch_add(1, Ordering::Relaxed);
+            let since_final_ms = self.final_at.map_or(0, |t| {
+                u64::try_from(t.elapsed().as_millis()).unwrap_or(u64::MAX)
+            });
+            tracing::debug!(
+                stream_id = id,
+                last = self.refuse_above,
+                since_final_ms,
+                "stream above the final GOAWAY refused"
+            );
             return Ok(());
         }
         if self.go_last.is_some_and(|last| id > last) {
@@ -411,6 +450,9 @@ impl Conn {
             id,
             (if end_stream { CLIENT_ENDED } else { 0 }, Instant::now()),
         );
+        if !end_stream {
+            self.client_open += 1;
+        }
         self.shared.stats.requests.fetch_add(1, Ordering::Relaxed);
         self.set_open();
         Ok(())
@@ -479,6 +521,11 @@ impl Conn {
                 let before = self.streams.len();
                 self.streams.retain(|&s, _| s <= last);
                 if self.streams.len() != before {
+                    self.client_open = self
+                        .streams
+                        .values()
+                        .filter(|(flags, _)| flags & CLIENT_ENDED == 0)
+                        .count();
                     self.set_open();
                 }
                 Action::Forward
@@ -510,6 +557,56 @@ impl Conn {
         .encode(&mut self.to_client.buf);
     }
 
+    /// Our PING's ACK came: the client has read GOAWAY(2^31-1). Settle until it is quiet
+    /// (see [`Conn::settle_step`]).
+    pub(super) fn settle(&mut self) {
+        if self.phase == Phase::Announced {
+            self.phase = Phase::Settling;
+        }
+    }
+
+    /// Settling, called after every round of I/O: sends the final GOAWAY once the client is
+    /// quiet, else our quiet PING when it may be. Returns whether a frame was queued.
+    ///
+    /// The PING's ACK proves the client read GOAWAY(2^31-1), not that every stream it
+    /// created before has reached us: grpc-core, for one, writes PING ACKs ahead of the
+    /// streams queued in the same write, and a stream queued behind other streams' DATA can
+    /// come one or more writes later. A final GOAWAY below such a stream makes the client
+    /// fail or retry a call it had sent (grpc-core cannot retry one larger than its retry
+    /// buffer, 256 KiB). So the final GOAWAY waits until (a) every open stream is ended by
+    /// the client (nothing of its own is left to write ahead of a stream's HEADERS) and
+    /// (b) a PING sent then comes back with no new stream opened: the client's write with
+    /// that ACK would have carried any HEADERS still queued. A client that keeps opening
+    /// streams meets the settle deadline instead (the run loop's, half the drain grace).
+    pub(super) fn settle_step(&mut self) -> bool {
+        if self.phase != Phase::Settling {
+            return false;
+        }
+        if self.go_last.is_some_and(|sent| sent <= self.highest_client) {
+            // A GOAWAY of the backend's already said as much as ours would: nothing to wait for.
+            self.finalize();
+            return !self.to_client.is_empty();
+        }
+        let quiet = self.client_open == 0 && self.client_block.is_none();
+        if std::mem::take(&mut self.quiet_acked) {
+            let sent = self.quiet_sent.take();
+            if quiet && sent == Some(self.highest_client) {
+                self.finalize();
+                return !self.to_client.is_empty();
+            }
+        }
+        if quiet && self.quiet_sent.is_none() {
+            self.quiet_sent = Some(self.highest_client);
+            Ping {
+                ack: false,
+                opaque: OUR_QUIET_PING,
+            }
+            .encode(&mut self.to_client.buf);
+            return true;
+        }
+        false
+    }
+
     /// Step 2: the final GOAWAY with the highest stream id the client opened (never above one
     /// already sent); later client streams are refused.
     pub(super) fn finalize(&mut self) {
@@ -517,6 +614,7 @@ impl Conn {
             return;
         }
         self.phase = Phase::Final;
+        self.final_at = Some(Instant::now());
         let last = self
             .go_last
             .map_or(self.highest_client, |sent| sent.min(self.highest_client));
@@ -540,6 +638,7 @@ impl Conn {
         for (_, (_, opened)) in std::mem::take(&mut self.streams) {
             self.record(opened, Some(FailureReason::Reset));
         }
+        self.client_open = 0;
         self.set_open();
         u32::try_from(ids.len()).unwrap_or(u32::MAX)
     }
@@ -553,6 +652,7 @@ impl Conn {
         for (_, (_, opened)) in std::mem::take(&mut self.streams) {
             self.record(opened, failure);
         }
+        self.client_open = 0;
         self.set_open();
     }
 

@@ -413,6 +413,7 @@ impl Relay {
                     }
                 }
             }
+            progress |= self.conn.settle_step();
             if self.conn.ping_acked {
                 self.conn.ping_acked = false;
                 if self.conn.phase == Phase::Announced {
@@ -538,6 +539,9 @@ pub(super) async fn run<C: Io, B: Io>(
     let mut half_closed_deadline = None;
     let mut ping_deadline = None;
     let mut grace_deadline = None;
+    // Settling (our PING acknowledged): the final GOAWAY at the latest halfway through the
+    // drain grace, for a client that never goes quiet.
+    let mut settle_deadline = None;
     // After the grace, how long the resets may take to get out before the sockets close.
     let mut hard_deadline = None;
     let outcome = loop {
@@ -549,8 +553,10 @@ pub(super) async fn run<C: Io, B: Io>(
                     .unwrap_or(RotateReason::Drain);
                 tracing::debug!(reason = reason.as_str(), "rotating");
                 r.conn.announce(reason);
-                ping_deadline = Some(Instant::now() + ping_timeout);
-                grace_deadline = Some(Instant::now() + settings.drain_grace);
+                let now = Instant::now();
+                ping_deadline = Some(now + ping_timeout);
+                grace_deadline = Some(now + settings.drain_grace);
+                settle_deadline = Some(now + settings.drain_grace / 2);
                 continue;
             }
             () = sleep_until(handshake_deadline) => {
@@ -569,6 +575,7 @@ pub(super) async fn run<C: Io, B: Io>(
             () = sleep_until(grace_deadline) => {
                 grace_deadline = None;
                 ping_deadline = None;
+                settle_deadline = None;
                 let reset = r.conn.reset_all();
                 tracing::debug!(reset, "drain grace over, resetting streams");
                 r.grace_over = Some(reset);
@@ -577,7 +584,17 @@ pub(super) async fn run<C: Io, B: Io>(
             }
             () = sleep_until(ping_deadline) => {
                 ping_deadline = None;
+                settle_deadline = None;
                 tracing::debug!("no PING ACK, final GOAWAY");
+                r.conn.finalize();
+                continue;
+            }
+            () = sleep_until(settle_deadline.filter(|_| r.conn.phase == Phase::Settling)) => {
+                settle_deadline = None;
+                tracing::debug!(
+                    open = r.conn.open_streams(),
+                    "client not quiet within the settle time, final GOAWAY"
+                );
                 r.conn.finalize();
                 continue;
             }
@@ -586,7 +603,7 @@ pub(super) async fn run<C: Io, B: Io>(
         match event {
             Ok(Event::PingAcked) => {
                 ping_deadline = None;
-                r.conn.finalize();
+                r.conn.settle();
             }
             Ok(Event::HalfClosed) => {
                 half_closed_deadline = Some(Instant::now() + settings.drain_grace);
