@@ -388,10 +388,19 @@ async fn a_removed_backends_connections_move_to_the_others_without_failing_calls
     let on_pod1 = b.balancer.stats().backends[1].connections as u64;
     assert!(on_pod1 > 0, "placement used both pods");
     b.endpoints.send_replace(endpoints(&pods[..1]));
+    // Counted on pod-0 itself: the total also holds rotated connections still draining.
     until("every connection on pod-0", Duration::from_secs(30), || {
         let s = b.balancer.stats();
-        s.connections == 6 && s.backends.len() == 1
+        s.backends.len() == 1 && s.backends[0].connections == 6
     })
+    .await;
+    // And calls made there since (a client that just reconnected has not called yet).
+    let moved = b.balancer.stats().backends[0].requests;
+    until(
+        "calls on pod-0 after the move",
+        Duration::from_secs(30),
+        || b.balancer.stats().backends[0].requests >= moved + 24,
+    )
     .await;
     let stats = b.balancer.stats();
     let reports = finish(&stop, clients).await;
