@@ -241,7 +241,7 @@ async fn ack_quiet_pings_until_the_final_go_away(client: &mut Peer) -> u32 {
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
-async fn rotation_is_goaway_max_and_ping_then_a_quiet_ping_then_the_final_goaway_then_fin() {
+async fn rotation_is_goaway_max_and_ping_then_two_quiet_pings_then_the_final_goaway_then_fin() {
     let mut b = open_bed(RelaySettings::default()).await;
     b.handle.rotate(RotateReason::Skew);
     assert_eq!(
@@ -254,10 +254,12 @@ async fn rotation_is_goaway_max_and_ping_then_a_quiet_ping_then_the_final_goaway
     assert_eq!(b.handle.stats().rotating(), Some(RotateReason::Skew));
     b.client.send(&ping(true, ours.opaque)).await;
     // Stream 1 is ended by the client: it has nothing left to send, so the relay checks that
-    // it has gone quiet with a second PING, and on its ACK sends the final GOAWAY.
-    let quiet = b.client.expect_ping().await;
-    assert_eq!((quiet.ack, quiet.opaque), (false, QUIET_PING));
-    b.client.send(&ping(true, quiet.opaque)).await;
+    // it has gone quiet with two more PINGs, one after the other, then the final GOAWAY.
+    for _ in 0..2 {
+        let quiet = b.client.expect_ping().await;
+        assert_eq!((quiet.ack, quiet.opaque), (false, QUIET_PING));
+        b.client.send(&ping(true, quiet.opaque)).await;
+    }
     assert_eq!(
         b.client.expect_go_away().await,
         1,
@@ -317,6 +319,42 @@ async fn a_stream_the_client_writes_after_its_ping_ack_is_relayed_and_under_the_
     b.backend.expect_eof().await;
     let end = b.task.await.expect("task").expect("clean end");
     assert_eq!(end, RelayEnd::Rotated(RotateReason::MaxAge));
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_stream_the_client_writes_after_the_first_quiet_ack_is_still_under_the_final_goaway() {
+    // The same race one round later: grpc-core writes each ACK alone and the streams queued
+    // meanwhile in the next write, so one quiet round trip proves nothing more than the
+    // first ACK did. Two in a row do.
+    let mut b = open_bed(RelaySettings::default()).await;
+    b.handle.rotate(RotateReason::MaxAge);
+    b.client.expect_go_away().await;
+    let ours = b.client.expect_ping().await;
+    b.client.send(&ping(true, ours.opaque)).await;
+    let quiet = b.client.expect_ping().await;
+    assert_eq!(quiet.opaque, QUIET_PING);
+    b.client.send(&ping(true, quiet.opaque)).await;
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    let mut late = headers(3, flags::END_HEADERS);
+    late.extend(frame(
+        Kind::Data,
+        flags::END_STREAM,
+        3,
+        b"queued before the GOAWAY",
+    ));
+    b.client.send(&late).await;
+    b.backend.expect(Kind::Headers).await;
+    let (d, _) = b.backend.expect(Kind::Data).await;
+    assert_eq!(
+        d.stream_id, 3,
+        "stream 3 is relayed to the backend, not cancelled"
+    );
+    assert_eq!(
+        ack_quiet_pings_until_the_final_go_away(&mut b.client).await,
+        3,
+        "the final GOAWAY covers every stream the client sent"
+    );
+    assert_eq!(b.handle.stats().refused(), 0);
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]

@@ -174,6 +174,9 @@ pub(super) enum Phase {
     Final,
 }
 
+/// Quiet PING round trips in a row before the final GOAWAY (see [`Conn::settle_step`]).
+const QUIET_ROUNDS: u8 = 2;
+
 /// Per open stream: which sides have ended it.
 const CLIENT_ENDED: u8 = 1;
 const BACKEND_ENDED: u8 = 2;
@@ -201,6 +204,8 @@ pub(super) struct Conn {
     quiet_sent: Option<u32>,
     /// The quiet PING's ACK arrived (taken by [`Conn::settle_step`]).
     quiet_acked: bool,
+    /// Quiet PING round trips in a row with the client quiet throughout.
+    quiet_rounds: u8,
     /// When the final GOAWAY went out (for the refusal's trace line).
     final_at: Option<Instant>,
     /// Header block open in each direction (stream id).
@@ -233,6 +238,7 @@ impl Conn {
             ping_acked: false,
             quiet_sent: None,
             quiet_acked: false,
+            quiet_rounds: 0,
             final_at: None,
             client_block: None,
             backend_block: None,
@@ -569,15 +575,17 @@ impl Conn {
     /// quiet, else our quiet PING when it may be. Returns whether a frame was queued.
     ///
     /// The PING's ACK proves the client read GOAWAY(2^31-1), not that every stream it
-    /// created before has reached us: grpc-core, for one, writes PING ACKs ahead of the
-    /// streams queued in the same write, and a stream queued behind other streams' DATA can
-    /// come one or more writes later. A final GOAWAY below such a stream makes the client
-    /// fail or retry a call it had sent (grpc-core cannot retry one larger than its retry
-    /// buffer, 256 KiB). So the final GOAWAY waits until (a) every open stream is ended by
-    /// the client (nothing of its own is left to write ahead of a stream's HEADERS) and
-    /// (b) a PING sent then comes back with no new stream opened: the client's write with
-    /// that ACK would have carried any HEADERS still queued. A client that keeps opening
-    /// streams meets the settle deadline instead (the run loop's, half the drain grace).
+    /// created before has reached us: grpc-core writes a PING ACK in a write of its own and
+    /// the streams queued meanwhile in the next one, and a stream queued behind other
+    /// streams' DATA can come one or more writes later. A final GOAWAY below such a stream
+    /// makes the client fail or retry a call it had sent (grpc-core cannot retry one larger
+    /// than its retry buffer, 256 KiB). So the final GOAWAY waits until (a) every open
+    /// stream is ended by the client (nothing of its own is left to write ahead of a
+    /// stream's HEADERS) and (b) [`QUIET_ROUNDS`] PINGs sent one after the other come back
+    /// with the client quiet throughout: the write that follows the one with the first ACK
+    /// carries any HEADERS still queued, and it goes out before the client has even read
+    /// the second PING. A client that keeps opening streams meets the settle deadline
+    /// instead (the run loop's, half the drain grace).
     pub(super) fn settle_step(&mut self) -> bool {
         if self.phase != Phase::Settling {
             return false;
@@ -591,8 +599,13 @@ impl Conn {
         if std::mem::take(&mut self.quiet_acked) {
             let sent = self.quiet_sent.take();
             if quiet && sent == Some(self.highest_client) {
-                self.finalize();
-                return !self.to_client.is_empty();
+                self.quiet_rounds += 1;
+                if self.quiet_rounds >= QUIET_ROUNDS {
+                    self.finalize();
+                    return !self.to_client.is_empty();
+                }
+            } else {
+                self.quiet_rounds = 0;
             }
         }
         if quiet && self.quiet_sent.is_none() {

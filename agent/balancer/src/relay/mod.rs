@@ -6,7 +6,7 @@
 //!
 //! 1. GOAWAY(2^31-1, NO_ERROR) and a PING with our own opaque data, to the client;
 //! 2. on that PING's ACK (swallowed), settling: every stream is still relayed until the client
-//!    is quiet (every open stream ended by the client, then a second PING of ours answered
+//!    is quiet (every open stream ended by the client, then two more PINGs of ours answered
 //!    with no new stream opened meanwhile; at most half of `drain_grace`), because a client
 //!    may write the ACK ahead of streams it had already created; then (or after
 //!    `ping_timeout` without an ACK) the final GOAWAY with the highest stream id the client
