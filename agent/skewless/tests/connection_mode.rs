@@ -3,8 +3,9 @@
 //! scale-up of seed 001, tonic never rotated for skew, the as-even-as-possible cases (one
 //! heavy connection over five pods; two equal clients on three pods do not ping-pong); clients
 //! and backends that misbehave (a client that ignores GOAWAY, one that never answers the
-//! PING, backends that send their own GOAWAY mid-rotation under keepalive PINGs, bad input).
-//! Run with `cargo xtask test` (as root). Every load is bounded in count and time.
+//! PING, backends that send their own GOAWAY mid-rotation under keepalive PINGs, bad input);
+//! the rotation stress. Run with `cargo xtask test` (as root). Every load is bounded in count
+//! and time.
 
 mod client_bed;
 
@@ -12,8 +13,8 @@ use std::time::Duration;
 
 use client_bed::{
     Backends, ClientBed, PodTap, assert_connection_mode, assert_two_phase_goaways,
-    bad_input_closes_only_that_connection, first_seen, pods_after, run_withheld, server_fin_ms,
-    summary, unix_now,
+    bad_input_closes_only_that_connection, first_seen, pods_after, rotation_load, run_withheld,
+    server_fin_ms, summary, unix_now,
 };
 use skewless_clients::{
     ClientKind, ClientResult, ClientSpec,
@@ -594,4 +595,147 @@ fn connection_mode_backend_goaway_mid_rotation_and_keepalive_pings_fail_no_call(
 #[ignore = "privileged: needs root and the real kernel; run with `cargo xtask test`"]
 fn connection_mode_bad_input_closes_only_that_connection() {
     bad_input_closes_only_that_connection(48, "connection");
+}
+
+// Rotation stress (issue 13 section 4).
+
+/// A rotation every second (`max-connection-age: 1s`) for 60 s: 200 unary calls in flight,
+/// a server stream and a bidi stream open across rotations, 4 MiB calls one after another.
+fn rotation_stress_bed(octet: u8, clients: &[&str]) -> ClientBed {
+    let mut bed = ClientBed::new(octet, 4, clients, Backends::default());
+    bed.configure("connection", &[("max-connection-age", "1s")], 4);
+    bed.start_agent();
+    assert_connection_mode(&bed);
+    bed
+}
+
+const STRESS_FOR: Duration = Duration::from_secs(60);
+const STRESS_STREAMS: Duration = Duration::from_secs(5);
+
+fn assert_no_call_failed_through_the_rotations(bed: &ClientBed, results: &[&ClientResult]) {
+    bed.assert_never_failed_open();
+    eprintln!("{}", bed.status_text());
+    let max_age = rotations(&connection_service(bed), "max_age");
+    eprintln!("rotations (max_age): {max_age}");
+    // One connection per client at a time, each rotated at 0.9-1.1 s of age and then
+    // reconnected: 56-115 seen for one or two clients.
+    let at_least = 30 * results.len() as u64;
+    assert!(
+        max_age >= at_least,
+        "a 1 s max age rotates each client's connection every second or so ({max_age} in \
+         {STRESS_FOR:?}, at least {at_least})"
+    );
+    for r in results {
+        assert_eq!(
+            r.failed_calls(),
+            0,
+            "no call may fail through the rotations: {}",
+            summary(r)
+        );
+        assert!(r.unary.ok > 50, "the load ran: {}", summary(r));
+        assert!(r.large.ok >= 1, "4 MiB calls went through: {}", summary(r));
+        for s in [&r.server_stream, &r.bidi] {
+            assert!(
+                s.as_ref().is_some_and(|s| s.messages > 0),
+                "the streams ran: {}",
+                summary(r)
+            );
+        }
+    }
+}
+
+#[test]
+#[ignore = "privileged: needs root and the real kernel; run with `cargo xtask test`"]
+fn connection_mode_rotation_every_second_fails_no_grpcio_call() {
+    // A second grpcio client, with a lighter load, dials through a frame-logging tap: its log
+    // shows each rotation's wire sequence as a client sees it, and that no stream it sent was
+    // above a final GOAWAY.
+    let mut bed = rotation_stress_bed(43, &["grpcio", "tapped"]);
+    let tap = PodTap::start(&mut bed, "tapped", Withhold::default());
+    let tapped_spec = ClientSpec {
+        concurrency: 4,
+        ..rotation_load(&tap.addr.to_string(), STRESS_FOR, 4, STRESS_STREAMS)
+    };
+    let tapped = bed
+        .harness
+        .spawn(
+            &mut bed.tb,
+            Place::Pod("tapped"),
+            ClientKind::Grpcio,
+            &tapped_spec,
+        )
+        .unwrap();
+    let load = rotation_load(&bed.target(), STRESS_FOR, 200, STRESS_STREAMS);
+    let grpcio = bed
+        .harness
+        .run(&mut bed.tb, Place::Pod("grpcio"), ClientKind::Grpcio, &load)
+        .unwrap();
+    eprintln!("{}", summary(&grpcio));
+    let tapped = tapped.wait(&mut bed.tb).unwrap();
+    eprintln!("tapped: {}", summary(&tapped));
+    assert_no_call_failed_through_the_rotations(&bed, &[&grpcio, &tapped]);
+    let log = tap.log();
+    let conns = framelog::http2_conns(&log).len();
+    let rotated = assert_two_phase_goaways(&log);
+    assert_no_stream_sent_above_the_final_goaway(&log);
+    eprintln!("tapped grpcio client: {conns} connections in {STRESS_FOR:?}, {rotated} rotated");
+    assert!(
+        rotated >= 30,
+        "a 1 s max age rotates the tapped client's connection about every second \
+         ({rotated} rotated of {conns} in {STRESS_FOR:?})"
+    );
+}
+
+#[test]
+#[ignore = "privileged: needs root and the real kernel; run with `cargo xtask test`"]
+fn connection_mode_rotation_every_second_fails_no_grpc_js_call() {
+    let mut bed = rotation_stress_bed(41, &["grpc-js"]);
+    let load = rotation_load(&bed.target(), STRESS_FOR, 200, STRESS_STREAMS);
+    let grpc_js = bed
+        .harness
+        .run(
+            &mut bed.tb,
+            Place::Pod("grpc-js"),
+            ClientKind::GrpcJs,
+            &load,
+        )
+        .unwrap();
+    eprintln!("{}", summary(&grpc_js));
+    assert_no_call_failed_through_the_rotations(&bed, &[&grpc_js]);
+}
+
+/// For a client that follows GOAWAY (a real one through the tap): on every rotated
+/// connection, no HEADERS the client sent has a stream id above the final GOAWAY's
+/// last-stream-id, and no stream was refused (RST_STREAM(REFUSED_STREAM) to the client).
+fn assert_no_stream_sent_above_the_final_goaway(log: &[LogLine]) {
+    for conn in framelog::http2_conns(log) {
+        let down = framelog::frames(log, conn, Dir::ToClient);
+        let last = down
+            .iter()
+            .filter_map(|f| f.goaway.as_ref().map(|g| g.0))
+            .min()
+            .filter(|&l| l < skewless_frame::MAX_STREAM_ID);
+        let up = framelog::frames(log, conn, Dir::ToServer);
+        if let Some(last) = last {
+            let above: Vec<u32> = up
+                .iter()
+                .filter(|f| f.kind == "HEADERS" && f.stream > last)
+                .map(|f| f.stream)
+                .collect();
+            assert!(
+                above.is_empty(),
+                "connection {conn}: the final GOAWAY ({last}) is below streams the client \
+                 sent: {above:?}"
+            );
+        }
+        let rst: Vec<u32> = down
+            .iter()
+            .filter(|f| f.rst == Some(7))
+            .map(|f| f.stream)
+            .collect();
+        assert!(
+            rst.is_empty(),
+            "connection {conn}: streams refused (REFUSED_STREAM): {rst:?}"
+        );
+    }
 }
