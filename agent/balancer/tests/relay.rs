@@ -276,6 +276,54 @@ async fn rotation_is_goaway_max_and_ping_then_two_quiet_pings_then_the_final_goa
     assert_eq!(end, RelayEnd::Rotated(RotateReason::Skew));
 }
 
+/// Issue 13's wire sequence with a stream opened between the two GOAWAYs: GOAWAY(2^31-1) and
+/// the relay's own PING come first, in that order; a stream the client opens before it ACKs
+/// is relayed like any other, the final GOAWAY (after the quiet PINGs) names it, both streams
+/// finish at the backend;
+/// the backend sees neither a GOAWAY nor the ACK; the relay ends with FIN once both are done.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_stream_opened_between_the_goaways_is_relayed_named_by_the_final_one_and_finished() {
+    let mut b = open_bed(RelaySettings::default()).await;
+    b.handle.rotate(RotateReason::Skew);
+    assert_eq!(b.client.expect_go_away().await, MAX_STREAM_ID);
+    let ours = b.client.expect_ping().await;
+    assert_eq!(
+        ours,
+        Ping {
+            ack: false,
+            opaque: *b"skwl\x00rot"
+        },
+        "the PING right after the first GOAWAY is ours, with opaque data no gRPC server uses"
+    );
+    // GOAWAY(2^31-1) refuses nothing: the client may still open stream 3 before it ACKs.
+    let mut req = headers(3, flags::END_HEADERS);
+    req.extend(frame(Kind::Data, flags::END_STREAM, 3, b"late"));
+    b.client.send(&req).await;
+    let (h, _) = b.backend.expect(Kind::Headers).await;
+    assert_eq!(h.stream_id, 3, "relayed to the backend as usual");
+    b.backend.expect(Kind::Data).await;
+    assert_eq!(b.handle.stats().requests(), 2);
+    b.client.send(&ping(true, ours.opaque)).await;
+    assert_eq!(
+        ack_quiet_pings_until_the_final_go_away(&mut b.client).await,
+        3,
+        "the final GOAWAY names the highest stream the client opened"
+    );
+    assert_eq!(b.handle.stats().refused(), 0, "nothing was refused");
+    // Both streams finish at the backend, in any order, while the connection stays up.
+    b.backend.send(&response(3)).await;
+    expect_response(&mut b.client, 3).await;
+    b.client.expect_silence().await;
+    b.backend.send(&response(1)).await;
+    expect_response(&mut b.client, 1).await;
+    // Then FIN both ways; the backend never got anything after the two requests (no GOAWAY,
+    // not our PING's ACK).
+    b.client.expect_eof().await;
+    b.backend.expect_eof().await;
+    let end = b.task.await.expect("task").expect("clean end");
+    assert_eq!(end, RelayEnd::Rotated(RotateReason::Skew));
+}
+
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_stream_the_client_writes_after_its_ping_ack_is_relayed_and_under_the_final_goaway() {
     // grpc-core writes a PING ACK ahead of the streams queued in the same write: a stream it
