@@ -82,16 +82,22 @@ impl Follower {
                 return Ok(None);
             }
         }
-        let have = usize::from(self.have);
-        let n = (HEADER_LEN - have).min(input.len());
-        self.header[have..have + n].copy_from_slice(&input[..n]);
-        *input = &input[n..];
-        self.have += n as u8;
-        if usize::from(self.have) < HEADER_LEN {
-            return Ok(None);
-        }
-        self.have = 0;
-        let head = Head::decode(&self.header);
+        let head = if let (0, Some((whole, rest))) = (self.have, input.split_first_chunk()) {
+            // The usual case: the whole header is in this input; decode it where it lies.
+            *input = rest;
+            Head::decode(whole)
+        } else {
+            let have = usize::from(self.have);
+            let n = (HEADER_LEN - have).min(input.len());
+            self.header[have..have + n].copy_from_slice(&input[..n]);
+            *input = &input[n..];
+            self.have += n as u8;
+            if usize::from(self.have) < HEADER_LEN {
+                return Ok(None);
+            }
+            self.have = 0;
+            Head::decode(&self.header)
+        };
         if head.len > self.max_len {
             return Err(FrameError::TooLarge {
                 kind: head.kind,
