@@ -332,12 +332,6 @@ impl Pool {
         }
     }
 
-    /// Deposits the retry-budget share of one original request.
-    pub(crate) fn deposit_retry_token(&self) {
-        let now = Instant::now();
-        self.lock().retry_budget.deposit(now);
-    }
-
     /// Takes one retry from the budget, if it has one.
     pub(crate) fn withdraw_retry_token(&self) -> bool {
         let now = Instant::now();
@@ -346,14 +340,16 @@ impl Pool {
 
     /// Picks an endpoint with a ready connection, waiting up to the ready timeout for one when
     /// the Service has endpoints but none is connected yet (`config`: the one the request runs
-    /// under).
+    /// under). `first`: the request's first pick, which deposits its share of the retry budget
+    /// (under the same lock and clock reading as the pick, whatever the pick's outcome).
     pub(crate) async fn acquire(
         self: &Arc<Self>,
         config: &Config,
         exclude: &[EndpointId],
+        first: bool,
     ) -> Result<Lease, ForwardError> {
         // The common case: a ready endpoint at the first look, nothing to wait for.
-        if let Some(lease) = self.try_acquire(config, exclude)? {
+        if let Some(lease) = self.try_acquire(config, exclude, first)? {
             return Ok(lease);
         }
         let give_up = Instant::now() + config.ready_timeout;
@@ -362,7 +358,7 @@ impl Pool {
             tokio::pin!(notified);
             // Register before looking, so a change between the look and the wait is not lost.
             notified.as_mut().enable();
-            if let Some(lease) = self.try_acquire(config, exclude)? {
+            if let Some(lease) = self.try_acquire(config, exclude, false)? {
                 return Ok(lease);
             }
             if tokio::time::timeout_at(give_up, notified).await.is_err() {
@@ -372,16 +368,23 @@ impl Pool {
     }
 
     /// One look at the pool: a lease, `None` to wait for a change, or an error to give up.
+    /// `deposit`: first deposit one original request's share of the retry budget.
     fn try_acquire(
         self: &Arc<Self>,
         config: &Config,
         exclude: &[EndpointId],
+        deposit: bool,
     ) -> Result<Option<Lease>, ForwardError> {
         let now = Instant::now();
         let mut state = self.lock();
         let State {
-            picker, endpoints, ..
+            picker,
+            endpoints,
+            retry_budget,
         } = &mut *state;
+        if deposit {
+            retry_budget.deposit(now);
+        }
         if endpoints.is_empty() {
             return Err(ForwardError::NoEndpoints);
         }

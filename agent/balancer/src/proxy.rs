@@ -193,7 +193,6 @@ async fn forward(
 ) -> Result<Forwarded, ForwardError> {
     // One look at the live config per request (`reconfigure` may swap it meanwhile).
     let config = pool.config();
-    pool.deposit_retry_token();
     let max_attempts = config.max_attempts.max(1);
     let retryable_method = {
         let path = head.uri.path();
@@ -212,7 +211,9 @@ async fn forward(
     let mut redispatches = 0u32;
     let mut refused_by: Option<h2::Error> = None;
     loop {
-        let mut lease = match pool.acquire(&config, &tried).await {
+        // The request's first pick also deposits its share of the retry budget.
+        let first = attempts == 1 && redispatches == 0;
+        let mut lease = match pool.acquire(&config, &tried, first).await {
             Ok(lease) => lease,
             // A retry with nowhere else to go fails with what the upstream said.
             Err(error) => return Err(refused_by.map_or(error, ForwardError::Upstream)),
