@@ -17,7 +17,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use skewless_frame::Follower;
+use skewless_frame::{Follower, Kind};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::time::Instant;
 
@@ -44,11 +44,19 @@ impl FloodGuard {
 
     /// Follows `bytes` read from the client; the flood they complete, if any. Once tripped it
     /// stays tripped. A broken preface or frame is h2's to report: the guard stops following.
-    pub(crate) fn feed(&mut self, mut bytes: &[u8], now: Instant) -> Option<Flood> {
+    /// `clock` is read only when a frame that can spend from a budget (PING, SETTINGS,
+    /// RST_STREAM) comes by, at most once per read: most reads carry none and need
+    /// no clock (a call's reads are part of its CPU cost).
+    pub(crate) fn feed(&mut self, mut bytes: &[u8], clock: impl Fn() -> Instant) -> Option<Flood> {
         if self.tripped.is_some() {
             return self.tripped;
         }
+        let mut now = None;
         while let Ok(Some(head)) = self.frames.next_head(&mut bytes) {
+            if !matches!(head.kind, Kind::Ping | Kind::Settings | Kind::RstStream) {
+                continue;
+            }
+            let now = *now.get_or_insert_with(&clock);
             if let Some(flood) = self.budgets.spend(&head, now) {
                 self.tripped = Some(flood);
                 return self.tripped;
@@ -90,7 +98,7 @@ impl<T: AsyncRead + Unpin> AsyncRead for Guarded<T> {
         let res = Pin::new(&mut this.inner).poll_read(cx, buf);
         if matches!(res, Poll::Ready(Ok(()))) {
             let new = &buf.filled()[before..];
-            if let Some(flood) = this.guard.feed(new, Instant::now()) {
+            if let Some(flood) = this.guard.feed(new, Instant::now) {
                 this.counters.count(flood);
                 tracing::debug!(%flood, "client flood, closing its connection");
                 // What this read brought is not handed to h2.
@@ -171,13 +179,13 @@ mod tests {
     #[tokio::test(flavor = "current_thread", start_paused = true)]
     async fn a_burst_within_the_budget_passes_and_one_more_trips_it() {
         let mut g = FloodGuard::new(limits(10, 10), Instant::now());
-        assert_eq!(g.feed(PREFACE, Instant::now()), None);
+        assert_eq!(g.feed(PREFACE, Instant::now), None);
         for _ in 0..10 {
-            assert_eq!(g.feed(&ping(), Instant::now()), None, "within the burst");
+            assert_eq!(g.feed(&ping(), Instant::now), None, "within the burst");
         }
-        assert_eq!(g.feed(&ping(), Instant::now()), Some(Flood::Ping));
+        assert_eq!(g.feed(&ping(), Instant::now), Some(Flood::Ping));
         assert_eq!(
-            g.feed(&frame(Kind::Data, 0, 1, 0), Instant::now()),
+            g.feed(&frame(Kind::Data, 0, 1, 0), Instant::now),
             Some(Flood::Ping),
             "tripped for good"
         );
@@ -186,11 +194,11 @@ mod tests {
     #[tokio::test(flavor = "current_thread", start_paused = true)]
     async fn a_steady_rate_at_the_refill_never_trips() {
         let mut g = FloodGuard::new(limits(5, 100), Instant::now());
-        g.feed(PREFACE, Instant::now());
+        g.feed(PREFACE, Instant::now);
         for _ in 0..10_000 {
             tokio::time::advance(Duration::from_millis(10)).await;
             assert_eq!(
-                g.feed(&ping(), Instant::now()),
+                g.feed(&ping(), Instant::now),
                 None,
                 "100 per second is allowed"
             );
@@ -200,7 +208,7 @@ mod tests {
     #[tokio::test(flavor = "current_thread", start_paused = true)]
     async fn each_kind_has_its_own_budget_and_acks_and_other_frames_are_free() {
         let mut g = FloodGuard::new(limits(3, 1), Instant::now());
-        g.feed(PREFACE, Instant::now());
+        g.feed(PREFACE, Instant::now);
         let mut bytes = Vec::new();
         for _ in 0..3 {
             bytes.extend(ping());
@@ -213,17 +221,38 @@ mod tests {
             bytes.extend(frame(Kind::Data, 0, 1, 16));
             bytes.extend(frame(Kind::WindowUpdate, 0, 0, 4));
         }
-        assert_eq!(g.feed(&bytes, Instant::now()), None);
+        assert_eq!(g.feed(&bytes, Instant::now), None);
         assert_eq!(
-            g.feed(&frame(Kind::Settings, 0, 0, 0), Instant::now()),
+            g.feed(&frame(Kind::Settings, 0, 0, 0), Instant::now),
             Some(Flood::Settings)
         );
         let mut g = FloodGuard::new(limits(3, 1), Instant::now());
-        g.feed(PREFACE, Instant::now());
+        g.feed(PREFACE, Instant::now);
         let rsts: Vec<u8> = (0..4)
             .flat_map(|i| frame(Kind::RstStream, 0, 2 * i + 1, 4))
             .collect();
-        assert_eq!(g.feed(&rsts, Instant::now()), Some(Flood::RstStream));
+        assert_eq!(g.feed(&rsts, Instant::now), Some(Flood::RstStream));
+    }
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn only_frames_that_spend_read_the_clock() {
+        let mut g = FloodGuard::new(limits(10, 10), Instant::now());
+        let no_clock = || -> Instant { panic!("the clock was read for frames that cost nothing") };
+        let mut bytes = PREFACE.to_vec();
+        bytes.extend(frame(Kind::Headers, 0x4, 1, 20));
+        bytes.extend(frame(Kind::Data, 0x1, 1, 100));
+        bytes.extend(frame(Kind::WindowUpdate, 0, 0, 4));
+        bytes.extend(frame(Kind::GoAway, 0, 0, 8));
+        assert_eq!(g.feed(&bytes, no_clock), None);
+        let reads = std::cell::Cell::new(0);
+        let counting = || {
+            reads.set(reads.get() + 1);
+            Instant::now()
+        };
+        let mut pings = ping();
+        pings.extend(ping());
+        assert_eq!(g.feed(&pings, counting), None);
+        assert_eq!(reads.get(), 1, "one clock read for the PINGs of one read");
     }
 
     #[tokio::test(flavor = "current_thread", start_paused = true)]
@@ -235,7 +264,7 @@ mod tests {
         }
         let mut tripped = None;
         for b in bytes.chunks(1) {
-            tripped = tripped.or(g.feed(b, Instant::now()));
+            tripped = tripped.or(g.feed(b, Instant::now));
         }
         assert_eq!(
             tripped,
