@@ -13,16 +13,14 @@
 //! cancelled call), the approach of Envoy's and nginx's HTTP/2 flood limits.
 
 use std::io;
-use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 
 use skewless_frame::{Follower, Kind};
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::time::Instant;
 
 use crate::budget::FrameBudgets;
 pub(crate) use crate::budget::{Flood, FloodCounters, FloodLimits};
+use crate::socket::ReadTap;
 
 /// The per-connection state: where the frame boundaries are, and the buckets.
 #[derive(Debug)]
@@ -66,77 +64,39 @@ impl FloodGuard {
     }
 }
 
-/// A client socket behind a [`FloodGuard`]: a read that completes a flood fails instead (h2
-/// ends the connection) and is counted once.
-pub(crate) struct Guarded<T> {
-    inner: T,
+/// A client socket's [`ReadTap`]: a read that completes a flood fails instead (h2 ends the
+/// connection) and is counted once; every read after it fails without reading.
+pub(crate) struct Guard {
     guard: FloodGuard,
     counters: Arc<FloodCounters>,
 }
 
-impl<T> Guarded<T> {
-    pub(crate) fn new(inner: T, limits: FloodLimits, counters: Arc<FloodCounters>) -> Self {
+impl Guard {
+    pub(crate) fn new(limits: FloodLimits, counters: Arc<FloodCounters>) -> Self {
         Self {
-            inner,
             guard: FloodGuard::new(limits, Instant::now()),
             counters,
         }
     }
 }
 
-impl<T: AsyncRead + Unpin> AsyncRead for Guarded<T> {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        let this = &mut *self;
-        if let Some(flood) = this.guard.tripped {
-            return Poll::Ready(Err(io::Error::other(flood)));
+impl ReadTap for Guard {
+    fn before_read(&self) -> io::Result<()> {
+        match self.guard.tripped {
+            Some(flood) => Err(io::Error::other(flood)),
+            None => Ok(()),
         }
-        let before = buf.filled().len();
-        let res = Pin::new(&mut this.inner).poll_read(cx, buf);
-        if matches!(res, Poll::Ready(Ok(()))) {
-            let new = &buf.filled()[before..];
-            if let Some(flood) = this.guard.feed(new, Instant::now) {
-                this.counters.count(flood);
+    }
+
+    fn read(&mut self, bytes: &[u8]) -> io::Result<()> {
+        match self.guard.feed(bytes, Instant::now) {
+            Some(flood) => {
+                self.counters.count(flood);
                 tracing::debug!(%flood, "client flood, closing its connection");
-                // What this read brought is not handed to h2.
-                buf.set_filled(before);
-                return Poll::Ready(Err(io::Error::other(flood)));
+                Err(io::Error::other(flood))
             }
+            None => Ok(()),
         }
-        res
-    }
-}
-
-impl<T: AsyncWrite + Unpin> AsyncWrite for Guarded<T> {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write(cx, buf)
-    }
-
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_flush(cx)
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_shutdown(cx)
-    }
-
-    fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.inner.is_write_vectored()
     }
 }
 

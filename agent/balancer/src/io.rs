@@ -1,29 +1,28 @@
-//! A TCP stream wrapper that reports what an upstream connection's monitors need: the first
-//! bytes the server sends, the first GOAWAY frame it sends, and (for the liveness monitor) every
-//! read that carried HEADERS or DATA.
+//! The read tap of an upstream connection's socket ([`crate::socket`]): it reports what the
+//! connection's monitors need: the first bytes the server sends, the first GOAWAY frame it
+//! sends, and (for the liveness monitor) every read that carried HEADERS or DATA.
 //!
 //! h2's client handshake completes without hearing from the server, so a connection to a
 //! listener that still exists but no longer serves (a pod shutting down, a backlog nobody
 //! accepts) would look usable, and requests written to it would be lost: the connection is only
 //! published once the server has spoken (its SETTINGS frame). And h2 gives no signal when the
 //! server sends GOAWAY (its streams in flight go on; new ones fail), while the balancer wants to
-//! stop using the connection and open its replacement at once. So the wrapper follows the frame
+//! stop using the connection and open its replacement at once. So the tap follows the frame
 //! boundaries of what it reads: it looks at each 9-byte frame header and skips the payload,
 //! which is all it takes to see a GOAWAY (type 0x7) go by, and to tell the server's own frames
 //! (HEADERS, DATA: what gRPC servers count as activity) from PING answers. Decoding stays h2's.
 
 use std::io;
-use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 
 use skewless_frame::{Follower, Kind};
-
-use crate::liveness::Signals;
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::TcpStream;
 use tokio::sync::{Notify, oneshot};
 
-/// What the wrapper reports, each at most once.
+use crate::liveness::Signals;
+use crate::socket::{Close, ReadTap, Tapped};
+
+/// What the tap reports, each at most once.
 pub(crate) struct Events {
     /// The server sent its first bytes.
     pub(crate) spoke: oneshot::Receiver<()>,
@@ -31,31 +30,29 @@ pub(crate) struct Events {
     pub(crate) go_away: Arc<Notify>,
 }
 
-/// Wraps `T` and reports [`Events`] as the server's bytes are read.
-pub(crate) struct Watched<T> {
-    inner: T,
+/// An upstream socket's tap: reports [`Events`] as the server's bytes are read.
+pub(crate) struct ServerFrames {
     spoke: Option<oneshot::Sender<()>>,
     go_away: Option<Arc<Notify>>,
     frames: FrameHeaders,
     signals: Arc<Signals>,
 }
 
-impl<T> Watched<T> {
-    /// Wraps `inner`; reads carrying HEADERS or DATA are counted in `signals`.
-    pub(crate) fn new(inner: T, signals: Arc<Signals>) -> (Self, Events) {
-        let (spoke_tx, spoke) = oneshot::channel();
-        let go_away = Arc::new(Notify::new());
-        (
-            Self {
-                inner,
-                spoke: Some(spoke_tx),
-                go_away: Some(go_away.clone()),
-                frames: FrameHeaders::default(),
-                signals,
-            },
-            Events { spoke, go_away },
-        )
-    }
+/// Wraps an upstream `stream` (closed at once when dropped); reads carrying HEADERS or DATA
+/// are counted in `signals`.
+pub(crate) fn watched(stream: TcpStream, signals: Arc<Signals>) -> (Tapped<ServerFrames>, Events) {
+    let (spoke_tx, spoke) = oneshot::channel();
+    let go_away = Arc::new(Notify::new());
+    let tap = ServerFrames {
+        spoke: Some(spoke_tx),
+        go_away: Some(go_away.clone()),
+        frames: FrameHeaders::default(),
+        signals,
+    };
+    (
+        Tapped::new(stream, tap, Close::AtOnce),
+        Events { spoke, go_away },
+    )
 }
 
 /// Follows frame boundaries in a server-to-client HTTP/2 byte stream (which, unlike the
@@ -90,62 +87,22 @@ impl FrameHeaders {
     }
 }
 
-impl<T: AsyncRead + Unpin> AsyncRead for Watched<T> {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        let before = buf.filled().len();
-        let res = Pin::new(&mut self.inner).poll_read(cx, buf);
-        let new = &buf.filled()[before..];
-        if matches!(res, Poll::Ready(Ok(()))) && !new.is_empty() {
-            if let Some(tx) = self.spoke.take() {
-                let _ = tx.send(());
-            }
-            let this = &mut *self;
-            let seen = this.frames.feed(new);
-            if seen.heard {
-                this.signals.heard();
-            }
-            if seen.go_away
-                && let Some(go_away) = this.go_away.take()
-            {
-                // Stores a permit if nobody waits yet: the event is not lost.
-                go_away.notify_one();
-            }
+impl ReadTap for ServerFrames {
+    fn read(&mut self, bytes: &[u8]) -> io::Result<()> {
+        if let Some(tx) = self.spoke.take() {
+            let _ = tx.send(());
         }
-        res
-    }
-}
-
-impl<T: AsyncWrite + Unpin> AsyncWrite for Watched<T> {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write(cx, buf)
-    }
-
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_flush(cx)
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_shutdown(cx)
-    }
-
-    fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.inner.is_write_vectored()
+        let seen = self.frames.feed(bytes);
+        if seen.heard {
+            self.signals.heard();
+        }
+        if seen.go_away
+            && let Some(go_away) = self.go_away.take()
+        {
+            // Stores a permit if nobody waits yet: the event is not lost.
+            go_away.notify_one();
+        }
+        Ok(())
     }
 }
 

@@ -64,6 +64,7 @@ pub mod relay;
 mod request;
 mod retry_budget;
 pub mod server;
+mod socket;
 pub mod stats;
 pub mod workers;
 

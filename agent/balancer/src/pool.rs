@@ -25,7 +25,6 @@ use crate::config::Config;
 use crate::endpoint::Endpoint;
 use crate::endpoints::{EndpointId, EndpointSet};
 use crate::error::{ConnectError, ForwardError};
-use crate::io::Watched;
 use crate::liveness::{self, LivenessConfig, Report, Signals, Verdict};
 use crate::metrics::{EndpointMetrics, ServiceMetrics};
 use crate::picker::{Outcome, Picker, Slot};
@@ -568,7 +567,7 @@ pub(crate) async fn connect(
         tcp.set_nodelay(true).map_err(ConnectError::Tcp)?;
         liveness::set_tcp_options(&tcp, liveness).map_err(ConnectError::Tcp)?;
         let signals = Arc::new(Signals::default());
-        let (io, events) = Watched::new(tcp, signals.clone());
+        let (io, events) = crate::io::watched(tcp, signals.clone());
         let (sender, mut conn) = h2::client::Builder::new()
             // Fixed windows. h2 sizes its budget for small DATA frames from the connection
             // window, so small adaptive windows got gRPC's many small frames the connection

@@ -12,12 +12,12 @@ use tokio::net::TcpStream;
 use tokio::sync::watch;
 
 use crate::config::Config;
-use crate::flood::{FloodLimits, Guarded};
-use crate::linger::Lingering;
+use crate::flood::{FloodLimits, Guard};
 use crate::metrics::ClientErrorReason;
 use crate::pool::{self, Pool};
 use crate::proxy;
 use crate::server::{Lifecycle, NewConnection, Stop};
+use crate::socket::{Close, Tapped};
 
 /// Most streams one client connection may have open at once. A pinned client sends all its
 /// calls over one connection, so this is its concurrency; what it can make the balancer buffer
@@ -73,10 +73,10 @@ async fn serve(pool: Arc<Pool>, stream: TcpStream, mut stop: Stop<Config>) {
         .max_header_list_size(pool::MAX_HEADER_LIST)
         .max_send_buffer_size(pool::MAX_SEND_BUFFER)
         .max_local_error_reset_streams(Some(MAX_LOCAL_ERROR_RESETS))
-        .handshake::<_, Bytes>(Guarded::new(
-            Lingering::new(stream),
-            FloodLimits::default(),
-            pool.counters.floods.clone(),
+        .handshake::<_, Bytes>(Tapped::new(
+            stream,
+            Guard::new(FloodLimits::default(), pool.counters.floods.clone()),
+            Close::Linger,
         ));
     let mut conn = match tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake).await {
         Ok(Ok(conn)) => conn,
