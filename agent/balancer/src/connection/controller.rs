@@ -97,7 +97,8 @@ struct Conn {
     seen: u64,
     /// Requests per tick.
     recent: Window,
-    /// Its rate until it has its own.
+    /// The rate of the rotated client it probably is (a skew rotation's reconnect), counted
+    /// until it has a rate of its own; other young connections count at the Service's mean.
     provisional: Option<f64>,
     /// Why it is being rotated, once it is.
     rotation: Option<RotateReason>,
@@ -314,21 +315,33 @@ impl Controller {
                 .copied()
                 .reduce(|a, b| if cheaper(b, a) { b } else { a })?;
             (best, Some(rate))
-        } else if candidates.len() == 1 {
-            (candidates[0], None)
         } else {
-            let i = self.rng.random_range(0..candidates.len());
-            let mut j = self.rng.random_range(0..candidates.len() - 1);
-            if j >= i {
-                j += 1;
+            // A backend without a connection (a new pod) is the best place there is: the two
+            // choices are made among those first, so the connections of a scale-up's clients
+            // that connect late reach every new pod instead of leaving one empty by chance.
+            let empty: Vec<EndpointId> = candidates
+                .iter()
+                .copied()
+                .filter(|b| load(*b).1 == 0)
+                .collect();
+            if !empty.is_empty() {
+                candidates = empty;
             }
-            let (a, b) = (candidates[i], candidates[j]);
-            (if cheaper(b, a) { b } else { a }, None)
+            if candidates.len() == 1 {
+                (candidates[0], None)
+            } else {
+                let i = self.rng.random_range(0..candidates.len());
+                let mut j = self.rng.random_range(0..candidates.len() - 1);
+                if j >= i {
+                    j += 1;
+                }
+                let (a, b) = (candidates[i], candidates[j]);
+                (if cheaper(b, a) { b } else { a }, None)
+            }
         };
         let addr = self.backends.get(backend)?.endpoint().addr;
         let conn = ConnId(self.next_conn);
         self.next_conn += 1;
-        let provisional = provisional.or_else(|| Some(self.mean_rate(now)));
         self.conns.insert(
             conn,
             Conn {
@@ -494,18 +507,27 @@ impl Controller {
         }
     }
 
-    /// Mean measured rate of the settled connections (0 without any).
+    /// What a connection without a rate of its own counts as: the mean measured rate of the
+    /// settled connections; while none is settled (every connection is young: the Service's
+    /// clients are just connecting), the largest young one's, so every young connection counts
+    /// alike and placement goes by connection counts rather than by which backend's first
+    /// connections happened to send first (their partial first ticks). 0 without any rate.
     fn mean_rate(&self, now: Instant) -> f64 {
-        let settled: Vec<f64> = self
+        let (settled, young): (Vec<&Conn>, Vec<&Conn>) = self
             .conns
             .values()
-            .filter(|c| now.saturating_duration_since(c.placed_at) >= SETTLE)
-            .map(|c| self.measured_rate(c, now))
-            .collect();
+            .partition(|c| now.saturating_duration_since(c.placed_at) >= SETTLE);
         if settled.is_empty() {
-            0.0
+            young
+                .iter()
+                .map(|c| self.measured_rate(c, now))
+                .fold(0.0, f64::max)
         } else {
-            settled.iter().sum::<f64>() / settled.len() as f64
+            settled
+                .iter()
+                .map(|c| self.measured_rate(c, now))
+                .sum::<f64>()
+                / settled.len() as f64
         }
     }
 
@@ -731,6 +753,57 @@ mod tests {
         assert!(
             (6..=14).contains(&to_idle),
             "the idle backend takes about its share of the burst (10), got {to_idle} of 40"
+        );
+    }
+
+    #[test]
+    fn placements_before_any_connection_settles_go_by_connection_counts() {
+        let mut c = controller(RotationConfig::default(), 2);
+        let t0 = Instant::now();
+        // The first ten connect at once and spread 5-5; by the first tick those on backend 0
+        // happened to send more (their first, partial tick).
+        let first: Vec<_> = (0..10).map(|_| open(&mut c, t0)).collect();
+        let on_0 = c.backends.iter().next().expect("backend 0").id();
+        for (p, r) in &first {
+            let sent = if p.backend == on_0 { 30 } else { 20 };
+            r.requests.fetch_add(sent, Ordering::Relaxed);
+        }
+        c.tick(t0 + secs(1));
+        // The other ten connect before any connection is 2 s old: each counts like the young
+        // ones already there, so they spread instead of all going to backend 1 (seen in the
+        // real-client scale-up test: 15-5 on 2 pods).
+        let later = t0 + Duration::from_millis(1100);
+        let to_0 = (0..10)
+            .filter(|_| open(&mut c, later).0.backend == on_0)
+            .count();
+        assert!(
+            (4..=6).contains(&to_0),
+            "the second ten spread over both backends, got {to_0} of 10 on backend 0"
+        );
+    }
+
+    #[test]
+    fn new_connections_fill_the_backends_without_one_first() {
+        let mut c = controller(RotationConfig::default(), 2);
+        let t0 = Instant::now();
+        let old: Vec<_> = (0..20).map(|_| open(&mut c, t0)).collect();
+        let mut now = t0;
+        for _ in 0..5 {
+            now += secs(1);
+            for (_, r) in &old {
+                r.requests.fetch_add(50, Ordering::Relaxed);
+            }
+            c.tick(now);
+        }
+        // Scaled to 10; eight clients that started late connect now (not rotated ones).
+        c.update(&eps(10), false, |_, _| None);
+        for _ in 0..8 {
+            open(&mut c, now);
+        }
+        let stats = c.stats(now);
+        assert!(
+            stats.backends.iter().all(|b| b.connections >= 1),
+            "each of the eight goes to a pod that has none: {stats:?}"
         );
     }
 
