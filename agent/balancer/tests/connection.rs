@@ -361,8 +361,9 @@ async fn scale_up_rotates_pinned_connections_onto_the_new_pods_without_failing_c
         "zero failed calls through rotations: {reports:?}"
     );
     assert!(
-        (2..=3).contains(&stats.rotations.skew),
-        "only as many rotations as needed (6-0-0 to at most 3-2-1): {stats:?}"
+        (2..=4).contains(&stats.rotations.skew),
+        "only as many rotations as needed (6-0-0 to at most 2-2-2: 3-2-1 is at the threshold, \
+         not under the plan's band): {stats:?}"
     );
     for pod in ["pod-1", "pod-2"] {
         assert!(

@@ -124,6 +124,9 @@ pub(crate) struct Controller {
     /// Reconnects expected from skew rotations: (until, rate).
     expected: VecDeque<(Instant, f64)>,
     last: Evaluation,
+    /// When the policy's outcome can change without new traffic (its last evaluation's
+    /// [`Evaluation::wake`]).
+    wake: Option<Instant>,
     /// Where rotations are counted (the lifecycle's max age and drain by the server, the
     /// others here).
     metrics: Arc<ServiceMetrics>,
@@ -155,7 +158,9 @@ impl Controller {
                 skew: 0.0,
                 live_skew: 0.0,
                 rotate: None,
+                wake: None,
             },
+            wake: None,
             metrics,
             no_backend: 0,
             window_ticks: ticks_in(WINDOW, tick),
@@ -414,10 +419,20 @@ impl Controller {
         }
     }
 
-    /// One tick: takes every relay's new requests into the windows, evaluates the policy, and
-    /// returns the rotations it decided: as many as the budget's slots since the last tick
-    /// allow (the policy is asked again after each, with that connection now in transit).
+    /// One tick: takes every relay's new requests into the windows, then [`Self::evaluate`].
     pub(crate) fn tick(&mut self, now: Instant) -> Vec<Rotation> {
+        self.sample();
+        self.evaluate(now)
+    }
+
+    /// When to evaluate again even if no tick comes first: the hold ends, or a budget slot
+    /// frees.
+    pub(crate) fn wake(&self) -> Option<Instant> {
+        self.wake
+    }
+
+    /// Takes every relay's new requests into the windows (one slot per tick).
+    fn sample(&mut self) {
         let mut per_backend: BTreeMap<EndpointId, u64> = BTreeMap::new();
         for c in self.conns.values_mut() {
             let count = c.relay.as_ref().map_or(0, |r| r.requests());
@@ -432,6 +447,13 @@ impl Controller {
             b.window.push(delta + std::mem::take(&mut b.pending));
             b.total_requests += delta;
         }
+    }
+
+    /// Evaluates the policy and returns the rotations it decided: the policy is asked again
+    /// after each, with that connection now in transit, so the whole plan starts at once as
+    /// far as the budget reaches. Also called between ticks (endpoint or health changes, the
+    /// hold's end): the windows then stay as the last tick left them.
+    pub(crate) fn evaluate(&mut self, now: Instant) -> Vec<Rotation> {
         let backends: Vec<BackendLoad> = self
             .backends
             .iter()
@@ -459,6 +481,7 @@ impl Controller {
                 self.expected.push_back((now + EXPECT_FOR, rate));
                 Some(r)
             });
+            self.wake = eval.wake;
             // What status shows: the first pass's state when nothing more was due.
             if rotation.is_some() || out.is_empty() {
                 self.last = eval;
@@ -631,7 +654,7 @@ fn ticks_in(window: Duration, tick: Duration) -> usize {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use std::sync::Mutex;
     use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
@@ -641,11 +664,14 @@ mod tests {
     use super::*;
     use crate::connection::policy::RotationConfig;
 
+    /// A relay as the controller sees it: requests are added by the test, rotations recorded
+    /// with the (virtual) instant they were started.
     #[derive(Default)]
-    struct FakeRelay {
-        requests: AtomicU64,
+    pub(in crate::connection) struct FakeRelay {
+        pub(in crate::connection) requests: AtomicU64,
         unrotatable: AtomicBool,
         rotated: Mutex<Vec<RotateReason>>,
+        pub(in crate::connection) rotated_at: Mutex<Vec<Instant>>,
     }
 
     impl Relayed for FakeRelay {
@@ -657,6 +683,7 @@ mod tests {
         }
         fn rotate(&self, reason: RotateReason) {
             self.rotated.lock().unwrap().push(reason);
+            self.rotated_at.lock().unwrap().push(Instant::now());
         }
     }
 
@@ -664,7 +691,7 @@ mod tests {
         Duration::from_secs(n)
     }
 
-    fn eps(n: u16) -> Vec<Endpoint> {
+    pub(in crate::connection) fn eps(n: u16) -> Vec<Endpoint> {
         (0..n)
             .map(|i| Endpoint::new(([10, 0, 0, 1], 9000 + i).into(), format!("pod-{i}")))
             .collect()
@@ -780,6 +807,42 @@ mod tests {
             (4..=6).contains(&to_0),
             "the second ten spread over both backends, got {to_0} of 10 on backend 0"
         );
+    }
+
+    #[test]
+    fn a_scale_up_burst_reaches_every_new_backend_in_one_wave() {
+        let mut c = controller(
+            RotationConfig {
+                hold_time: secs(5),
+                max_rotations_per_minute: 120,
+                ..RotationConfig::default()
+            },
+            2,
+        );
+        let t0 = Instant::now();
+        let mut clients = clients_on(&mut c, 20, 50, t0);
+        simulate(&mut c, &mut clients, t0, 30);
+        c.update(&eps(10), false, |_, _| None);
+        // Every second: the rotated clients reconnect at once (as grpcio does on GOAWAY).
+        let mut waves = Vec::new();
+        for s in 1..=20 {
+            let rotated = simulate(&mut c, &mut clients, t0 + secs(30 + s - 1), 1);
+            if rotated > 0 {
+                waves.push((s, rotated));
+            }
+        }
+        let stats = c.stats(t0 + secs(50));
+        assert_eq!(
+            waves.len(),
+            1,
+            "the hold's end rotates the whole plan at once: {waves:?}"
+        );
+        assert!(
+            stats.backends.iter().all(|b| b.connections >= 1),
+            "one wave of reconnects reaches every pod: {stats:?}"
+        );
+        let most = stats.backends.iter().map(|b| b.connections).max();
+        assert!(most <= Some(3), "fair is 2, the threshold 1.5: {stats:?}");
     }
 
     #[test]

@@ -61,8 +61,10 @@ struct Shared {
     config: watch::Sender<Arc<ConnectionConfig>>,
     metrics: Arc<ServiceMetrics>,
     state: Mutex<Controller>,
-    /// Woken when a backend may have become usable (endpoint set or health change).
-    changed: Notify,
+    /// Woken when a backend may have become usable or the policy's inputs changed (endpoint
+    /// set, health, configuration). Shared with the tick task, which holds no strong reference
+    /// to the rest (dropping the balancer aborts it).
+    changed: Arc<Notify>,
     tasks: Mutex<Vec<AbortHandle>>,
 }
 
@@ -95,7 +97,7 @@ impl ConnectionBalancer {
             state: Mutex::new(Controller::new(&config, Box::new(rng), metrics.clone())),
             metrics,
             config: watch::Sender::new(Arc::new(config)),
-            changed: Notify::new(),
+            changed: Arc::new(Notify::new()),
             tasks: Mutex::new(Vec::new()),
         });
         // The current set now, so a connection accepted right away finds its backends.
@@ -105,7 +107,8 @@ impl ConnectionBalancer {
                 .instrument(tracing::debug_span!("discovery")),
         );
         let ticks = tokio::spawn(
-            tick_task(Arc::downgrade(&shared), tick).instrument(tracing::debug_span!("policy")),
+            tick_task(Arc::downgrade(&shared), shared.changed.clone(), tick)
+                .instrument(tracing::debug_span!("policy")),
         );
         shared
             .lock_tasks()
@@ -381,16 +384,45 @@ async fn discovery_task(shared: Weak<Shared>, mut endpoints: watch::Receiver<Vec
     // The publisher is gone: keep the last set.
 }
 
-/// Samples the relays and runs the policy every `tick`.
-async fn tick_task(shared: Weak<Shared>, tick: Duration) {
+/// Samples the relays and runs the policy every `tick`, and runs the policy between ticks
+/// when its inputs change (`changed`: endpoint set, health, configuration) and when it asked to
+/// be woken (the hold's end, a budget slot freeing): a scale-up starts the hold at once and
+/// the rotations start when the hold ends, not at the ticks after each.
+async fn tick_task(shared: Weak<Shared>, changed: Arc<Notify>, tick: Duration) {
     let mut ticks = tokio::time::interval(tick);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // The first tick of an interval is immediate; the windows start one tick in.
     ticks.tick().await;
+    let mut wake: Option<Instant> = None;
+    let mut notified = std::pin::pin!(changed.notified());
+    notified.as_mut().enable();
     loop {
-        ticks.tick().await;
+        let woken = async {
+            match wake {
+                Some(at) => tokio::time::sleep_until(at).await,
+                None => std::future::pending().await,
+            }
+        };
+        let sample = tokio::select! {
+            _ = ticks.tick() => true,
+            () = woken => false,
+            () = notified.as_mut() => false,
+        };
+        // Armed again before evaluating: a change from now on wakes the next round.
+        notified.set(changed.notified());
+        notified.as_mut().enable();
         let Some(s) = shared.upgrade() else { return };
-        let rotations = s.lock().tick(Instant::now());
+        let now = Instant::now();
+        let rotations = {
+            let mut state = s.lock();
+            let rotations = if sample {
+                state.tick(now)
+            } else {
+                state.evaluate(now)
+            };
+            wake = state.wake().filter(|at| *at > now);
+            rotations
+        };
         rotate_all(rotations);
     }
 }
@@ -442,5 +474,79 @@ async fn health_task(shared: Weak<Shared>, id: EndpointId, addr: SocketAddr, ser
         }
         tokio::time::sleep(backoff).await;
         backoff = (backoff * 2).min(Duration::from_secs(5));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::Ordering;
+
+    use rand::rngs::SmallRng;
+
+    use super::controller::tests::{FakeRelay, eps};
+    use super::*;
+
+    /// The tick task's timing on a virtual clock: the balancer's own tasks (endpoint set,
+    /// ticks) with fake relays placed straight into its controller.
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn a_scale_up_holds_from_the_change_and_rotates_at_the_holds_end_not_at_a_tick() {
+        let tick = Duration::from_secs(3);
+        let config = ConnectionConfig {
+            rotation: RotationConfig {
+                hold_time: Duration::from_secs(5),
+                max_rotations_per_minute: 120,
+                ..RotationConfig::default()
+            },
+            tick,
+            ..ConnectionConfig::default()
+        };
+        let (endpoints, rx) = watch::channel(eps(2));
+        let balancer = ConnectionBalancer::with_rng(config, rx, SmallRng::seed_from_u64(21));
+        let t0 = Instant::now();
+        let relays: Vec<Arc<FakeRelay>> = (0..20)
+            .map(|_| {
+                let mut state = balancer.shared.lock();
+                let p = state.place(t0, &[], false).expect("a backend");
+                let relay = Arc::new(FakeRelay::default());
+                assert_eq!(state.connected(p.conn, relay.clone()), None);
+                relay
+            })
+            .collect();
+        // Seed 001 on a 3 s tick: the clients send for 13.5 s, then the Deployment has 10
+        // pods (between ticks: they come at 3, 6, 9, 12, 15 ...).
+        let step = Duration::from_millis(100);
+        let mut scaled_at = None;
+        while t0.elapsed() < Duration::from_secs(30) {
+            tokio::time::sleep(step).await;
+            for r in &relays {
+                r.requests.fetch_add(5, Ordering::Relaxed);
+            }
+            if scaled_at.is_none() && t0.elapsed() >= Duration::from_millis(13_500) {
+                endpoints.send_replace(eps(10));
+                scaled_at = Some(Instant::now());
+            }
+        }
+        let scaled_at = scaled_at.expect("scaled");
+        let rotated: Vec<Instant> = relays
+            .iter()
+            .filter_map(|r| r.rotated_at.lock().unwrap().first().copied())
+            .collect();
+        assert_eq!(
+            rotated.len(),
+            16,
+            "10-10 over 10 pods: 16 moves to 2 per pod (3-3-2-2-2-2-2-2-1-1 is at the \
+             threshold, not under the plan's band)"
+        );
+        assert!(
+            rotated.iter().all(|t| *t == rotated[0]),
+            "the whole plan at one instant: {:?}",
+            rotated.iter().map(|t| *t - scaled_at).collect::<Vec<_>>()
+        );
+        let after = rotated[0] - scaled_at;
+        assert!(
+            after >= Duration::from_millis(4500) && after <= Duration::from_millis(5500),
+            "the hold (5 s +-10%) counts from the scale-up and the rotations start when it \
+             ends, not at the ticks after each (that would be 6.5-8.5 s here): {after:?}"
+        );
     }
 }

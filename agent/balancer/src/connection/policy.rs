@@ -19,7 +19,8 @@
 //! Rotation happens while both skews exceed `skew_threshold` and have for `hold_time` (+-10%
 //! jitter). The policy then plans greedily: move a rotatable connection to the least-loaded
 //! other backend, the move that lowers the largest load most (then the spread, then the
-//! busiest connection), until the live skew would be under the threshold; it rotates the
+//! busiest connection), until the live skew would be under the threshold (by a band:
+//! [`PLAN_BAND`]); it rotates the
 //! plan's first connection, and only if the plan's end is at least [`MIN_GAIN`] below the
 //! live skew of now. Every move must leave its target below where its source was, so the sum
 //! of squared loads strictly drops with each one: no sequence of moves returns to a placement
@@ -32,13 +33,19 @@
 //! - a connection younger than `min_connection_age` is never rotated (a call that was
 //!   transparently retried after one GOAWAY must not meet a second one), nor one its client
 //!   cannot survive (`unrotatable`: tonic), which still counts as load;
-//! - at most `max_rotations_per_minute` in any 60 s, spaced about 60 s / that number apart
-//!   (+-10% jitter, so agents on different nodes do not rotate in step): every rotation counts
-//!   in the live placement before the next is chosen. The spacing is a schedule of slots, not a
-//!   wait from the last evaluation: when the caller evaluates less often than the spacing (a
-//!   1 s tick, 120 rotations a minute), it evaluates again at the same instant after each
-//!   rotation it starts, and every slot since the previous evaluation is used, so the pace is
-//!   the budget's, not the tick's.
+//! - at most `max_rotations_per_minute` in any 60 s. The budget is spent in bursts: when the
+//!   hold ends, the whole plan is rotated at once (the caller evaluates again at the same
+//!   instant after each rotation it starts, with that connection in transit in the live
+//!   placement), as far as the budget reaches; every rotation then holds its budget slot for
+//!   60 s plus 0-10% (jitter, so agents on different nodes that were skewed together do not
+//!   rotate in step again; never under 60 s, so the limit stays hard). Spacing rotations
+//!   60 s / that number apart instead only delayed the new backends (with 120 a minute a
+//!   scale-up's eighth new pod waited 4 s for its turn): the reconnects of a burst are placed
+//!   one by one on the least-loaded backends (the controller), so one wave of them reaches
+//!   every backend that needs a connection.
+//! - [`Evaluation::wake`] says when the outcome can change without new traffic (the hold's
+//!   end, a budget slot freeing), so the caller evaluates at that instant rather than at its
+//!   next tick.
 //!
 //! Rotations for other reasons (a backend leaving or NOT_SERVING, max connection age, drain)
 //! are not the policy's: they always happen and do not spend its budget.
@@ -55,6 +62,11 @@ use crate::endpoints::EndpointId;
 
 /// How far back the window skew looks.
 pub const WINDOW: Duration = Duration::from_secs(30);
+/// How far under the threshold a plan goes, as a share of the threshold's excess over even
+/// (1.0): a threshold of 1.5 plans to 1.45. A band, so that request rates drifting a little
+/// after the moves (clients slow down and speed up, more so on a loaded machine) do not put
+/// the skew straight back at the threshold; rotation still starts only above the threshold.
+pub const PLAN_BAND: f64 = 0.9;
 /// Smallest relative drop of the live skew a rotation must bring.
 pub const MIN_GAIN: f64 = 0.01;
 /// The period the rotation budget counts over.
@@ -144,6 +156,9 @@ pub struct Evaluation {
     /// The connection to rotate now, and the live skew expected once it and the rotations
     /// planned after it have moved.
     pub rotate: Option<(ConnId, f64)>,
+    /// When to evaluate again even without new traffic: the hold ends (`Holding`) or a
+    /// budget slot frees (`Waiting`).
+    pub wake: Option<Instant>,
 }
 
 /// The rotation policy of one Service (see the module docs).
@@ -152,14 +167,9 @@ pub struct RotationPolicy {
     config: RotationConfig,
     /// When both skews went above the threshold, and the hold drawn then.
     above: Option<(Instant, Duration)>,
-    /// Skew rotations of the last minute.
-    recent: VecDeque<Instant>,
-    /// The next rotation slot: no skew rotation before this (spacing).
-    next_allowed: Option<Instant>,
-    /// The instant of the current evaluation and of the one before it (a caller may evaluate
-    /// several times at one instant): slots older than the one before lapsed, they are not
-    /// caught up on (no burst after a quiet spell).
-    evaluated: Option<(Instant, Instant)>,
+    /// Skew rotations whose budget slot is still taken: (when it started, when its slot
+    /// frees: 60 s to 66 s later).
+    recent: VecDeque<(Instant, Instant)>,
 }
 
 impl RotationPolicy {
@@ -169,8 +179,6 @@ impl RotationPolicy {
             config,
             above: None,
             recent: VecDeque::new(),
-            next_allowed: None,
-            evaluated: None,
         }
     }
 
@@ -192,13 +200,13 @@ impl RotationPolicy {
     pub fn rotations_last_minute(&self, now: Instant) -> usize {
         self.recent
             .iter()
-            .filter(|t| now.saturating_duration_since(**t) < MINUTE)
+            .filter(|(at, _)| now.saturating_duration_since(*at) < MINUTE)
             .count()
     }
 
     /// Decides what to do at `now`. A returned rotation counts against the budget: the caller
-    /// must start it, and may evaluate again at the same `now` with that connection
-    /// `rotating` (the next slot may be due too).
+    /// must start it, and evaluates again at the same `now` with that connection `rotating`
+    /// until no rotation is returned: that is how the plan's rotations start together.
     pub fn evaluate(
         &mut self,
         now: Instant,
@@ -206,21 +214,7 @@ impl RotationPolicy {
         conns: &[ConnLoad],
         rng: &mut impl Rng,
     ) -> Evaluation {
-        while self
-            .recent
-            .front()
-            .is_some_and(|t| now.saturating_duration_since(*t) >= MINUTE)
-        {
-            self.recent.pop_front();
-        }
-        // Slots between the previous evaluation and now are due; older ones lapsed.
-        let floor = match self.evaluated {
-            Some((at, before)) if at == now => before,
-            Some((at, _)) => at.min(now),
-            None => now,
-        };
-        self.evaluated = Some((now, floor));
-        let slot = self.next_allowed.map_or(now, |t| t.max(floor));
+        self.recent.retain(|(_, frees)| *frees > now);
         let skew = window_skew(backends);
         let live = Live::new(backends, conns);
         let live_skew = live.skew();
@@ -229,6 +223,7 @@ impl RotationPolicy {
             skew,
             live_skew,
             rotate: None,
+            wake: None,
         };
         if skew == 0.0 || live_skew == 0.0 {
             self.above = None;
@@ -236,7 +231,14 @@ impl RotationPolicy {
             return eval;
         }
         let threshold = self.config.skew_threshold;
-        if skew <= threshold || live_skew <= threshold {
+        // A burst started at this instant goes on to the plan's target, under the threshold.
+        let bursting = self.recent.back().is_some_and(|(at, _)| *at == now);
+        let enough = if bursting {
+            plan_target(threshold)
+        } else {
+            threshold
+        };
+        if skew <= threshold || live_skew <= enough {
             self.above = None;
             return eval;
         }
@@ -250,24 +252,37 @@ impl RotationPolicy {
             .get_or_insert_with(|| (now, hold_time.mul_f64(rng.random_range(0.9..=1.1))));
         if now.saturating_duration_since(since) < hold {
             eval.state = PolicyState::Holding;
+            eval.wake = Some(since + hold);
             return eval;
         }
-        let Some((conn, after)) = live.next_move(conns, self.config.min_connection_age, threshold)
-        else {
+        let Some((conn, after)) = live.next_move(
+            conns,
+            self.config.min_connection_age,
+            plan_target(threshold),
+        ) else {
             eval.state = PolicyState::AsEvenAsPossible;
             return eval;
         };
         let budget = self.config.max_rotations_per_minute as usize;
-        if self.recent.len() >= budget || now < slot {
+        if self.recent.len() >= budget {
             eval.state = PolicyState::Waiting;
+            eval.wake = self.recent.iter().map(|(_, frees)| *frees).min();
             return eval;
         }
-        self.recent.push_back(now);
-        let gap = MINUTE.div_f64(f64::from(self.config.max_rotations_per_minute));
-        self.next_allowed = Some(slot + gap.mul_f64(rng.random_range(0.9..=1.1)));
+        let frees = now + MINUTE.mul_f64(rng.random_range(1.0..=1.1));
+        self.recent.push_back((now, frees));
         eval.state = PolicyState::Rotating;
         eval.rotate = Some((conn, after));
         eval
+    }
+}
+
+/// The live skew a plan brings the placement under (see [`PLAN_BAND`]).
+fn plan_target(threshold: f64) -> f64 {
+    if threshold > 1.0 {
+        1.0 + (threshold - 1.0) * PLAN_BAND
+    } else {
+        threshold
     }
 }
 
@@ -325,7 +340,7 @@ impl Live {
     }
 
     /// The next rotation: the first move of the shortest greedy plan that brings the live
-    /// skew to the threshold, with the skew at the plan's end. Each move takes a rotatable
+    /// skew to `target` (at most), with the skew at the plan's end. Each move takes a rotatable
     /// connection to the least-loaded other backend and must leave that backend below where
     /// the connection's backend was (so the sum of squared loads strictly drops: no sequence of
     /// moves can come back to where it started, whatever the clients do). The best move lowers
@@ -335,7 +350,7 @@ impl Live {
         &self,
         conns: &[ConnLoad],
         min_age: Duration,
-        threshold: f64,
+        target: f64,
     ) -> Option<(ConnId, f64)> {
         let now = self.skew();
         let mut loads: Vec<f64> = self.loads.iter().map(|(_, l)| *l).collect();
@@ -350,7 +365,7 @@ impl Live {
             .collect();
         let mut first = None;
         let mut skew = now;
-        while skew > threshold {
+        while skew > target {
             let Some((k, to)) = best_step(&loads, &movable) else {
                 break;
             };
@@ -464,9 +479,9 @@ mod tests {
             .collect()
     }
 
-    /// Evaluates every second until the policy rotates or `limit` passes; moves the rotated
-    /// connection to the least-loaded backend (as placement would) and returns when it
-    /// rotated.
+    /// Evaluates every second until `limit` passes, at each second again after every rotation
+    /// (as the controller does); moves each rotated connection to the least-loaded backend at
+    /// once (as placement would) and returns when each rotated.
     fn run(
         policy: &mut RotationPolicy,
         t0: Instant,
@@ -478,9 +493,10 @@ mod tests {
         let mut rotations = Vec::new();
         let mut t = Duration::ZERO;
         while t <= limit {
-            let backends = backends_for(n, conns);
-            let eval = policy.evaluate(t0 + t, &backends, conns, rng);
-            if let Some((id, _)) = eval.rotate {
+            for _ in 0..=conns.len() {
+                let backends = backends_for(n, conns);
+                let eval = policy.evaluate(t0 + t, &backends, conns, rng);
+                let Some((id, _)) = eval.rotate else { break };
                 rotations.push((t, id));
                 let loads: Vec<f64> = (0..n)
                     .map(|b| {
@@ -543,13 +559,11 @@ mod tests {
             r[0].0 >= secs(27) && r[0].0 <= secs(34),
             "first rotation after the 30 s hold (+-10%): {r:?}"
         );
-        for w in r.windows(2) {
-            let gap = w[1].0 - w[0].0;
-            assert!(
-                gap >= secs(9) && gap <= secs(12),
-                "6 per minute are spaced about 10 s apart: {r:?}"
-            );
-        }
+        assert!(
+            r.iter().all(|(t, _)| *t == r[0].0),
+            "the three fit the budget of 6 a minute: they start together when the hold ends: \
+             {r:?}"
+        );
         let mut per_backend: Vec<usize> = (0..3)
             .map(|b| conns.iter().filter(|c| c.backend == EndpointId(b)).count())
             .collect();
@@ -634,85 +648,160 @@ mod tests {
         }
     }
 
-    #[test]
-    fn rotations_keep_the_budgets_pace_when_evaluated_less_often_than_its_spacing() {
-        // 120 a minute is one every 0.5 s; the caller evaluates once a second (the
-        // controller's tick) and asks again after each rotation it starts.
-        let config = RotationConfig {
-            max_rotations_per_minute: 120,
+    /// Seed 001 with 20 pick_first connections: 10 on each of 2 pods, then 10 pods.
+    fn seed_001(budget: u32) -> (RotationPolicy, Vec<ConnLoad>) {
+        let policy = RotationPolicy::new(RotationConfig {
+            max_rotations_per_minute: budget,
             hold_time: secs(5),
             ..RotationConfig::default()
-        };
-        let mut policy = RotationPolicy::new(config);
+        });
+        (policy, (0..20).map(|i| conn(i, i % 2, 100.0)).collect())
+    }
+
+    #[test]
+    fn at_the_hold_end_the_whole_plan_rotates_at_once() {
+        let (mut policy, mut conns) = seed_001(120);
         let mut rng = SmallRng::seed_from_u64(9);
-        // Seed 001 with 20 pick_first connections: 10 on each of 2 pods, then 10 pods.
-        let mut conns: Vec<ConnLoad> = (0..20).map(|i| conn(i, i % 2, 100.0)).collect();
+        let r = run(
+            &mut policy,
+            Instant::now(),
+            secs(60),
+            10,
+            &mut conns,
+            &mut rng,
+        );
+        // 10-10 over 10 pods is skew 5; the plan ends at 3-3-2-2-2-2-2-2-1-1 (1.5).
+        assert_eq!(r.len(), 14, "only as many rotations as needed: {r:?}");
+        assert!(
+            r[0].0 >= secs(5) && r[0].0 <= secs(6),
+            "the first when the 5 s hold (+-10%) ends: {r:?}"
+        );
+        assert!(
+            r.iter().all(|(t, _)| *t == r[0].0),
+            "the budget (120 a minute) covers the plan: every rotation starts together, none \
+             waits for a slot of its own: {r:?}"
+        );
+        for b in 0..10 {
+            assert!(
+                conns.iter().any(|c| c.backend == EndpointId(b)),
+                "one wave reaches every pod: {conns:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_burst_goes_on_to_the_band_under_the_threshold_and_no_further() {
+        let (mut policy, mut conns) = seed_001(120);
+        let mut rng = SmallRng::seed_from_u64(13);
+        // The window still shows the old placement while the burst runs (as in the
+        // controller); rotated connections are in transit.
+        let backends = backends_for(10, &conns);
         let t0 = Instant::now();
-        let mut rotations: Vec<Duration> = Vec::new();
-        for step in 0..60u64 {
-            let now = t0 + secs(step);
-            let backends = backends_for(10, &conns);
-            let mut moved = Vec::new();
-            for _ in 0..=conns.len() {
-                let Some((id, _)) = policy.evaluate(now, &backends, &conns, &mut rng).rotate else {
-                    break;
-                };
-                rotations.push(secs(step));
-                let c = conns.iter_mut().find(|c| c.id == id).expect("rotated conn");
-                c.rotating = true;
-                moved.push(id);
-            }
-            // The rotated clients reconnect before the next tick, placed by load.
-            for id in moved {
-                let loads: Vec<f64> = (0..10)
-                    .map(|b| {
-                        conns
-                            .iter()
-                            .filter(|c| c.backend == EndpointId(b) && !c.rotating)
-                            .map(|c| c.rate)
-                            .sum()
-                    })
-                    .collect();
-                let to = (0..10usize)
-                    .min_by(|a, b| loads[*a].total_cmp(&loads[*b]))
-                    .expect("backends");
-                let c = conns.iter_mut().find(|c| c.id == id).expect("rotated conn");
-                c.backend = EndpointId(to as u64);
-                c.rotating = false;
-                c.age = Duration::ZERO;
-            }
-            for c in &mut conns {
-                c.age += secs(1);
-            }
+        let hold_end = policy
+            .evaluate(t0, &backends, &conns, &mut rng)
+            .wake
+            .expect("holding");
+        let mut last = None;
+        for _ in 0..=conns.len() {
+            let eval = policy.evaluate(hold_end, &backends, &conns, &mut rng);
+            last = Some(eval.clone());
+            let Some((id, _)) = eval.rotate else { break };
+            conns
+                .iter_mut()
+                .find(|c| c.id == id)
+                .expect("rotated conn")
+                .rotating = true;
         }
-        assert!(
-            rotations.len() >= 8,
-            "the new pods get connections: {rotations:?}"
+        let rotated = conns.iter().filter(|c| c.rotating).count();
+        // 3-3-2-2-2-2-2-2-1-1 is 1.5: at the threshold, not under the band (1.45), so the
+        // burst goes on to 2 per pod (16 moves) instead of stopping where the next drift of
+        // the clients' rates puts the skew back above it.
+        assert_eq!(rotated, 16, "{last:?}");
+        let last = last.expect("evaluated");
+        assert!(last.live_skew <= 1.0 + 1e-9, "{last:?}");
+        // At the next instant nothing more happens: the Service is balanced.
+        let later = policy.evaluate(hold_end + secs(1), &backends, &conns, &mut rng);
+        assert_eq!(later.rotate, None, "{later:?}");
+    }
+
+    #[test]
+    fn a_burst_spends_the_budget_and_the_rest_waits_for_its_slots_to_free() {
+        let (mut policy, mut conns) = seed_001(6);
+        let mut rng = SmallRng::seed_from_u64(10);
+        let r = run(
+            &mut policy,
+            Instant::now(),
+            secs(200),
+            10,
+            &mut conns,
+            &mut rng,
         );
-        let first = rotations[0];
+        assert_eq!(r.len(), 14, "{r:?}");
+        let first = r[0].0;
         assert!(
-            rotations[7] - first <= secs(4),
-            "eight rotations (one per new pod) at 0.5 s spacing take about 4 s, not one per \
-             tick: {rotations:?}"
+            r[..6].iter().all(|(t, _)| *t == first),
+            "6 at once when the hold ends: {r:?}"
         );
-        for (i, t) in rotations.iter().enumerate() {
-            // Slot i is due at most 0.55 s x i after the first (gap 0.5 s +10%), taken at the
-            // next tick: no slot is lost to the tick's rounding.
+        for (i, (t, _)) in r.iter().enumerate().skip(6) {
+            // Rotation i takes the slot rotation i - 6 freed: 60 s to 66 s after it, seen at
+            // the next whole second.
+            let freed = r[i - 6].0;
             assert!(
-                (*t - first).as_secs_f64() <= 0.55 * i as f64 + 1.0,
-                "rotation {i} keeps the pace of 2 a second: {rotations:?}"
-            );
-            let in_minute = rotations[i..]
-                .iter()
-                .take_while(|u| **u - *t < MINUTE)
-                .count();
-            assert!(in_minute <= 120, "within the budget: {rotations:?}");
-            let in_second = rotations[i..].iter().take_while(|u| **u == *t).count();
-            assert!(
-                in_second <= 3,
-                "a tick uses the slots since the last one, no burst: {rotations:?}"
+                *t >= freed + secs(60) && *t <= freed + secs(67),
+                "rotation {i} waits for a budget slot to free (60-66 s): {r:?}"
             );
         }
+        for (i, (t, _)) in r.iter().enumerate() {
+            let in_minute = r[i..].iter().take_while(|(u, _)| *u - *t < MINUTE).count();
+            assert!(in_minute <= 6, "at most 6 in any 60 s: {r:?}");
+        }
+    }
+
+    #[test]
+    fn the_evaluation_says_when_the_hold_ends_and_when_a_slot_frees() {
+        let (mut policy, conns) = seed_001(1);
+        let mut rng = SmallRng::seed_from_u64(12);
+        let backends = backends_for(10, &conns);
+        let t0 = Instant::now();
+        let eval = policy.evaluate(t0, &backends, &conns, &mut rng);
+        assert_eq!(eval.state, PolicyState::Holding);
+        let hold_end = eval.wake.expect("a holding policy says when its hold ends");
+        let hold = hold_end - t0;
+        assert!(
+            hold >= Duration::from_millis(4500) && hold <= Duration::from_millis(5500),
+            "5 s +-10%: {hold:?}"
+        );
+        let just_before = hold_end - Duration::from_millis(1);
+        let eval = policy.evaluate(just_before, &backends, &conns, &mut rng);
+        assert_eq!(eval.state, PolicyState::Holding, "{eval:?}");
+        let eval = policy.evaluate(hold_end, &backends, &conns, &mut rng);
+        assert_eq!(
+            eval.state,
+            PolicyState::Rotating,
+            "at the hold's end: {eval:?}"
+        );
+        assert_eq!(eval.wake, None);
+        // The budget (1) is spent: the placement is unchanged, so the policy waits.
+        let eval = policy.evaluate(hold_end, &backends, &conns, &mut rng);
+        assert_eq!(eval.state, PolicyState::Waiting);
+        let frees = eval
+            .wake
+            .expect("a waiting policy says when its slot frees");
+        assert!(
+            frees >= hold_end + MINUTE && frees <= hold_end + MINUTE.mul_f64(1.1),
+            "a slot frees 60 s to 66 s after its rotation: {:?}",
+            frees - hold_end
+        );
+        let before = frees - Duration::from_millis(1);
+        assert_eq!(
+            policy.evaluate(before, &backends, &conns, &mut rng).state,
+            PolicyState::Waiting
+        );
+        assert_eq!(
+            policy.evaluate(frees, &backends, &conns, &mut rng).state,
+            PolicyState::Rotating,
+            "the slot is free again at the instant the evaluation named"
+        );
     }
 
     #[test]
@@ -897,7 +986,11 @@ mod tests {
             let backends = backends_for(n, &conns);
             for step in 0..1800u32 {
                 let now = t0 + Duration::from_millis(100) * step;
-                if policy.evaluate(now, &backends, &conns, &mut rng).rotate.is_some() {
+                // Asked again at once after each rotation, as the controller does (a burst).
+                for _ in 0..=conns.len() {
+                    if policy.evaluate(now, &backends, &conns, &mut rng).rotate.is_none() {
+                        break;
+                    }
                     times.push(now);
                 }
             }
