@@ -339,19 +339,12 @@ pub(crate) fn cargo() -> Command {
 /// xtask test` by name, said so in its output and in README's Limits, and run on demand with
 /// `cargo test -p skewless --test connection_mode -- --ignored NAME`. Never a way to hide a
 /// regression: an entry goes with an open issue and its measurement.
-const BARS_NOT_MET: &[(&str, &str)] = &[
-    (
-        "connection_mode_scale_up_from_two_to_ten_pods_reaches_every_pod_and_evens_out",
-        "issue 13: on an idle machine the last new pods got their first call 10.0-11.1 s after \
-     the scale-up (bar: hold-time + 5 s = 10 s); 4.0-8.6 s under load",
-    ),
-    (
-        "connection_mode_rotation_every_second_fails_no_grpc_js_call",
-        "issue 13: grpc-js fails about 1 in 250 4 MiB calls (UNAVAILABLE \"Stream refused by \
-         server\"): nghttp2 refuses a request still queued when any GOAWAY arrives and grpc-js \
-         cannot retry a call above its retry buffer; the relay refuses none",
-    ),
-];
+const BARS_NOT_MET: &[(&str, &str)] = &[(
+    "connection_mode_rotation_every_second_fails_no_grpc_js_call",
+    "issue 13: grpc-js fails about 1 in 250 4 MiB calls (UNAVAILABLE \"Stream refused by \
+     server\"): nghttp2 refuses a request still queued when any GOAWAY arrives and grpc-js \
+     cannot retry a call above its retry buffer; the relay refuses none",
+)];
 
 fn test(args: TestArgs) -> Result<()> {
     let TestArgs {
