@@ -68,10 +68,10 @@ struct FuzzArgs {
 #[derive(clap::Args)]
 struct BenchArgs {
     /// Only the connect4 hook benchmark.
-    #[arg(long, conflicts_with_all = ["proxies_only", "scrape_only"])]
+    #[arg(long, conflicts_with_all = ["proxies_only", "scrape_only", "hostile_only"])]
     hook_only: bool,
     /// Only the proxy comparison (no root needed).
-    #[arg(long, conflicts_with = "scrape_only")]
+    #[arg(long, conflicts_with_all = ["scrape_only", "hostile_only"])]
     proxies_only: bool,
     /// Also build skewless-proxy at this git revision (into target/bench-baseline/, its own
     /// target directory) and run it beside this tree's as `skewless@REV`, compared run by run:
@@ -81,8 +81,12 @@ struct BenchArgs {
     baseline: Vec<String>,
     /// Only the metrics cardinality benchmark: one scrape at 100 Services x 50 backends
     /// (series, bytes, encode time; no root needed).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "hostile_only")]
     scrape_only: bool,
+    /// Only the hostile-clients memory benchmark: a balancer's RSS under 1,000 hostile
+    /// connections (500 silent, 500 PING-sending non-readers), both modes (no root needed).
+    #[arg(long)]
+    hostile_only: bool,
     /// Passed to skewless-bench, e.g. `-- --delays 50 --connections 1,2 --repeats 1` (see
     /// `cargo run -p skewless-bench --bin skewless-bench -- --help`).
     #[arg(last = true)]
@@ -110,13 +114,17 @@ fn main() -> Result<()> {
         }
         Cmd::Bench(args) => {
             setup::ensure_installed(false)?;
-            if !args.proxies_only && !args.scrape_only {
+            let only = args.hook_only || args.proxies_only || args.scrape_only || args.hostile_only;
+            if args.hook_only || !only {
                 hook_bench()?;
             }
-            if !args.hook_only && !args.proxies_only {
+            if args.scrape_only || !only {
                 scrape_bench()?;
             }
-            if !args.hook_only && !args.scrape_only {
+            if args.hostile_only || !only {
+                hostile_bench()?;
+            }
+            if args.proxies_only || !only {
                 proxy_bench(&args)?;
             }
             Ok(())
@@ -164,6 +172,33 @@ fn scrape_bench() -> Result<()> {
     let mut cmd = cargo();
     cmd.args(["run", "--release", "--quiet", "--package", "skewless-admin"])
         .args(["--example", "scrape_bench"]);
+    setup::run(&mut cmd)
+}
+
+/// The hostile-clients memory benchmark (skewless-balancer's `hostile_memory` example): a
+/// balancer process's RSS with 1,000 hostile connections open, in both modes; fails if the
+/// good client beside them loses a call.
+fn hostile_bench() -> Result<()> {
+    println!("==> bench: balancer memory under 1,000 hostile client connections");
+    build(
+        "bench: building the hostile-clients benchmark",
+        &[
+            "--release",
+            "--package",
+            "skewless-balancer",
+            "--example",
+            "hostile_memory",
+        ],
+    )?;
+    let mut cmd = cargo();
+    cmd.args([
+        "run",
+        "--release",
+        "--quiet",
+        "--package",
+        "skewless-balancer",
+    ])
+    .args(["--example", "hostile_memory"]);
     setup::run(&mut cmd)
 }
 
