@@ -19,7 +19,8 @@ use crate::{
     names::{self, Family},
 };
 
-/// The kernel hooks' counters, as exported (IPv4 and IPv6 summed).
+/// The kernel hooks' counters, as exported (IPv4 and IPv6 summed), and the records of the
+/// connection map the observer saw evicted.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Kernel {
     pub connect_seen: u64,
@@ -28,6 +29,7 @@ pub struct Kernel {
     pub origdst_update_failed: u64,
     pub observed_connections: u64,
     pub observed_record_failed: u64,
+    pub observed_records_evicted: u64,
 }
 
 /// How full one eBPF map is.
@@ -242,6 +244,7 @@ impl Collector for AgentCollector {
             (names::ORIGDST_UPDATE_FAILED, k.origdst_update_failed),
             (names::OBSERVED_CONNECTIONS, k.observed_connections),
             (names::OBSERVED_RECORD_FAILED, k.observed_record_failed),
+            (names::OBSERVED_RECORDS_EVICTED, k.observed_records_evicted),
         ];
         for (f, v) in kernel {
             // No labels: encoded directly, so the line reads `name_total 3`, not `name_total{} 3`.

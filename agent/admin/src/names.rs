@@ -133,6 +133,12 @@ pub const OBSERVED_RECORD_FAILED: Family = Family::new(
     &[],
     "Pod TCP connections the hooks could not record or keep current (map update or callback setup failed); they go unobserved, never blocked",
 );
+pub const OBSERVED_RECORDS_EVICTED: Family = Family::new(
+    "observed_records_evicted",
+    Kind::Counter,
+    &[],
+    "Records of open pod TCP connections that left the full connection map (LRU eviction) before the observer forgot them; those connections go unobserved, never blocked",
+);
 pub const MAP_ENTRIES: Family = Family::new(
     "map_entries",
     Kind::Gauge,
@@ -344,6 +350,7 @@ pub const ALL: &[Family] = &[
     ORIGDST_UPDATE_FAILED,
     OBSERVED_CONNECTIONS,
     OBSERVED_RECORD_FAILED,
+    OBSERVED_RECORDS_EVICTED,
     MAP_ENTRIES,
     MAP_CAPACITY,
     MODEL_READY,

@@ -7,7 +7,7 @@
 use std::{
     convert::Infallible,
     net::SocketAddr,
-    sync::{Arc, Mutex},
+    sync::{Arc, Mutex, atomic::Ordering},
 };
 
 use anyhow::{Context as _, Result};
@@ -23,7 +23,7 @@ use skewless_datapath::{Counter, Counters, Datapath};
 use tokio::net::TcpListener;
 use tracing::{debug, warn};
 
-use crate::{peers::PeerFilter, reconcile::Reconciler};
+use crate::{observer::Published, peers::PeerFilter, reconcile::Reconciler};
 
 /// Whether the agent has a model yet, and what it waits for until then (`/ready` says it).
 pub struct Readiness {
@@ -47,8 +47,8 @@ pub struct State {
     window: Mutex<Window>,
     /// With a model source: whether it has delivered its first complete model.
     model: Option<Readiness>,
-    /// The observer's latest per-Service reports.
-    observed: Arc<Mutex<Vec<ObservedService>>>,
+    /// The observer's latest per-Service reports and its figures of the connection map.
+    observed: Arc<Published>,
 }
 
 impl State {
@@ -59,7 +59,7 @@ impl State {
         reconciler: Arc<tokio::sync::Mutex<Reconciler>>,
         metrics: Metrics,
         model: Option<Readiness>,
-        observed: Arc<Mutex<Vec<ObservedService>>>,
+        observed: Arc<Published>,
     ) -> Self {
         Self {
             peers,
@@ -179,6 +179,11 @@ fn kernel(state: &State) -> Result<(Counters, Vec<RedirectStatus>, Vec<MapUsage>
             entries: entries(true),
             capacity: skewless_common::REDIRECT6_CAPACITY.into(),
         },
+        MapUsage {
+            map: "conns",
+            entries: state.observed.entries.load(Ordering::Relaxed),
+            capacity: skewless_common::CONNS_CAPACITY.into(),
+        },
     ];
     let redirects = redirects
         .into_iter()
@@ -191,7 +196,7 @@ fn kernel(state: &State) -> Result<(Counters, Vec<RedirectStatus>, Vec<MapUsage>
 }
 
 /// The kernel's counters as exported: IPv4 and IPv6 summed.
-fn exported(c: &Counters) -> Kernel {
+fn exported(c: &Counters, observer: &Published) -> Kernel {
     Kernel {
         connect_seen: c[Counter::Connect4Seen] + c[Counter::Connect6Seen],
         connect_redirected: c[Counter::Connect4Redirected]
@@ -201,13 +206,14 @@ fn exported(c: &Counters) -> Kernel {
         origdst_update_failed: c[Counter::OrigDstUpdateFailed],
         observed_connections: c[Counter::ConnEstablished],
         observed_record_failed: c[Counter::ConnUpdateFailed] + c[Counter::ConnCbFlagsFailed],
+        observed_records_evicted: observer.evicted.load(Ordering::Relaxed),
     }
 }
 
 async fn status_of(state: &State) -> Result<Status> {
     let services = state.services().await;
     let (counters, redirects, _) = kernel(state)?;
-    let k = exported(&counters);
+    let k = exported(&counters, &state.observed);
     Ok(Status {
         node: state.node.clone(),
         redirects,
@@ -220,7 +226,12 @@ async fn status_of(state: &State) -> Result<Status> {
 }
 
 fn observed_of(state: &State) -> Vec<ObservedService> {
-    state.observed.lock().map(|o| o.clone()).unwrap_or_default()
+    state
+        .observed
+        .reports
+        .lock()
+        .map(|o| o.clone())
+        .unwrap_or_default()
 }
 
 async fn metrics_of(state: &State) -> Result<String> {
@@ -228,7 +239,7 @@ async fn metrics_of(state: &State) -> Result<String> {
     let (counters, _, maps) = kernel(state)?;
     let scrape = Scrape {
         model_ready: state.model.as_ref().is_none_or(Readiness::ready),
-        kernel: exported(&counters),
+        kernel: exported(&counters, &state.observed),
         maps,
         refused_peers: state.peers.refused(),
         services,

@@ -239,7 +239,7 @@ pub async fn run(args: Args) -> Result<()> {
     } else {
         None
     };
-    let observed = Arc::new(Mutex::new(Vec::new()));
+    let observed = Arc::new(observer::Published::default());
     if let Some(mut snapshots) = snapshots {
         tokio::spawn(
             observer::run(

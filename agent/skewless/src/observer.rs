@@ -8,17 +8,26 @@
 //! balancer by design, and the balancer's own counters show where their requests went), so
 //! for a balanced (`request` or `connection` mode) Service this shows the connections it does
 //! not balance: those opened before it opted in, still pinned.
+//!
+//! The connection map (`CONNS`) is an LRU hash: when it is full, recording a new connection
+//! evicts the least recently updated record, also one of a connection still open. The
+//! observer finds those between two cycles (a record of an open connection that is gone
+//! without the observer having forgotten it), counts them ([`Published::evicted`]) and warns; the
+//! connections themselves are never blocked.
 
 use std::{
     collections::HashSet,
     net::SocketAddr,
-    sync::{Arc, Mutex},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicU64, Ordering},
+    },
     time::Duration,
 };
 
 use skewless_admin::json::{ObservedBackend, ObservedService};
 use skewless_datapath::{
-    Datapath,
+    Connection, Datapath,
     conntrack::{self, Attributed, Conntrack, NatTable, Resolver},
 };
 use skewless_model::{Mode, ServiceKey, Snapshot as Model};
@@ -29,13 +38,28 @@ use tracing::{debug, warn};
 /// How often connections are sampled.
 pub const INTERVAL: Duration = Duration::from_secs(2);
 
-/// Samples forever; the latest reports are published in `out`.
+/// What the observer publishes for `/status` and `/metrics`.
+#[derive(Debug, Default)]
+pub struct Published {
+    /// The latest per-Service reports.
+    pub reports: Mutex<Vec<ObservedService>>,
+    /// Records in the connection map at the last cycle.
+    pub entries: AtomicU64,
+    /// Records of open connections evicted from the full map, since the start.
+    pub evicted: AtomicU64,
+}
+
+/// Samples forever, publishing in `out`.
 pub async fn run(
     datapath: Arc<Mutex<Datapath>>,
     model: watch::Receiver<Model>,
-    out: Arc<Mutex<Vec<ObservedService>>>,
+    out: Arc<Published>,
 ) {
     let mut previous: Option<Snapshot> = None;
+    // The records of open connections at the last dump: one missing from the next dump was
+    // evicted (closed ones the observer forgets itself are not in it).
+    let mut open_before: HashSet<u64> = HashSet::new();
+    let mut evicting = false;
     let started = tokio::time::Instant::now();
     // Kept across cycles: it remembers every socket's answer, so a cycle only asks conntrack
     // about the connections opened since the last one.
@@ -47,15 +71,33 @@ pub async fn run(
         tick.tick().await;
         let (specs, owners) = specs(&model.borrow());
         if specs.is_empty() {
-            if let Ok(mut o) = out.lock() {
+            if let Ok(mut o) = out.reports.lock() {
                 o.clear();
             }
+            open_before.clear();
             continue;
         }
         let conns = match datapath.lock() {
             Ok(dp) => dp.connections(),
             Err(_) => return,
         };
+        let gone = evicted(&open_before, &conns);
+        out.entries.store(conns.len() as u64, Ordering::Relaxed);
+        out.evicted.fetch_add(gone, Ordering::Relaxed);
+        if gone > 0 && !evicting {
+            warn!(
+                evicted = gone,
+                entries = conns.len(),
+                capacity = skewless_common::CONNS_CAPACITY,
+                "connection map full: records of open connections evicted, those connections go unobserved"
+            );
+        }
+        evicting = gone > 0;
+        open_before = conns
+            .iter()
+            .filter(|c| c.closed.is_none())
+            .map(|c| c.cookie)
+            .collect();
         let vips: HashSet<SocketAddr> = specs.iter().map(|s| s.addr).collect();
         // Netlink round trips block; keep them off the async threads.
         let mut taken = resolver.take();
@@ -105,7 +147,7 @@ pub async fn run(
             services = published.len(),
             "observed"
         );
-        if let Ok(mut o) = out.lock() {
+        if let Ok(mut o) = out.reports.lock() {
             *o = published;
         }
         // Closed connections have been counted once; drop them so the map holds live ones.
@@ -141,6 +183,19 @@ fn specs(model: &Model) -> (Vec<ServiceSpec>, Vec<(ServiceKey, Mode)>) {
         }
     }
     (specs, owners)
+}
+
+/// Records that were of open connections at the last dump (`open_before`) and are not in
+/// this one (`now`). The observer only forgets closed records, so these were evicted.
+fn evicted(open_before: &HashSet<u64>, now: &[Connection]) -> u64 {
+    if open_before.is_empty() {
+        return 0;
+    }
+    let present = now
+        .iter()
+        .filter(|c| open_before.contains(&c.cookie))
+        .count();
+    (open_before.len() - present) as u64
 }
 
 fn snapshot(at: Duration, attributed: &[Attributed]) -> Snapshot {
@@ -183,5 +238,42 @@ fn publish(key: &ServiceKey, mode: Mode, r: &ServiceReport) -> ObservedService {
                 received_per_sec: b.received_per_sec,
             })
             .collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn conn(cookie: u64, closed: bool) -> Connection {
+        Connection {
+            cookie,
+            local: "198.18.1.2:40000".parse().unwrap(),
+            remote: "198.19.0.10:8080".parse().unwrap(),
+            redirected_from: None,
+            state: if closed { 7 } else { 1 },
+            opened: Duration::from_secs(1),
+            closed: closed.then_some(Duration::from_secs(2)),
+            bytes_sent: 0,
+            bytes_received: 0,
+        }
+    }
+
+    #[test]
+    fn open_records_missing_from_the_next_dump_count_as_evicted() {
+        let open_before: HashSet<u64> = [1, 2, 3, 4].into();
+        // 1 still open, 2 closed since (its record stays until forgotten), 3 and 4 gone, 9 new.
+        let now = [conn(1, false), conn(2, true), conn(9, false)];
+        assert_eq!(evicted(&open_before, &now), 2, "3 and 4 were evicted");
+        assert_eq!(
+            evicted(&HashSet::new(), &now),
+            0,
+            "nothing can be evicted before the first dump"
+        );
+        assert_eq!(
+            evicted(&[1].into(), &[conn(1, true)]),
+            0,
+            "a record that closed is not evicted"
+        );
     }
 }
