@@ -11,7 +11,7 @@ mod connection;
 
 use std::{
     net::{Ipv4Addr, SocketAddrV4},
-    path::{Path, PathBuf},
+    path::Path,
     time::{Duration, Instant},
 };
 
@@ -21,7 +21,7 @@ use skewless_testbed::{
     grpc::{self, ClientReport},
 };
 
-use crate::workspace_root;
+use crate::target_dir;
 
 const VIP: Ipv4Addr = Ipv4Addr::new(198, 19, 0, 10);
 const PORT: u16 = 50051;
@@ -156,11 +156,6 @@ pub fn run(args: &Args) -> Result<()> {
         bail!("the agent did not exit within 10 s of SIGTERM");
     }
     Ok(())
-}
-
-fn target_dir() -> PathBuf {
-    std::env::var_os("CARGO_TARGET_DIR")
-        .map_or_else(|| workspace_root().join("target"), PathBuf::from)
 }
 
 /// The echo Service as the agent's services file describes it (what Kubernetes would say):

@@ -68,11 +68,16 @@ struct FuzzArgs {
 #[derive(clap::Args)]
 struct BenchArgs {
     /// Only the connect4 hook benchmark.
-    #[arg(long, conflicts_with_all = ["proxies_only", "scrape_only", "hostile_only"])]
+    #[arg(long, conflicts_with_all = ["proxies_only", "scrape_only", "hostile_only", "observer_only"])]
     hook_only: bool,
     /// Only the proxy comparison (no root needed).
-    #[arg(long, conflicts_with_all = ["scrape_only", "hostile_only"])]
+    #[arg(long, conflicts_with_all = ["scrape_only", "hostile_only", "observer_only"])]
     proxies_only: bool,
+    /// Only the observer at node scale: the real agent (`dist` build) observing 10,000
+    /// connections with 100,000 conntrack entries in its node, then a full connection map
+    /// (needs root; about 2 minutes). Written to docs/benchmarks.md.
+    #[arg(long, conflicts_with_all = ["scrape_only", "hostile_only"])]
+    observer_only: bool,
     /// Also build skewless-proxy at this git revision (into target/bench-baseline/, its own
     /// target directory) and run it beside this tree's as `skewless@REV`, compared run by run:
     /// the before/after figures of a data-path change, e.g. `--baseline ae9ca9d -- --targets
@@ -114,7 +119,11 @@ fn main() -> Result<()> {
         }
         Cmd::Bench(args) => {
             setup::ensure_installed(false)?;
-            let only = args.hook_only || args.proxies_only || args.scrape_only || args.hostile_only;
+            let only = args.hook_only
+                || args.proxies_only
+                || args.scrape_only
+                || args.hostile_only
+                || args.observer_only;
             if args.hook_only || !only {
                 hook_bench()?;
             }
@@ -123,6 +132,9 @@ fn main() -> Result<()> {
             }
             if args.hostile_only || !only {
                 hostile_bench()?;
+            }
+            if args.observer_only || !only {
+                observer_bench(&args)?;
             }
             if args.proxies_only || !only {
                 proxy_bench(&args)?;
@@ -228,6 +240,59 @@ fn hook_bench() -> Result<()> {
         "skewless-datapath",
     ])
     .args(["--example", "connect_hook_bench"]);
+    setup::run(&mut cmd)
+}
+
+/// The observer at node scale (skewless-bench's `skewless-observer-bench`): the `dist` agent,
+/// as it ships, in a testbed node whose conntrack table holds 100,000 entries; its figures are
+/// written to docs/benchmarks.md.
+fn observer_bench(args: &BenchArgs) -> Result<()> {
+    if !is_root() {
+        bail!(
+            "the observer benchmark needs root (real eBPF, network namespaces, ctnetlink); run as root or pass --proxies-only"
+        );
+    }
+    println!(
+        "==> bench: the observer at node scale (100,000 conntrack entries, 10,000 connections)"
+    );
+    // Two builds: the agent alone, as it ships (built with other packages, cargo would unify
+    // their dependencies' features and build a different agent); the driver needs no speed.
+    build(
+        "bench: building the agent",
+        &[
+            "--profile",
+            "dist",
+            "--package",
+            "skewless",
+            "--bin",
+            "skewless",
+        ],
+    )?;
+    build(
+        "bench: building the observer benchmark",
+        &[
+            "--package",
+            "skewless-bench",
+            "--bin",
+            "skewless-observer-bench",
+        ],
+    )?;
+    let dist = target_dir().join("dist");
+    let mut shown = String::from("cargo xtask bench --observer-only");
+    if !args.bench_args.is_empty() {
+        shown.push_str(" -- ");
+        shown.push_str(&args.bench_args.join(" "));
+    }
+    let mut cmd = Command::new(target_dir().join("debug/skewless-observer-bench"));
+    cmd.arg("--agent")
+        .arg(dist.join("skewless"))
+        .arg("--write")
+        .arg(workspace_root().join("docs/benchmarks.md"))
+        .arg("--command")
+        .arg(shown);
+    if args.observer_only {
+        cmd.args(&args.bench_args);
+    }
     setup::run(&mut cmd)
 }
 
@@ -362,6 +427,12 @@ fn baseline_proxy(rev: &str) -> Result<(String, PathBuf)> {
 
 pub(crate) fn workspace_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// Cargo's target directory (`CARGO_TARGET_DIR`, or `target/` in the workspace).
+pub(crate) fn target_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map_or_else(|| workspace_root().join("target"), PathBuf::from)
 }
 
 pub(crate) fn cargo() -> Command {

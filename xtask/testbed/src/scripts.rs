@@ -38,6 +38,10 @@ pub const HTTP_GET: &str = script!("http_get.py");
 /// `RAW_PEER HOST PORT KIND`: a broken client (`http1`, `bad-frame`, `oversized`, `garbage`);
 /// prints how and when the server closed: `<fin|reset|open> <seconds> <bytes received>`.
 pub const RAW_PEER: &str = script!("raw_peer.py");
+/// `HOLD_CONNS serve HOST PORT` keeps every accepted connection open, idle;
+/// `HOLD_CONNS connect HOST PORT N READY` opens N connections, keeps them, then writes N to the
+/// file READY.
+pub const HOLD_CONNS: &str = script!("hold_conns.py");
 
 #[cfg(test)]
 mod tests {
@@ -56,6 +60,7 @@ mod tests {
             super::TCP_CHECK,
             super::HTTP_GET,
             super::RAW_PEER,
+            super::HOLD_CONNS,
         ] {
             let path = std::path::Path::new(path);
             assert!(path.is_file(), "{} must exist", path.display());
