@@ -445,12 +445,19 @@ pub(crate) fn cargo() -> Command {
 /// xtask test` by name, said so in its output and in README's Limits, and run on demand with
 /// `cargo test -p skewless --test connection_mode -- --ignored NAME`. Never a way to hide a
 /// regression: an entry goes with an open issue and its measurement.
-const BARS_NOT_MET: &[(&str, &str)] = &[(
-    "connection_mode_rotation_every_second_fails_no_grpc_js_call",
-    "issue 13: grpc-js fails about 1 in 250 4 MiB calls (UNAVAILABLE \"Stream refused by \
-     server\"): nghttp2 refuses a request still queued when any GOAWAY arrives and grpc-js \
-     cannot retry a call above its retry buffer; the relay refuses none",
-)];
+const BARS_NOT_MET: &[(&str, &str)] = &[
+    (
+        "connection_mode_rotation_every_second_fails_no_grpcio_call",
+        "issue 13: grpcio failed one 4 MiB call (of 293-754, \"GOAWAY received\") in 3 of 14 \
+         runs, 0 unary calls; cause not found yet",
+    ),
+    (
+        "connection_mode_rotation_every_second_fails_no_grpc_js_call",
+        "issue 13: grpc-js fails about 1 in 250 4 MiB calls (UNAVAILABLE \"Stream refused by \
+         server\"): nghttp2 refuses a request still queued when any GOAWAY arrives and grpc-js \
+         cannot retry a call above its retry buffer; the relay refuses none",
+    ),
+];
 
 fn test(args: TestArgs) -> Result<()> {
     let TestArgs {
