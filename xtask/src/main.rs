@@ -171,20 +171,7 @@ fn monitoring() -> Result<()> {
 /// a scrape at 100 Services x 50 backends exceeds 40,000 series or 50 ms.
 fn scrape_bench() -> Result<()> {
     println!("==> bench: one /metrics scrape at 100 Services x 50 backends");
-    build(
-        "bench: building the scrape benchmark",
-        &[
-            "--release",
-            "--package",
-            "skewless-admin",
-            "--example",
-            "scrape_bench",
-        ],
-    )?;
-    let mut cmd = cargo();
-    cmd.args(["run", "--release", "--quiet", "--package", "skewless-admin"])
-        .args(["--example", "scrape_bench"]);
-    setup::run(&mut cmd)
+    run_release_example("the scrape benchmark", "skewless-admin", "scrape_bench")
 }
 
 /// The hostile-clients memory benchmark (skewless-balancer's `hostile_memory` example): a
@@ -192,26 +179,11 @@ fn scrape_bench() -> Result<()> {
 /// good client beside them loses a call.
 fn hostile_bench() -> Result<()> {
     println!("==> bench: balancer memory under 1,000 hostile client connections");
-    build(
-        "bench: building the hostile-clients benchmark",
-        &[
-            "--release",
-            "--package",
-            "skewless-balancer",
-            "--example",
-            "hostile_memory",
-        ],
-    )?;
-    let mut cmd = cargo();
-    cmd.args([
-        "run",
-        "--release",
-        "--quiet",
-        "--package",
+    run_release_example(
+        "the hostile-clients benchmark",
         "skewless-balancer",
-    ])
-    .args(["--example", "hostile_memory"]);
-    setup::run(&mut cmd)
+        "hostile_memory",
+    )
 }
 
 fn hook_bench() -> Result<()> {
@@ -221,26 +193,11 @@ fn hook_bench() -> Result<()> {
         );
     }
     println!("==> bench: connect4 hook run time (kernel BPF stats, one sample per connect)");
-    build(
-        "bench: building the hook benchmark",
-        &[
-            "--release",
-            "--package",
-            "skewless-datapath",
-            "--example",
-            "connect_hook_bench",
-        ],
-    )?;
-    let mut cmd = cargo();
-    cmd.args([
-        "run",
-        "--release",
-        "--quiet",
-        "--package",
+    run_release_example(
+        "the hook benchmark",
         "skewless-datapath",
-    ])
-    .args(["--example", "connect_hook_bench"]);
-    setup::run(&mut cmd)
+        "connect_hook_bench",
+    )
 }
 
 /// The observer at node scale (skewless-bench's `skewless-observer-bench`): the `dist` agent,
@@ -357,6 +314,19 @@ fn proxy_bench(args: &BenchArgs) -> Result<()> {
 /// `Compiling <crate>` line per crate otherwise), so a first build that takes minutes on a
 /// fresh machine shows that it is working. What runs the result afterwards may be `--quiet`:
 /// by then there is nothing left to build.
+/// Builds `package`'s `example` in `release` (with progress, as [`build`]) and runs it: the
+/// scrape, hostile-clients and hook benchmarks are such examples.
+fn run_release_example(what: &str, package: &str, example: &str) -> Result<()> {
+    build(
+        &format!("bench: building {what}"),
+        &["--release", "--package", package, "--example", example],
+    )?;
+    let mut cmd = cargo();
+    cmd.args(["run", "--release", "--quiet", "--package", package])
+        .args(["--example", example]);
+    setup::run(&mut cmd)
+}
+
 pub(crate) fn build(what: &str, args: &[&str]) -> Result<()> {
     println!("==> {what} (cargo's progress follows; a first build takes a few minutes)");
     let started = Instant::now();
