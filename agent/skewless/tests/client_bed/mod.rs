@@ -378,6 +378,19 @@ pub fn summary(r: &ClientResult) -> String {
     )
 }
 
+/// The rotation load of `r` ran (unary and 4 MiB calls answered) and no call failed through
+/// the rotations: what every client of the rotation tests must show, in both modes.
+pub fn assert_rotation_load_failed_no_call(r: &ClientResult) {
+    assert_eq!(
+        r.failed_calls(),
+        0,
+        "no call may fail through the rotations: {}",
+        summary(r)
+    );
+    assert!(r.unary.ok > 50, "the load ran: {}", summary(r));
+    assert!(r.large.ok >= 1, "4 MiB calls went through: {}", summary(r));
+}
+
 /// Asserts the wire sequence of every rotated connection in a tap's log, as the client saw
 /// it: GOAWAY(2^31-1, NO_ERROR), then a PING, then (after the client's ACK or a timeout) a
 /// GOAWAY with the last stream the client opened, never a higher one, and the server's FIN.
