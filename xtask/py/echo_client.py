@@ -199,7 +199,9 @@ def main():
                 else:
                     large.success(reply.pod, (time.perf_counter() - start) * 1000.0)
             except grpc.RpcError as e:
-                large.failure(e.code().name, e.details() or "")
+                # How long it ran tells where it failed: at once (never sent) or mid-call.
+                large.failure(e.code().name, "%s (after %.1f ms)" % (
+                    e.details() or "", (time.perf_counter() - start) * 1000.0))
 
     streams = {}
 

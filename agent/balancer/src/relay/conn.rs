@@ -389,6 +389,15 @@ impl Conn {
             Kind::RstStream => {
                 let rst = RstStream::decode(head, payload)?;
                 if self.refused(rst.stream_id) {
+                    if rst.stream_id > self.highest_client {
+                        // A stream the client had created but not yet sent when the final
+                        // GOAWAY came: the call failed or was retried client-side.
+                        tracing::debug!(
+                            stream_id = rst.stream_id,
+                            last = self.refuse_above,
+                            "client reset an unsent stream above the final GOAWAY"
+                        );
+                    }
                     Action::Drop
                 } else {
                     // The client cancelled: not a failure.

@@ -325,8 +325,14 @@ impl PodTap {
 }
 
 impl Drop for PodTap {
+    /// The log is removed after a passing test and kept after a failing one: it is the
+    /// failure's evidence (which frames each side sent, and when).
     fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.log);
+        if std::thread::panicking() {
+            eprintln!("the tap's frame log is kept: {}", self.log.display());
+        } else {
+            let _ = std::fs::remove_file(&self.log);
+        }
     }
 }
 
