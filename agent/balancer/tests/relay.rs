@@ -159,6 +159,12 @@ fn empty_settings() -> Vec<u8> {
     f
 }
 
+fn settings_ack() -> Vec<u8> {
+    let mut f = Vec::new();
+    Settings::encode(true, &[], &mut f);
+    f
+}
+
 /// Preface and SETTINGS both ways, then stream 1 opened with a request DATA frame.
 async fn open_bed(settings: RelaySettings) -> Bed {
     open_bed_with(settings, RelayHandle::new()).await
@@ -184,6 +190,12 @@ async fn open_bed_with(settings: RelaySettings, handle: RelayHandle) -> Bed {
     client_hello(&mut b).await;
     b.backend.send(&empty_settings()).await;
     b.client.expect(Kind::Settings).await;
+    b.client.send(&settings_ack()).await;
+    let (ack, _) = b.backend.expect(Kind::Settings).await;
+    assert!(
+        ack.has(flags::ACK),
+        "the client's SETTINGS ACK is forwarded"
+    );
     let mut req = headers(1, flags::END_HEADERS);
     req.extend(frame(Kind::Data, flags::END_STREAM, 1, b"ping"));
     b.client.send(&req).await;
@@ -219,9 +231,13 @@ async fn expect_response(peer: &mut Peer, id: u32) {
 /// The opaque data of the relay's second PING (the quiet check before the final GOAWAY).
 const QUIET_PING: [u8; 8] = *b"skwl\x00fin";
 
-/// The client's side of the settling phase: answers the relay's quiet PINGs until the final
-/// GOAWAY comes; returns its last-stream-id. Any other frame (a RST_STREAM) fails the test.
-async fn ack_quiet_pings_until_the_final_go_away(client: &mut Peer) -> u32 {
+/// The client's side of the settling phase, written as grpc-core writes (its `writing.cc`):
+/// a write that carries a PING ACK carries nothing of any stream, so `queued` (the frames of
+/// streams it created before it read the first GOAWAY and has not written yet) goes out only
+/// in a write without one, here the one that acknowledges the relay's SETTINGS. Answers the
+/// relay until the final GOAWAY and returns its last-stream-id. Any other frame (a
+/// RST_STREAM) fails the test.
+async fn settle_as_grpc_core(client: &mut Peer, mut queued: Vec<u8>) -> u32 {
     loop {
         let (head, payload) = client.next().await.expect("EOF before the final GOAWAY");
         match head.kind {
@@ -230,18 +246,33 @@ async fn ack_quiet_pings_until_the_final_go_away(client: &mut Peer) -> u32 {
                 assert_eq!((p.ack, p.opaque), (false, QUIET_PING), "the quiet PING");
                 client.send(&ping(true, p.opaque)).await;
             }
+            Kind::Settings => {
+                assert!(
+                    !head.has(flags::ACK) && head.len == 0,
+                    "the relay's SETTINGS is empty: {head:?}"
+                );
+                let mut write = settings_ack();
+                write.extend(std::mem::take(&mut queued));
+                client.send(&write).await;
+            }
             Kind::GoAway => {
                 let g = GoAway::decode(&head, &payload).expect("GOAWAY");
                 assert_eq!(g.error_code, ErrorCode::NO_ERROR);
                 return g.last_stream_id;
             }
-            _ => panic!("expected the quiet PING or the final GOAWAY, got {head:?} {payload:?}"),
+            _ => panic!("expected SETTINGS, the quiet PING or the final GOAWAY, got {head:?}"),
         }
     }
 }
 
+/// [`settle_as_grpc_core`] for a client with nothing queued.
+async fn settle_until_the_final_go_away(client: &mut Peer) -> u32 {
+    settle_as_grpc_core(client, Vec::new()).await
+}
+
 #[tokio::test(flavor = "current_thread", start_paused = true)]
-async fn rotation_is_goaway_max_and_ping_then_two_quiet_pings_then_the_final_goaway_then_fin() {
+async fn rotation_is_goaway_max_and_ping_then_settings_and_a_quiet_ping_then_the_final_goaway_then_fin()
+ {
     let mut b = open_bed(RelaySettings::default()).await;
     b.handle.rotate(RotateReason::Skew);
     assert_eq!(
@@ -254,12 +285,15 @@ async fn rotation_is_goaway_max_and_ping_then_two_quiet_pings_then_the_final_goa
     assert_eq!(b.handle.stats().rotating(), Some(RotateReason::Skew));
     b.client.send(&ping(true, ours.opaque)).await;
     // Stream 1 is ended by the client: it has nothing left to send, so the relay checks that
-    // it has gone quiet with two more PINGs, one after the other, then the final GOAWAY.
-    for _ in 0..2 {
-        let quiet = b.client.expect_ping().await;
-        assert_eq!((quiet.ack, quiet.opaque), (false, QUIET_PING));
-        b.client.send(&ping(true, quiet.opaque)).await;
-    }
+    // nothing it created is still unwritten: an empty SETTINGS (its ACK comes in a write that
+    // also carries every queued stream), then, on the ACK, a PING (its ACK comes in a later
+    // write), then the final GOAWAY.
+    let (head, _) = b.client.expect(Kind::Settings).await;
+    assert!(!head.has(flags::ACK) && head.len == 0, "an empty SETTINGS");
+    b.client.send(&settings_ack()).await;
+    let quiet = b.client.expect_ping().await;
+    assert_eq!((quiet.ack, quiet.opaque), (false, QUIET_PING));
+    b.client.send(&ping(true, quiet.opaque)).await;
     assert_eq!(
         b.client.expect_go_away().await,
         1,
@@ -269,7 +303,8 @@ async fn rotation_is_goaway_max_and_ping_then_two_quiet_pings_then_the_final_goa
     b.backend.send(&response(1)).await;
     expect_response(&mut b.client, 1).await;
     b.client.expect_eof().await;
-    // The backend saw no GOAWAY and not our PING's ACK: nothing after the request, then FIN.
+    // The backend saw no GOAWAY, not our PING's ACK and not our SETTINGS' ACK: nothing after
+    // the request, then FIN.
     b.backend.expect_eof().await;
     assert_eq!(b.handle.stats().open_streams(), 0);
     let end = b.task.await.expect("task").expect("clean end");
@@ -305,7 +340,7 @@ async fn a_stream_opened_between_the_goaways_is_relayed_named_by_the_final_one_a
     assert_eq!(b.handle.stats().requests(), 2);
     b.client.send(&ping(true, ours.opaque)).await;
     assert_eq!(
-        ack_quiet_pings_until_the_final_go_away(&mut b.client).await,
+        settle_until_the_final_go_away(&mut b.client).await,
         3,
         "the final GOAWAY names the highest stream the client opened"
     );
@@ -353,7 +388,7 @@ async fn a_stream_the_client_writes_after_its_ping_ack_is_relayed_and_under_the_
         "stream 3 is relayed to the backend, not cancelled"
     );
     assert_eq!(
-        ack_quiet_pings_until_the_final_go_away(&mut b.client).await,
+        settle_until_the_final_go_away(&mut b.client).await,
         3,
         "the final GOAWAY covers every stream the client sent"
     );
@@ -370,19 +405,18 @@ async fn a_stream_the_client_writes_after_its_ping_ack_is_relayed_and_under_the_
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
-async fn a_stream_the_client_writes_after_the_first_quiet_ack_is_still_under_the_final_goaway() {
-    // The same race one round later: grpc-core writes each ACK alone and the streams queued
-    // meanwhile in the next write, so one quiet round trip proves nothing more than the
-    // first ACK did. Two in a row do.
+async fn a_stream_the_client_writes_after_the_settings_ack_is_still_under_the_final_goaway() {
+    // A stream that comes between the SETTINGS ACK and the quiet PING's ACK (a client that
+    // writes them apart): the check starts over and the final GOAWAY covers it.
     let mut b = open_bed(RelaySettings::default()).await;
     b.handle.rotate(RotateReason::MaxAge);
     b.client.expect_go_away().await;
     let ours = b.client.expect_ping().await;
     b.client.send(&ping(true, ours.opaque)).await;
+    b.client.expect(Kind::Settings).await;
+    b.client.send(&settings_ack()).await;
     let quiet = b.client.expect_ping().await;
     assert_eq!(quiet.opaque, QUIET_PING);
-    b.client.send(&ping(true, quiet.opaque)).await;
-    tokio::time::sleep(Duration::from_millis(1)).await;
     let mut late = headers(3, flags::END_HEADERS);
     late.extend(frame(
         Kind::Data,
@@ -397,12 +431,115 @@ async fn a_stream_the_client_writes_after_the_first_quiet_ack_is_still_under_the
         d.stream_id, 3,
         "stream 3 is relayed to the backend, not cancelled"
     );
+    b.client.send(&ping(true, quiet.opaque)).await;
     assert_eq!(
-        ack_quiet_pings_until_the_final_go_away(&mut b.client).await,
+        settle_until_the_final_go_away(&mut b.client).await,
         3,
         "the final GOAWAY covers every stream the client sent"
     );
     assert_eq!(b.handle.stats().refused(), 0);
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_stream_grpc_core_queues_behind_its_ping_acks_is_under_the_final_goaway() {
+    // grpc-core writes a stream's frames only in a write with no PING ACK in it. Stream 3 was
+    // created before the client read GOAWAY(2^31-1); the client answers every PING at once,
+    // each ACK in a write of its own, so however many PINGs the relay sends, stream 3 stays
+    // unwritten; only a write without an ACK (the SETTINGS ACK's) carries it. A final GOAWAY
+    // before that names 1 and fails the call (a 4 MiB one, beyond the 256 KiB retry buffer).
+    let mut b = open_bed(RelaySettings::default()).await;
+    b.handle.rotate(RotateReason::MaxAge);
+    b.client.expect_go_away().await;
+    let ours = b.client.expect_ping().await;
+    b.client.send(&ping(true, ours.opaque)).await;
+    let mut queued = headers(3, flags::END_HEADERS);
+    queued.extend(frame(
+        Kind::Data,
+        flags::END_STREAM,
+        3,
+        b"created before the GOAWAY",
+    ));
+    assert_eq!(
+        settle_as_grpc_core(&mut b.client, queued).await,
+        3,
+        "the final GOAWAY covers the stream the client had queued"
+    );
+    let (h, _) = b.backend.expect(Kind::Headers).await;
+    assert_eq!(h.stream_id, 3, "stream 3 is relayed to the backend");
+    b.backend.expect(Kind::Data).await;
+    assert_eq!(b.handle.stats().refused(), 0);
+    b.backend.send(&response(1)).await;
+    b.backend.send(&response(3)).await;
+    expect_response(&mut b.client, 1).await;
+    expect_response(&mut b.client, 3).await;
+    b.client.expect_eof().await;
+    // Neither our SETTINGS' ACK nor our PINGs' reach the backend.
+    b.backend.expect_eof().await;
+    let end = b.task.await.expect("task").expect("clean end");
+    assert_eq!(end, RelayEnd::Rotated(RotateReason::MaxAge));
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_settings_ack_written_with_a_ping_ack_proves_nothing_and_the_check_starts_over() {
+    // The client reads the backend's PING and our SETTINGS before it writes: grpc-core puts
+    // both ACKs in one write, cut to the ACKs, and stream 3 stays queued. That SETTINGS ACK
+    // must not count: the relay asks again.
+    let mut b = open_bed(RelaySettings::default()).await;
+    b.handle.rotate(RotateReason::MaxAge);
+    b.client.expect_go_away().await;
+    let ours = b.client.expect_ping().await;
+    b.backend.send(&ping(false, *b"backend!")).await;
+    assert_eq!(b.client.expect_ping().await.opaque, *b"backend!");
+    b.client.send(&ping(true, ours.opaque)).await;
+    b.client.expect(Kind::Settings).await;
+    let mut write = ping(true, *b"backend!");
+    write.extend(settings_ack());
+    b.client.send(&write).await;
+    let ack = b.backend.expect_ping().await;
+    assert_eq!((ack.ack, ack.opaque), (true, *b"backend!"), "forwarded");
+    let mut queued = headers(3, flags::END_HEADERS);
+    queued.extend(frame(
+        Kind::Data,
+        flags::END_STREAM,
+        3,
+        b"created before the GOAWAY",
+    ));
+    assert_eq!(
+        settle_as_grpc_core(&mut b.client, queued).await,
+        3,
+        "the final GOAWAY covers the stream the client had queued"
+    );
+    assert_eq!(b.handle.stats().refused(), 0);
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn the_relays_settings_ack_is_swallowed_and_the_backends_are_forwarded_in_order() {
+    // The backend sends SETTINGS mid-rotation, just before ours: the client acknowledges in
+    // the order it read them. Its first ACK is the backend's (forwarded at once), the second
+    // ours (swallowed: an unsolicited ACK is a connection error for the backend).
+    let mut b = open_bed(RelaySettings::default()).await;
+    b.handle.rotate(RotateReason::MaxAge);
+    b.client.expect_go_away().await;
+    let ours = b.client.expect_ping().await;
+    b.backend.send(&empty_settings()).await;
+    let (head, _) = b.client.expect(Kind::Settings).await;
+    assert!(!head.has(flags::ACK), "the backend's SETTINGS");
+    b.client.send(&ping(true, ours.opaque)).await;
+    let (head, _) = b.client.expect(Kind::Settings).await;
+    assert!(!head.has(flags::ACK), "the relay's SETTINGS");
+    b.client.send(&settings_ack()).await;
+    let (ack, _) = b.backend.expect(Kind::Settings).await;
+    assert!(
+        ack.has(flags::ACK),
+        "the first ACK answers the backend's SETTINGS"
+    );
+    b.client.expect_silence().await;
+    b.client.send(&settings_ack()).await;
+    assert_eq!(settle_until_the_final_go_away(&mut b.client).await, 1);
+    b.backend.send(&response(1)).await;
+    expect_response(&mut b.client, 1).await;
+    b.client.expect_eof().await;
+    b.backend.expect_eof().await;
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
@@ -426,10 +563,7 @@ async fn the_final_goaway_waits_for_the_client_to_end_its_streams_at_most_half_t
         .send(&frame(Kind::Data, flags::END_STREAM, 3, b"end"))
         .await;
     b.backend.expect(Kind::Data).await;
-    assert_eq!(
-        ack_quiet_pings_until_the_final_go_away(&mut b.client).await,
-        3
-    );
+    assert_eq!(settle_until_the_final_go_away(&mut b.client).await, 3);
     assert!(
         started.elapsed() < Duration::from_secs(1),
         "as soon as it is quiet"
@@ -483,10 +617,7 @@ async fn other_pings_and_acks_pass_through_both_ways_even_during_a_rotation() {
     b.backend.send(&ping(true, *b"interlvd")).await;
     assert_eq!(b.client.expect_ping().await.opaque, *b"interlvd");
     b.client.send(&ping(true, ours.opaque)).await;
-    assert_eq!(
-        ack_quiet_pings_until_the_final_go_away(&mut b.client).await,
-        1
-    );
+    assert_eq!(settle_until_the_final_go_away(&mut b.client).await, 1);
     b.backend.send(&response(1)).await;
     expect_response(&mut b.client, 1).await;
     b.client.expect_eof().await;
@@ -526,10 +657,7 @@ async fn streams_opened_after_the_final_goaway_are_refused_keeping_hpack_and_win
     b.client.expect_go_away().await;
     let ours = b.client.expect_ping().await;
     b.client.send(&ping(true, ours.opaque)).await;
-    assert_eq!(
-        ack_quiet_pings_until_the_final_go_away(&mut b.client).await,
-        1
-    );
+    assert_eq!(settle_until_the_final_go_away(&mut b.client).await, 1);
     // A client that ignores the GOAWAY: a new stream with a 100-byte body.
     let mut late = headers(3, flags::END_HEADERS);
     late.extend(frame(Kind::Data, flags::END_STREAM, 3, &[7; 100]));
@@ -634,10 +762,7 @@ async fn at_the_end_of_the_drain_grace_open_streams_are_reset_both_ways_then_fin
     b.client.expect_go_away().await;
     let ours = b.client.expect_ping().await;
     b.client.send(&ping(true, ours.opaque)).await;
-    assert_eq!(
-        ack_quiet_pings_until_the_final_go_away(&mut b.client).await,
-        1
-    );
+    assert_eq!(settle_until_the_final_go_away(&mut b.client).await, 1);
     // The backend never answers stream 1.
     let rst = b.client.expect_rst().await;
     assert_eq!((rst.stream_id, rst.error_code), (1, ErrorCode::CANCEL));

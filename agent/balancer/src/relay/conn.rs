@@ -20,8 +20,8 @@ use crate::metrics::{ClientErrorReason, FailureReason};
 /// counter), so its ACK is recognised and swallowed, every other ACK is forwarded.
 pub(super) const OUR_PING: [u8; 8] = *b"skwl\x00rot";
 
-/// The opaque data of our second PING, the one that checks the client has gone quiet before
-/// the final GOAWAY (see [`Conn::settle_step`]).
+/// The opaque data of our last PING before the final GOAWAY, the one that shows the client
+/// has written everything it had queued (see [`Conn::settle_step`]).
 pub(super) const OUR_QUIET_PING: [u8; 8] = *b"skwl\x00fin";
 
 /// Decodes the fixed part of a GOAWAY from the first `min(len, 8)` payload bytes (its debug
@@ -174,8 +174,18 @@ pub(super) enum Phase {
     Final,
 }
 
-/// Quiet PING round trips in a row before the final GOAWAY (see [`Conn::settle_step`]).
-const QUIET_ROUNDS: u8 = 2;
+/// Settling: the check that the client has no stream it created and has not written yet (see
+/// [`Conn::settle_step`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Check {
+    /// Nothing of ours in flight: the check starts when the client is quiet.
+    Idle,
+    /// Our empty SETTINGS is out; `highest` and `acks` (the client's PING ACKs so far) as
+    /// when it was sent.
+    Settings { highest: u32, acks: u32 },
+    /// Its ACK came in a write with no PING ACK; our quiet PING is out, sent at `highest`.
+    Ping { highest: u32 },
+}
 
 /// Per open stream: which sides have ended it.
 const CLIENT_ENDED: u8 = 1;
@@ -200,12 +210,19 @@ pub(super) struct Conn {
     pub(super) reason: Option<RotateReason>,
     /// Our PING's ACK arrived (taken by the run loop).
     pub(super) ping_acked: bool,
-    /// Settling: `highest_client` when our quiet PING went out, while its ACK is awaited.
-    quiet_sent: Option<u32>,
+    /// Settling: where the check for unwritten streams stands.
+    check: Check,
     /// The quiet PING's ACK arrived (taken by [`Conn::settle_step`]).
     quiet_acked: bool,
-    /// Quiet PING round trips in a row with the client quiet throughout.
-    quiet_rounds: u8,
+    /// Our SETTINGS' ACK arrived (taken by [`Conn::settle_step`]).
+    settings_acked: bool,
+    /// The backend's SETTINGS frames the client has not acknowledged yet (it acknowledges in
+    /// the order it received them).
+    backend_settings: u32,
+    /// Our SETTINGS is out, behind this many of the backend's: the client ACK that is ours.
+    ours_behind: Option<u32>,
+    /// PING ACKs the client sent (wrapping): a write that carries one carries no stream.
+    client_ping_acks: u32,
     /// When the final GOAWAY went out (for the refusal's trace line).
     final_at: Option<Instant>,
     /// Header block open in each direction (stream id).
@@ -236,9 +253,12 @@ impl Conn {
             phase: Phase::Open,
             reason: None,
             ping_acked: false,
-            quiet_sent: None,
+            check: Check::Idle,
             quiet_acked: false,
-            quiet_rounds: 0,
+            settings_acked: false,
+            backend_settings: 0,
+            ours_behind: None,
+            client_ping_acks: 0,
             final_at: None,
             client_block: None,
             backend_block: None,
@@ -407,13 +427,28 @@ impl Conn {
             }
             Kind::Settings => {
                 let s = Settings::decode(head, payload)?;
-                if let Some(max) = s.get(SettingId::MAX_FRAME_SIZE) {
+                if s.ack {
+                    // The client acknowledges SETTINGS in the order it read them.
+                    match self.ours_behind {
+                        Some(0) => {
+                            self.ours_behind = None;
+                            self.settings_acked = true;
+                            return Ok(Action::Drop);
+                        }
+                        Some(n) => self.ours_behind = Some(n - 1),
+                        None => {}
+                    }
+                    self.backend_settings = self.backend_settings.saturating_sub(1);
+                } else if let Some(max) = s.get(SettingId::MAX_FRAME_SIZE) {
                     self.backend_max_frame = self.backend_max_frame.max(max);
                 }
                 Action::Forward
             }
             Kind::Ping => {
                 let ping = Ping::decode(head, payload)?;
+                if ping.ack {
+                    self.client_ping_acks = self.client_ping_acks.wrapping_add(1);
+                }
                 if ping.ack && ping.opaque == OUR_PING {
                     self.ping_acked = true;
                     Action::Drop
@@ -506,6 +541,9 @@ impl Conn {
             }
             Kind::Settings => {
                 let s = Settings::decode(head, payload)?;
+                if !s.ack {
+                    self.backend_settings = self.backend_settings.saturating_add(1);
+                }
                 if let Some(max) = s.get(SettingId::MAX_FRAME_SIZE) {
                     self.client_max_frame = self.client_max_frame.max(max);
                 }
@@ -580,21 +618,29 @@ impl Conn {
         }
     }
 
-    /// Settling, called after every round of I/O: sends the final GOAWAY once the client is
-    /// quiet, else our quiet PING when it may be. Returns whether a frame was queued.
+    /// Settling, called after every round of I/O: sends the final GOAWAY once the client has
+    /// shown it has no stream left to write, else the next frame of that check. Returns
+    /// whether a frame was queued.
     ///
-    /// The PING's ACK proves the client read GOAWAY(2^31-1), not that every stream it
-    /// created before has reached us: grpc-core writes a PING ACK in a write of its own and
-    /// the streams queued meanwhile in the next one, and a stream queued behind other
-    /// streams' DATA can come one or more writes later. A final GOAWAY below such a stream
-    /// makes the client fail or retry a call it had sent (grpc-core cannot retry one larger
-    /// than its retry buffer, 256 KiB). So the final GOAWAY waits until (a) every open
-    /// stream is ended by the client (nothing of its own is left to write ahead of a
-    /// stream's HEADERS) and (b) [`QUIET_ROUNDS`] PINGs sent one after the other come back
-    /// with the client quiet throughout: the write that follows the one with the first ACK
-    /// carries any HEADERS still queued, and it goes out before the client has even read
-    /// the second PING. A client that keeps opening streams meets the settle deadline
-    /// instead (the run loop's, half the drain grace).
+    /// The PING's ACK proves the client read GOAWAY(2^31-1), so it creates no stream any
+    /// more, but not that every stream it created before has reached us. grpc-core (its
+    /// `writing.cc`) writes the streams' frames only in a write that carries no PING ACK: a
+    /// write with an ACK is cut to the ACK and the connection's control frames. A stream it
+    /// created just before it read the GOAWAY may so come one or several writes after the
+    /// ACK, and after any number of further ACKs if PINGs keep coming (two quiet PINGs, the
+    /// previous rule, relied on the client starting its next write before it read the
+    /// second one). A final GOAWAY below such a stream makes the client fail or retry a call
+    /// it had sent (grpc-core cannot retry one larger than its retry buffer, 256 KiB).
+    ///
+    /// So once the client is quiet (it has ended every open stream: nothing of its own is
+    /// left to write ahead of a new stream's HEADERS), the relay sends an empty SETTINGS.
+    /// The client's ACK of it goes in a write that also writes every stream it has queued;
+    /// if no PING ACK came between our SETTINGS and its ACK, that write was not cut. Then our
+    /// quiet PING: its ACK comes in a later write, so once it is here that whole write is
+    /// too. The client quiet throughout with no new stream: the final GOAWAY names the
+    /// highest stream it opened. Otherwise the check starts over when it is quiet again; a
+    /// client that never goes quiet meets the settle deadline instead (the run loop's, half
+    /// the drain grace).
     pub(super) fn settle_step(&mut self) -> bool {
         if self.phase != Phase::Settling {
             return false;
@@ -605,25 +651,38 @@ impl Conn {
             return !self.to_client.is_empty();
         }
         let quiet = self.client_open == 0 && self.client_block.is_none();
-        if std::mem::take(&mut self.quiet_acked) {
-            let sent = self.quiet_sent.take();
-            if quiet && sent == Some(self.highest_client) {
-                self.quiet_rounds += 1;
-                if self.quiet_rounds >= QUIET_ROUNDS {
+        match self.check {
+            Check::Settings { highest, acks } if std::mem::take(&mut self.settings_acked) => {
+                if quiet && highest == self.highest_client && acks == self.client_ping_acks {
+                    self.check = Check::Ping { highest };
+                    self.quiet_acked = false;
+                    Ping {
+                        ack: false,
+                        opaque: OUR_QUIET_PING,
+                    }
+                    .encode(&mut self.to_client.buf);
+                    return true;
+                }
+                self.check = Check::Idle;
+            }
+            Check::Ping { highest } if std::mem::take(&mut self.quiet_acked) => {
+                if quiet && highest == self.highest_client {
+                    tracing::debug!(last = highest, "client quiet, final GOAWAY");
                     self.finalize();
                     return !self.to_client.is_empty();
                 }
-            } else {
-                self.quiet_rounds = 0;
+                self.check = Check::Idle;
             }
+            _ => {}
         }
-        if quiet && self.quiet_sent.is_none() {
-            self.quiet_sent = Some(self.highest_client);
-            Ping {
-                ack: false,
-                opaque: OUR_QUIET_PING,
-            }
-            .encode(&mut self.to_client.buf);
+        if quiet && self.check == Check::Idle {
+            self.check = Check::Settings {
+                highest: self.highest_client,
+                acks: self.client_ping_acks,
+            };
+            self.settings_acked = false;
+            self.ours_behind = Some(self.backend_settings);
+            Settings::encode(false, &[], &mut self.to_client.buf);
             return true;
         }
         false

@@ -6,11 +6,13 @@
 //!
 //! 1. GOAWAY(2^31-1, NO_ERROR) and a PING with our own opaque data, to the client;
 //! 2. on that PING's ACK (swallowed), settling: every stream is still relayed until the client
-//!    is quiet (every open stream ended by the client, then two more PINGs of ours answered
-//!    with no new stream opened meanwhile; at most half of `drain_grace`), because a client
-//!    may write the ACK ahead of streams it had already created; then (or after
-//!    `ping_timeout` without an ACK) the final GOAWAY with the highest stream id the client
-//!    opened; streams it opens after that are refused
+//!    has shown it has nothing left to write (every open stream ended by the client, then an
+//!    empty SETTINGS of ours acknowledged in a write with no PING ACK, then a PING of ours
+//!    answered, with no new stream opened meanwhile; at most half of `drain_grace`), because
+//!    a client may write its ACKs ahead of streams it had already created (grpc-core writes
+//!    no stream frame in a write that carries a PING ACK); then (or after `ping_timeout`
+//!    without an ACK) the final GOAWAY with the highest stream id the client opened; streams
+//!    it opens after that are refused
 //!    (RST_STREAM(REFUSED_STREAM) to the client, the HEADERS still forwarded to the backend's
 //!    HPACK decoder and cancelled there, their DATA dropped and credited back with
 //!    WINDOW_UPDATE so both connection windows stay equal);
