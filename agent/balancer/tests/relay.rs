@@ -651,6 +651,36 @@ async fn without_an_ack_the_final_goaway_follows_the_ping_timeout() {
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn without_an_ack_the_final_goaway_comes_halfway_through_the_grace_and_streams_finish() {
+    // The defaults: a 10 s PING timeout and a 10 s drain grace. The final GOAWAY must not wait
+    // for the grace to end (the client's streams would only get its resets): it comes at half
+    // the grace at the latest, and a stream that finishes after it finishes normally.
+    let mut b = open_bed(RelaySettings::default()).await;
+    let started = Instant::now();
+    b.handle.rotate(RotateReason::Skew);
+    b.client.expect_go_away().await;
+    b.client.expect_ping().await;
+    // The client never answers.
+    assert_eq!(b.client.expect_go_away().await, 1);
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_secs(5) && waited < Duration::from_secs(6),
+        "the final GOAWAY comes halfway through the 10 s grace: {waited:?}"
+    );
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    b.backend.send(&response(1)).await;
+    expect_response(&mut b.client, 1).await;
+    b.client.expect_eof().await;
+    b.backend.expect_eof().await;
+    let end = b.task.await.expect("task").expect("clean end");
+    assert_eq!(
+        end,
+        RelayEnd::Rotated(RotateReason::Skew),
+        "the stream finished, nothing was reset"
+    );
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn streams_opened_after_the_final_goaway_are_refused_keeping_hpack_and_windows_in_step() {
     let mut b = open_bed(RelaySettings::default()).await;
     b.handle.rotate(RotateReason::Skew);

@@ -11,8 +11,8 @@
 //!    answered, with no new stream opened meanwhile; at most half of `drain_grace`), because
 //!    a client may write its ACKs ahead of streams it had already created (grpc-core writes
 //!    no stream frame in a write that carries a PING ACK); then (or after `ping_timeout`
-//!    without an ACK) the final GOAWAY with the highest stream id the client opened; streams
-//!    it opens after that are refused
+//!    without an ACK, at most half of `drain_grace`) the final GOAWAY with the highest stream
+//!    id the client opened; streams it opens after that are refused
 //!    (RST_STREAM(REFUSED_STREAM) to the client, the HEADERS still forwarded to the backend's
 //!    HPACK decoder and cancelled there, their DATA dropped and credited back with
 //!    WINDOW_UPDATE so both connection windows stay equal);
@@ -93,7 +93,7 @@ impl RotateReason {
 pub struct RelaySettings {
     /// How long the first GOAWAY's PING may go unanswered before the final GOAWAY is sent
     /// anyway; clamped to 5-20 s, the range gRPC servers use (grpc-go 5 s, Java 10 s, C-core
-    /// 20 s).
+    /// 20 s), and to half of `drain_grace` (the streams get time to finish after it).
     pub ping_timeout: Duration,
     /// From the first GOAWAY of a rotation to the reset of the streams still open.
     pub drain_grace: Duration,

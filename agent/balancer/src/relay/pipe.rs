@@ -522,9 +522,13 @@ pub(super) async fn run<C: Io, B: Io>(
     settings: &RelaySettings,
     shared: Arc<Shared>,
 ) -> Result<RelayEnd, RelayError> {
+    // Without an ACK the final GOAWAY comes at the PING timeout, but never later than half
+    // the drain grace: the client's streams must get the final GOAWAY and time to finish,
+    // not only the grace's resets (10 s each by default, and the grace fired first).
     let ping_timeout = settings
         .ping_timeout
-        .clamp(Duration::from_secs(5), Duration::from_secs(20));
+        .clamp(Duration::from_secs(5), Duration::from_secs(20))
+        .min(settings.drain_grace / 2);
     let mut r = Relay {
         c2b: Pipe::new(Side::Client, settings.buffer_size),
         b2c: Pipe::new(Side::Backend, settings.buffer_size),
