@@ -270,6 +270,39 @@ async fn settle_until_the_final_go_away(client: &mut Peer) -> u32 {
     settle_as_grpc_core(client, Vec::new()).await
 }
 
+/// Starts a rotation and answers its first step: GOAWAY(2^31-1), our PING, its ACK.
+async fn rotate_and_ack(b: &mut Bed, reason: RotateReason) {
+    b.handle.rotate(reason);
+    assert_eq!(b.client.expect_go_away().await, MAX_STREAM_ID);
+    let ours = b.client.expect_ping().await;
+    b.client.send(&ping(true, ours.opaque)).await;
+}
+
+/// The backend answers streams 1 and 3; both reach the client, then FIN both ways (the
+/// backend got nothing more: no GOAWAY, none of our ACKs) and the rotation's end.
+async fn finish_1_and_3(mut b: Bed, reason: RotateReason) {
+    b.backend.send(&response(1)).await;
+    b.backend.send(&response(3)).await;
+    expect_response(&mut b.client, 1).await;
+    expect_response(&mut b.client, 3).await;
+    b.client.expect_eof().await;
+    b.backend.expect_eof().await;
+    let end = b.task.await.expect("task").expect("clean end");
+    assert_eq!(end, RelayEnd::Rotated(reason));
+}
+
+/// Stream 3's request, created by the client before it read the first GOAWAY.
+fn stream_3() -> Vec<u8> {
+    let mut req = headers(3, flags::END_HEADERS);
+    req.extend(frame(
+        Kind::Data,
+        flags::END_STREAM,
+        3,
+        b"created before the GOAWAY",
+    ));
+    req
+}
+
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn rotation_is_goaway_max_and_ping_then_settings_and_a_quiet_ping_then_the_final_goaway_then_fin()
  {
@@ -409,22 +442,12 @@ async fn a_stream_the_client_writes_after_the_settings_ack_is_still_under_the_fi
     // A stream that comes between the SETTINGS ACK and the quiet PING's ACK (a client that
     // writes them apart): the check starts over and the final GOAWAY covers it.
     let mut b = open_bed(RelaySettings::default()).await;
-    b.handle.rotate(RotateReason::MaxAge);
-    b.client.expect_go_away().await;
-    let ours = b.client.expect_ping().await;
-    b.client.send(&ping(true, ours.opaque)).await;
+    rotate_and_ack(&mut b, RotateReason::MaxAge).await;
     b.client.expect(Kind::Settings).await;
     b.client.send(&settings_ack()).await;
     let quiet = b.client.expect_ping().await;
     assert_eq!(quiet.opaque, QUIET_PING);
-    let mut late = headers(3, flags::END_HEADERS);
-    late.extend(frame(
-        Kind::Data,
-        flags::END_STREAM,
-        3,
-        b"queued before the GOAWAY",
-    ));
-    b.client.send(&late).await;
+    b.client.send(&stream_3()).await;
     b.backend.expect(Kind::Headers).await;
     let (d, _) = b.backend.expect(Kind::Data).await;
     assert_eq!(
@@ -438,6 +461,7 @@ async fn a_stream_the_client_writes_after_the_settings_ack_is_still_under_the_fi
         "the final GOAWAY covers every stream the client sent"
     );
     assert_eq!(b.handle.stats().refused(), 0);
+    finish_1_and_3(b, RotateReason::MaxAge).await;
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
@@ -448,19 +472,9 @@ async fn a_stream_grpc_core_queues_behind_its_ping_acks_is_under_the_final_goawa
     // unwritten; only a write without an ACK (the SETTINGS ACK's) carries it. A final GOAWAY
     // before that names 1 and fails the call (a 4 MiB one, beyond the 256 KiB retry buffer).
     let mut b = open_bed(RelaySettings::default()).await;
-    b.handle.rotate(RotateReason::MaxAge);
-    b.client.expect_go_away().await;
-    let ours = b.client.expect_ping().await;
-    b.client.send(&ping(true, ours.opaque)).await;
-    let mut queued = headers(3, flags::END_HEADERS);
-    queued.extend(frame(
-        Kind::Data,
-        flags::END_STREAM,
-        3,
-        b"created before the GOAWAY",
-    ));
+    rotate_and_ack(&mut b, RotateReason::MaxAge).await;
     assert_eq!(
-        settle_as_grpc_core(&mut b.client, queued).await,
+        settle_as_grpc_core(&mut b.client, stream_3()).await,
         3,
         "the final GOAWAY covers the stream the client had queued"
     );
@@ -468,15 +482,7 @@ async fn a_stream_grpc_core_queues_behind_its_ping_acks_is_under_the_final_goawa
     assert_eq!(h.stream_id, 3, "stream 3 is relayed to the backend");
     b.backend.expect(Kind::Data).await;
     assert_eq!(b.handle.stats().refused(), 0);
-    b.backend.send(&response(1)).await;
-    b.backend.send(&response(3)).await;
-    expect_response(&mut b.client, 1).await;
-    expect_response(&mut b.client, 3).await;
-    b.client.expect_eof().await;
-    // Neither our SETTINGS' ACK nor our PINGs' reach the backend.
-    b.backend.expect_eof().await;
-    let end = b.task.await.expect("task").expect("clean end");
-    assert_eq!(end, RelayEnd::Rotated(RotateReason::MaxAge));
+    finish_1_and_3(b, RotateReason::MaxAge).await;
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
@@ -497,15 +503,8 @@ async fn a_settings_ack_written_with_a_ping_ack_proves_nothing_and_the_check_sta
     b.client.send(&write).await;
     let ack = b.backend.expect_ping().await;
     assert_eq!((ack.ack, ack.opaque), (true, *b"backend!"), "forwarded");
-    let mut queued = headers(3, flags::END_HEADERS);
-    queued.extend(frame(
-        Kind::Data,
-        flags::END_STREAM,
-        3,
-        b"created before the GOAWAY",
-    ));
     assert_eq!(
-        settle_as_grpc_core(&mut b.client, queued).await,
+        settle_as_grpc_core(&mut b.client, stream_3()).await,
         3,
         "the final GOAWAY covers the stream the client had queued"
     );
@@ -626,58 +625,42 @@ async fn other_pings_and_acks_pass_through_both_ways_even_during_a_rotation() {
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
-async fn without_an_ack_the_final_goaway_follows_the_ping_timeout() {
-    let settings = RelaySettings {
-        ping_timeout: Duration::from_secs(7),
-        drain_grace: Duration::from_secs(30),
-        ..RelaySettings::default()
-    };
-    let mut b = open_bed(settings).await;
-    let started = Instant::now();
-    b.handle.rotate(RotateReason::Skew);
-    b.client.expect_go_away().await;
-    b.client.expect_ping().await;
-    // The client never answers.
-    assert_eq!(b.client.expect_go_away().await, 1);
-    let waited = started.elapsed();
-    assert!(
-        waited >= Duration::from_secs(7) && waited < Duration::from_secs(8),
-        "the final GOAWAY comes at the PING timeout: {waited:?}"
-    );
-    b.backend.send(&response(1)).await;
-    expect_response(&mut b.client, 1).await;
-    b.client.expect_eof().await;
-    b.task.await.expect("task").expect("clean end");
-}
-
-#[tokio::test(flavor = "current_thread", start_paused = true)]
-async fn without_an_ack_the_final_goaway_comes_halfway_through_the_grace_and_streams_finish() {
-    // The defaults: a 10 s PING timeout and a 10 s drain grace. The final GOAWAY must not wait
-    // for the grace to end (the client's streams would only get its resets): it comes at half
-    // the grace at the latest, and a stream that finishes after it finishes normally.
-    let mut b = open_bed(RelaySettings::default()).await;
-    let started = Instant::now();
-    b.handle.rotate(RotateReason::Skew);
-    b.client.expect_go_away().await;
-    b.client.expect_ping().await;
-    // The client never answers.
-    assert_eq!(b.client.expect_go_away().await, 1);
-    let waited = started.elapsed();
-    assert!(
-        waited >= Duration::from_secs(5) && waited < Duration::from_secs(6),
-        "the final GOAWAY comes halfway through the 10 s grace: {waited:?}"
-    );
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    b.backend.send(&response(1)).await;
-    expect_response(&mut b.client, 1).await;
-    b.client.expect_eof().await;
-    b.backend.expect_eof().await;
-    let end = b.task.await.expect("task").expect("clean end");
-    assert_eq!(
-        end,
-        RelayEnd::Rotated(RotateReason::Skew),
-        "the stream finished, nothing was reset"
-    );
+async fn without_an_ack_the_final_goaway_follows_the_ping_timeout_at_most_half_the_grace() {
+    // (PING timeout, drain grace, when the final GOAWAY comes). The defaults are 10 s and
+    // 10 s: the final GOAWAY must not wait for the grace to end (the client's streams would
+    // only get its resets), it comes at half the grace, and a stream that finishes after it
+    // finishes normally.
+    for (ping_timeout, grace, at) in [(7, 30, 7), (10, 10, 5)] {
+        let settings = RelaySettings {
+            ping_timeout: Duration::from_secs(ping_timeout),
+            drain_grace: Duration::from_secs(grace),
+            ..RelaySettings::default()
+        };
+        let mut b = open_bed(settings).await;
+        let started = Instant::now();
+        b.handle.rotate(RotateReason::Skew);
+        b.client.expect_go_away().await;
+        b.client.expect_ping().await;
+        // The client never answers.
+        assert_eq!(b.client.expect_go_away().await, 1);
+        let waited = started.elapsed();
+        assert!(
+            waited >= Duration::from_secs(at) && waited < Duration::from_secs(at + 1),
+            "PING timeout {ping_timeout} s, grace {grace} s: the final GOAWAY comes at \
+             {at} s, not {waited:?}"
+        );
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        b.backend.send(&response(1)).await;
+        expect_response(&mut b.client, 1).await;
+        b.client.expect_eof().await;
+        b.backend.expect_eof().await;
+        let end = b.task.await.expect("task").expect("clean end");
+        assert_eq!(
+            end,
+            RelayEnd::Rotated(RotateReason::Skew),
+            "the stream finished, nothing was reset"
+        );
+    }
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
