@@ -392,6 +392,144 @@ async fn a_stream_opened_between_the_goaways_is_relayed_named_by_the_final_one_a
     assert_eq!(end, RelayEnd::Rotated(RotateReason::Skew));
 }
 
+/// The opaque data of the relay's quiesce PING (a lazy client's rotation starts with it).
+const QUIESCE_PING: [u8; 8] = *b"skwl\x00qui";
+
+/// A header block as grpc-js's first request carries it, HPACK-encoded with literals only (no
+/// dynamic table): `:method POST`, `:scheme http`, `:path`, `:authority` and grpc-js's
+/// `user-agent`, the one the relay looks for.
+fn grpc_js_request_block() -> Vec<u8> {
+    let mut block = vec![0x83, 0x86];
+    for (prefix, value) in [
+        (&[0x04][..], &b"/skewless.echo.v1.Echo/Echo"[..]),
+        (&[0x01][..], &b"echo"[..]),
+        (&[0x0f, 0x2b][..], &b"grpc-node-js/1.14.7"[..]),
+    ] {
+        block.extend_from_slice(prefix);
+        block.push(u8::try_from(value.len()).expect("short"));
+        block.extend_from_slice(value);
+    }
+    block
+}
+
+/// [`open_bed`] for a grpc-js client: its first request carries grpc-js's user-agent, and the
+/// relay has recognised it as one that writes its requests lazily.
+async fn open_grpc_js_bed(settings: RelaySettings) -> Bed {
+    let mut b = bed_with(settings, RelayHandle::new());
+    client_hello(&mut b).await;
+    b.backend.send(&empty_settings()).await;
+    b.client.expect(Kind::Settings).await;
+    b.client.send(&settings_ack()).await;
+    b.backend.expect(Kind::Settings).await;
+    let mut req = frame(
+        Kind::Headers,
+        flags::END_HEADERS,
+        1,
+        &grpc_js_request_block(),
+    );
+    req.extend(frame(Kind::Data, flags::END_STREAM, 1, b"ping"));
+    b.client.send(&req).await;
+    b.backend.expect(Kind::Headers).await;
+    b.backend.expect(Kind::Data).await;
+    while !b.handle.stats().user_agent_known() {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert!(
+        b.handle.stats().lazy_requests(),
+        "grpc-js's user-agent is recognised"
+    );
+    assert!(!b.handle.stats().unrotatable());
+    b
+}
+
+/// nghttp2 (under grpc-js) writes a request's HEADERS only at its next send and refuses every
+/// request not yet written once it has read any GOAWAY: a call started in reaction to a
+/// response read just before GOAWAY(2^31-1) fails unless it fits grpc-js's retry buffer. So a
+/// grpc-js rotation starts with a quiesce: the relay's own PING, and nothing of the backend's
+/// until its ACK (which Node writes in the same send as the HEADERS it queued meanwhile);
+/// then GOAWAY(2^31-1) and our PING go first, ahead of every frame held.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_grpc_js_rotation_holds_the_backends_frames_behind_a_ping_until_its_ack() {
+    let mut b = open_grpc_js_bed(RelaySettings::default()).await;
+    b.handle.rotate(RotateReason::MaxAge);
+    let hold = b.client.expect_ping().await;
+    assert_eq!(
+        (hold.ack, hold.opaque),
+        (false, QUIESCE_PING),
+        "a grpc-js rotation starts with the quiesce PING, no GOAWAY yet"
+    );
+    assert_eq!(b.handle.stats().rotating(), Some(RotateReason::MaxAge));
+    // The backend answers stream 1: held until the ACK, so it cannot start another call.
+    b.backend.send(&response(1)).await;
+    b.client.expect_silence().await;
+    // The client's next send: the ACK first, then the request it had queued (stream 3).
+    let mut write = ping(true, QUIESCE_PING);
+    write.extend(headers(3, flags::END_HEADERS));
+    write.extend(frame(Kind::Data, flags::END_STREAM, 3, b"queued"));
+    b.client.send(&write).await;
+    let (h, _) = b.backend.expect(Kind::Headers).await;
+    assert_eq!(h.stream_id, 3, "the ACK is swallowed, stream 3 relayed");
+    b.backend.expect(Kind::Data).await;
+    assert_eq!(
+        b.client.expect_go_away().await,
+        MAX_STREAM_ID,
+        "on the ACK: GOAWAY(2^31-1) before anything held"
+    );
+    let ours = b.client.expect_ping().await;
+    assert_eq!((ours.ack, ours.opaque), (false, *b"skwl\x00rot"));
+    expect_response(&mut b.client, 1).await;
+    b.client.send(&ping(true, ours.opaque)).await;
+    assert_eq!(settle_until_the_final_go_away(&mut b.client).await, 3);
+    b.backend.send(&response(3)).await;
+    expect_response(&mut b.client, 3).await;
+    b.client.expect_eof().await;
+    b.backend.expect_eof().await;
+    assert_eq!(b.handle.stats().refused(), 0);
+    let end = b.task.await.expect("task").expect("clean end");
+    assert_eq!(end, RelayEnd::Rotated(RotateReason::MaxAge));
+}
+
+/// A client whose user-agent is not known yet (here: no request so far) may be a lazy one:
+/// its rotation starts with the quiesce too.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_client_whose_user_agent_is_not_known_is_quiesced_too() {
+    let mut b = bed(RelaySettings::default());
+    client_hello(&mut b).await;
+    b.backend.send(&empty_settings()).await;
+    b.client.expect(Kind::Settings).await;
+    assert!(!b.handle.stats().user_agent_known());
+    b.handle.rotate(RotateReason::Drain);
+    assert_eq!(b.client.expect_ping().await.opaque, QUIESCE_PING);
+    b.client.send(&ping(true, QUIESCE_PING)).await;
+    assert_eq!(b.client.expect_go_away().await, MAX_STREAM_ID);
+    assert_eq!(b.client.expect_ping().await.opaque, *b"skwl\x00rot");
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_quiesce_without_an_ack_ends_after_a_second_with_the_first_goaway() {
+    let mut b = open_grpc_js_bed(RelaySettings::default()).await;
+    let started = Instant::now();
+    b.handle.rotate(RotateReason::Skew);
+    assert_eq!(b.client.expect_ping().await.opaque, QUIESCE_PING);
+    b.backend.send(&response(1)).await;
+    // The client never answers: after the quiesce timeout the rotation goes on as for any client.
+    assert_eq!(b.client.expect_go_away().await, MAX_STREAM_ID);
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_secs(1) && waited < Duration::from_millis(1100),
+        "the quiesce ends at its timeout: {waited:?}"
+    );
+    let ours = b.client.expect_ping().await;
+    assert_eq!(ours.opaque, *b"skwl\x00rot");
+    expect_response(&mut b.client, 1).await;
+    b.client.send(&ping(true, ours.opaque)).await;
+    assert_eq!(settle_until_the_final_go_away(&mut b.client).await, 1);
+    b.client.expect_eof().await;
+    b.backend.expect_eof().await;
+    let end = b.task.await.expect("task").expect("clean end");
+    assert_eq!(end, RelayEnd::Rotated(RotateReason::Skew));
+}
+
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_stream_the_client_writes_after_its_ping_ack_is_relayed_and_under_the_final_goaway() {
     // grpc-core writes a PING ACK ahead of the streams queued in the same write: a stream it

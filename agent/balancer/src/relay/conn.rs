@@ -20,6 +20,9 @@ use crate::metrics::{ClientErrorReason, FailureReason};
 /// counter), so its ACK is recognised and swallowed, every other ACK is forwarded.
 pub(super) const OUR_PING: [u8; 8] = *b"skwl\x00rot";
 
+/// The opaque data of the PING that starts a quiesce (see [`Phase::Quiescing`]).
+pub(super) const OUR_QUIESCE_PING: [u8; 8] = *b"skwl\x00qui";
+
 /// The opaque data of our last PING before the final GOAWAY, the one that shows the client
 /// has written everything it had queued (see [`Conn::settle_step`]).
 pub(super) const OUR_QUIET_PING: [u8; 8] = *b"skwl\x00fin";
@@ -163,6 +166,20 @@ impl Out {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Phase {
     Open,
+    /// A client that writes its requests lazily is being rotated: our quiesce PING is sent and
+    /// no frame of the backend's goes to the client until its ACK (or the quiesce timeout).
+    ///
+    /// nghttp2 (Node's http2, under grpc-js) gives a request its stream id and writes its
+    /// HEADERS only when it next sends, and once any GOAWAY has been received it refuses every
+    /// request not written yet, GOAWAY(2^31-1) included; grpc-js retries such a call only
+    /// while it fits its retry buffer, so a large one fails. Node answers a PING in its next
+    /// send, and one send writes everything nghttp2 has queued (the ACK first, then the
+    /// HEADERS of new requests). Holding the backend's frames from our PING until its ACK means
+    /// that when the ACK comes, every request the client made in reaction to a frame it read
+    /// is written; GOAWAY(2^31-1) then goes out before any later frame that could make it
+    /// start another. A request started from a timer (not in reaction to a frame) can still
+    /// meet the GOAWAY unwritten.
+    Quiescing,
     /// GOAWAY(2^31-1) and our PING sent; waiting for its ACK or the timeout.
     Announced,
     /// The ACK came: the client has read GOAWAY(2^31-1) and opens no new stream, but streams
@@ -210,6 +227,8 @@ pub(super) struct Conn {
     pub(super) reason: Option<RotateReason>,
     /// Our PING's ACK arrived (taken by the run loop).
     pub(super) ping_acked: bool,
+    /// Our quiesce PING's ACK arrived (taken by the run loop).
+    pub(super) quiesce_acked: bool,
     /// Settling: where the check for unwritten streams stands.
     check: Check,
     /// The quiet PING's ACK arrived (taken by [`Conn::settle_step`]).
@@ -253,6 +272,7 @@ impl Conn {
             phase: Phase::Open,
             reason: None,
             ping_acked: false,
+            quiesce_acked: false,
             check: Check::Idle,
             quiet_acked: false,
             settings_acked: false,
@@ -452,6 +472,9 @@ impl Conn {
                 if ping.ack && ping.opaque == OUR_PING {
                     self.ping_acked = true;
                     Action::Drop
+                } else if ping.ack && ping.opaque == OUR_QUIESCE_PING {
+                    self.quiesce_acked = true;
+                    Action::Drop
                 } else if ping.ack && ping.opaque == OUR_QUIET_PING {
                     self.quiet_acked = true;
                     Action::Drop
@@ -587,18 +610,47 @@ impl Conn {
         })
     }
 
-    /// Step 1 of a rotation: GOAWAY(2^31-1) (unless a GOAWAY already went to the client) and
-    /// our PING.
-    pub(super) fn announce(&mut self, reason: RotateReason) {
+    /// A rotation starts: with the quiesce (see [`Phase::Quiescing`]) for a client that writes
+    /// its requests lazily, or may (its user-agent is not known), and has had no GOAWAY yet;
+    /// else at once with step 1
+    /// ([`Conn::announce`]). Returns whether step 1 went out.
+    pub(super) fn rotate(&mut self, reason: RotateReason) -> bool {
         if self.phase != Phase::Open {
-            return;
+            return false;
         }
-        self.phase = Phase::Announced;
         self.reason = Some(reason);
         self.shared
             .stats
             .rotating
             .store(reason.code(), Ordering::Relaxed);
+        // Also while the verdict is unknown (not decoded yet, or the decoding timed out): a
+        // quiesce costs a client that writes eagerly one PING round trip, a lazy one none.
+        let stats = &self.shared.stats;
+        if (stats.lazy_requests() || !stats.user_agent_known()) && self.go_last.is_none() {
+            self.phase = Phase::Quiescing;
+            Ping {
+                ack: false,
+                opaque: OUR_QUIESCE_PING,
+            }
+            .encode(&mut self.to_client.buf);
+            return false;
+        }
+        self.announce();
+        true
+    }
+
+    /// Whether frames from `side` are held now (see [`Phase::Quiescing`]).
+    pub(super) fn withholds(&self, side: Side) -> bool {
+        side == Side::Backend && self.phase == Phase::Quiescing
+    }
+
+    /// Step 1 of a rotation: GOAWAY(2^31-1) (unless a GOAWAY already went to the client) and
+    /// our PING; after the quiesce, ahead of the frames it held.
+    pub(super) fn announce(&mut self) {
+        if !matches!(self.phase, Phase::Open | Phase::Quiescing) {
+            return;
+        }
+        self.phase = Phase::Announced;
         if self.go_last.is_none() {
             self.to_client.go_away(MAX_STREAM_ID);
             self.go_last = Some(MAX_STREAM_ID);

@@ -4,6 +4,11 @@
 //! backend. The relay follows frame boundaries (skewless-frame) to count requests and open
 //! streams, and to rotate the connection on the wire when told to:
 //!
+//! 0. for a client that writes its requests lazily (nghttp2, in grpc-js: it refuses every
+//!    request whose HEADERS it has not written yet once any GOAWAY arrives), a quiesce first: a
+//!    PING of ours, and no backend frame for the client until its ACK (at most
+//!    `QUIESCE_TIMEOUT`), so every request the client made in reaction to what it read is on the
+//!    wire, written with the ACK, before it can read the GOAWAY;
 //! 1. GOAWAY(2^31-1, NO_ERROR) and a PING with our own opaque data, to the client;
 //! 2. on that PING's ACK (swallowed), settling: every stream is still relayed until the client
 //!    has shown it has nothing left to write (every open stream ended by the client, then an
@@ -126,6 +131,7 @@ pub struct RelayStats {
     open_streams: AtomicU32,
     refused: AtomicU64,
     unrotatable: AtomicBool,
+    lazy_requests: AtomicBool,
     user_agent_known: AtomicBool,
     backend_go_away: AtomicBool,
     rotating: AtomicU8,
@@ -157,8 +163,18 @@ impl RelayStats {
         self.unrotatable.load(Ordering::Relaxed)
     }
 
-    /// The first request's header block has been checked (false while pending, and when it
-    /// was too large to check: such a connection counts as rotatable).
+    /// The client writes its requests' HEADERS lazily and refuses the unwritten ones on any
+    /// GOAWAY (nghttp2, in grpc-js; recognised from the first request's user-agent): its
+    /// rotations hold the backend's frames behind a PING of ours until the client answers it,
+    /// before the first GOAWAY.
+    #[must_use]
+    pub fn lazy_requests(&self) -> bool {
+        self.lazy_requests.load(Ordering::Relaxed)
+    }
+
+    /// The first request's header block has been checked (false while pending, when it was
+    /// too large to check, and when decoding it took over a second: such a connection counts
+    /// as rotatable, and its rotations start with a quiesce as a lazy client's do).
     #[must_use]
     pub fn user_agent_known(&self) -> bool {
         self.user_agent_known.load(Ordering::Relaxed)
