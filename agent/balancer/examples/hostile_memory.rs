@@ -4,10 +4,11 @@
 //! The balancer runs in a child process of its own (this program with `serve`), so its
 //! resident memory is measured alone, from `/proc/<pid>/status`; the echo pod and every client
 //! live in this (the parent) process. Per mode: a good client calls Echo in a loop all along;
-//! after a baseline, 500 clients connect and send nothing, and 500 send the preface, SETTINGS
-//! and 200 PINGs and then never read (their PONGs back up); the balancer's RSS is read once
-//! all 1,000 are connected and written, before the 10 s handshake timeout closes the silent
-//! ones. The good client must lose no call.
+//! after a baseline, 500 clients connect and send nothing, then 500 more send the preface,
+//! SETTINGS and 200 PINGs and then never read (their PONGs back up); the balancer's RSS is read
+//! 2 s after each group is connected (and written), so each group's cost per connection is
+//! seen on its own, all before the 10 s handshake timeout closes the silent ones. The good
+//! client must lose no call.
 
 use std::io::BufRead as _;
 use std::net::SocketAddr;
@@ -148,9 +149,9 @@ async fn run() {
         .encode(&mut pinger);
     }
     println!(
-        "| mode | balancer RSS before | with {SILENT} silent + {PINGERS} PING-sending non-readers | per hostile connection | peak RSS | good client calls (failed) |"
+        "| mode | balancer RSS before | with {SILENT} silent | per silent connection | with {PINGERS} PING-sending non-readers more | per PING-sending connection | peak RSS | good client calls (failed) |"
     );
-    println!("| --- | --- | --- | --- | --- | --- |");
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- |");
     for mode in ["request", "connection"] {
         let (server, addr) = start_server(mode, pod.addr);
         let (stop_tx, stop) = tokio::sync::watch::channel(false);
@@ -158,28 +159,38 @@ async fn run() {
         tokio::time::sleep(Duration::from_secs(2)).await;
         let (before, _) = rss_kib(server.0.id());
         let mut hostile = Vec::with_capacity(SILENT + PINGERS);
-        for i in 0..SILENT + PINGERS {
-            let mut s = TcpStream::connect(addr)
+        for _ in 0..SILENT {
+            let s = TcpStream::connect(addr)
                 .await
-                .expect("a hostile client connects");
-            if i >= SILENT {
-                s.write_all(&pinger).await.expect("the PINGs are written");
-            }
+                .expect("a silent client connects");
             hostile.push(s);
         }
-        // Let the balancer take in what it was sent (well before the 10 s handshake timeout).
+        // Let the balancer take them in (each step well before the 10 s handshake timeout).
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let (with_silent, _) = rss_kib(server.0.id());
+        for _ in 0..PINGERS {
+            let mut s = TcpStream::connect(addr)
+                .await
+                .expect("a PING-sending client connects");
+            s.write_all(&pinger).await.expect("the PINGs are written");
+            hostile.push(s);
+        }
         tokio::time::sleep(Duration::from_secs(2)).await;
         let (with, peak) = rss_kib(server.0.id());
         stop_tx.send_replace(true);
         let (calls, failed) = good.await.expect("good client");
         drop(hostile);
         drop(server);
-        let per = (with.saturating_sub(before)) as f64 / (SILENT + PINGERS) as f64;
+        let per = |from: u64, to: u64, n: usize| to.saturating_sub(from) as f64 / n as f64;
+        let mib = |kib: u64| kib as f64 / 1024.0;
         println!(
-            "| {mode} | {:.1} MiB | {:.1} MiB | {per:.1} KiB | {:.1} MiB | {calls} ({failed}) |",
-            before as f64 / 1024.0,
-            with as f64 / 1024.0,
-            peak as f64 / 1024.0,
+            "| {mode} | {:.1} MiB | {:.1} MiB | {:.1} KiB | {:.1} MiB | {:.1} KiB | {:.1} MiB | {calls} ({failed}) |",
+            mib(before),
+            mib(with_silent),
+            per(before, with_silent, SILENT),
+            mib(with),
+            per(with_silent, with, PINGERS),
+            mib(peak),
         );
         assert_eq!(failed, 0, "{mode}: the good client lost calls");
     }
