@@ -12,9 +12,13 @@
 //! that samples the relays' request counters into the windows and runs the
 //! [`policy`](policy::RotationPolicy). Each worker relays its own connections.
 //!
-//! On accept: place (the `controller` module), connect to the backend; a failed connect is retried
-//! on another backend before the client's first byte is read, and counts against the backend
-//! (passive ejection). Then the relay carries the connection until it ends; the server's
+//! On accept: read the client's connection preface and first SETTINGS frame (nothing else is
+//! spent on a client before: no placement, no backend connection, no relay buffers; the
+//! handshake timeout closes a client that does not send them), then place it (the `controller`
+//! module, so a connection counts for placement from then on) and connect to the backend; a
+//! failed connect is retried on another backend before the client sees anything, and counts
+//! against the backend (passive ejection). Then the relay carries the connection, the bytes
+//! already read first, until it ends; the server's
 //! [`Stop`] (max connection age, drain) and the controller (skew, backend removed or NOT_SERVING)
 //! rotate it.
 
@@ -318,11 +322,39 @@ impl Drop for Registered {
     }
 }
 
-async fn serve(shared: Arc<Shared>, client: TcpStream, mut stop: Stop<ConnectionConfig>) {
+async fn serve(shared: Arc<Shared>, mut client: TcpStream, mut stop: Stop<ConnectionConfig>) {
+    let settings = {
+        let config = shared.config.borrow();
+        RelaySettings {
+            ping_timeout: config.ping_timeout,
+            drain_grace: config.drain_grace,
+            ..RelaySettings::default()
+        }
+    };
+    // Nothing is spent on a client before its preface and SETTINGS are in (see
+    // `relay::read_preface`): it is not placed yet, has no backend connection and no relay
+    // buffers, so a silent client costs a few bytes, not a backend connection.
+    let preface = match relay::read_preface(&mut client, settings.handshake_timeout).await {
+        Ok(Some(preface)) => preface,
+        Ok(None) => {
+            tracing::debug!("client closed before its preface");
+            crate::linger::close(client);
+            return;
+        }
+        Err(error) => {
+            if let relay::RelayError::ClientProtocol(e) = &error {
+                shared.metrics.client_error(e.client_error_reason());
+            }
+            tracing::debug!(%error, "client connection failed before its preface");
+            crate::linger::close(client);
+            return;
+        }
+    };
     let Some((placement, backend)) = shared.connect_backend().await else {
         tracing::debug!("no backend could be connected, closing the client connection");
         shared.lock().gave_up();
-        // Nothing of the client's was read: it sees the connection close and reconnects.
+        // Nothing went to the client: it sees the connection close and reconnects.
+        crate::linger::close(client);
         return;
     };
     let registered = Registered {
@@ -336,16 +368,8 @@ async fn serve(shared: Arc<Shared>, client: TcpStream, mut stop: Stop<Connection
     {
         handle.rotate(reason);
     }
-    let settings = {
-        let config = shared.config.borrow();
-        RelaySettings {
-            ping_timeout: config.ping_timeout,
-            drain_grace: config.drain_grace,
-            ..RelaySettings::default()
-        }
-    };
     tracing::debug!(backend = %placement.addr, "relaying");
-    let relayed = relay::relay(client, backend, &settings, handle.clone());
+    let relayed = relay::relay_after(preface, client, backend, &settings, handle.clone());
     tokio::pin!(relayed);
     let end = tokio::select! {
         end = &mut relayed => end,

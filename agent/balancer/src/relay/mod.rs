@@ -36,6 +36,7 @@
 mod conn;
 mod detect;
 mod pipe;
+mod preface;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, Ordering};
@@ -48,6 +49,7 @@ use crate::metrics::ServiceMetrics;
 pub use crate::budget::Flood;
 pub use conn::ProtocolError;
 pub use pipe::{Io, RelayEnd, RelayError};
+pub use preface::{Preface, read_preface};
 
 /// Why a connection is rotated (also a metric label: a bounded set).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -281,5 +283,20 @@ pub async fn relay(
     settings: &RelaySettings,
     handle: RelayHandle,
 ) -> Result<RelayEnd, RelayError> {
-    pipe::run(client, backend, settings, handle.shared).await
+    pipe::run(client, &[], backend, settings, handle.shared).await
+}
+
+/// [`relay`] for a client whose connection preface and first SETTINGS frame [`read_preface`]
+/// has already read: they are relayed to the backend first, then what the client sends next.
+///
+/// # Errors
+/// As [`relay`].
+pub async fn relay_after(
+    preface: Preface,
+    client: impl Io,
+    backend: impl Io,
+    settings: &RelaySettings,
+    handle: RelayHandle,
+) -> Result<RelayEnd, RelayError> {
+    pipe::run(client, preface.bytes(), backend, settings, handle.shared).await
 }

@@ -542,8 +542,10 @@ async fn sleep_until(deadline: Option<Instant>) {
     }
 }
 
+/// Relays `client` to `backend`; `read` holds the client's first bytes, already read from it.
 pub(super) async fn run<C: Io, B: Io>(
     mut client: C,
+    read: &[u8],
     mut backend: B,
     settings: &RelaySettings,
     shared: Arc<Shared>,
@@ -555,8 +557,11 @@ pub(super) async fn run<C: Io, B: Io>(
         .ping_timeout
         .clamp(Duration::from_secs(5), Duration::from_secs(20))
         .min(settings.drain_grace / 2);
+    let mut c2b = Pipe::new(Side::Client, settings.buffer_size.max(read.len()));
+    c2b.buf[..read.len()].copy_from_slice(read);
+    c2b.end = read.len();
     let mut r = Relay {
-        c2b: Pipe::new(Side::Client, settings.buffer_size),
+        c2b,
         b2c: Pipe::new(Side::Backend, settings.buffer_size),
         conn: Conn::new(shared.clone(), settings.max_streams),
         shared: shared.clone(),
