@@ -327,12 +327,15 @@ impl ServiceMetrics {
         }
     }
 
-    /// A call started; the guard records its duration when it is dropped (the call is over).
+    /// A call started at `at`; the guard records its duration when it is dropped (the call is
+    /// over). The caller passes a clock reading it takes anyway (the request path reads the
+    /// clock once for the call's arrival, its deadline and its first pick).
     #[must_use]
-    pub fn call_started(&self) -> CallGuard<'_> {
+    pub fn call_started(&self, at: tokio::time::Instant) -> CallGuard<'_> {
         CallGuard {
             metrics: self,
-            started: tokio::time::Instant::now(),
+            started: at,
+            ended: None,
         }
     }
 
@@ -362,11 +365,23 @@ pub struct ConnectionGuard {
 pub struct CallGuard<'a> {
     metrics: &'a ServiceMetrics,
     started: tokio::time::Instant,
+    ended: Option<tokio::time::Instant>,
+}
+
+impl CallGuard<'_> {
+    /// The call ended at `at` (the reading its lease ended with): the drop records the
+    /// duration up to then and reads no clock of its own.
+    pub fn ended(&mut self, at: tokio::time::Instant) {
+        self.ended = Some(at);
+    }
 }
 
 impl Drop for CallGuard<'_> {
     fn drop(&mut self) {
-        self.metrics.latency.record(self.started.elapsed());
+        let ended = self.ended.unwrap_or_else(tokio::time::Instant::now);
+        self.metrics
+            .latency
+            .record(ended.saturating_duration_since(self.started));
     }
 }
 
@@ -424,6 +439,32 @@ mod tests {
         assert_eq!(s.connection_duration.counts[thirty_to_sixty], 1);
         drop(b);
         assert_eq!(m.snapshot().client_connections, 0);
+    }
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn a_call_guard_records_from_its_start_to_the_end_it_is_told_or_its_drop() {
+        let m = ServiceMetrics::default();
+        let bucket = |s: &ServiceSnapshot, upper: f64| {
+            s.latency.counts[LATENCY_BOUNDS.iter().position(|b| *b == upper).unwrap()]
+        };
+        let t0 = tokio::time::Instant::now();
+        tokio::time::advance(Duration::from_millis(3)).await;
+        // Started at an earlier reading, told its end: 0-3 ms would be the drop's own clock.
+        let mut told = m.call_started(t0 - Duration::from_millis(20));
+        tokio::time::advance(Duration::from_millis(30)).await;
+        told.ended(t0 + Duration::from_millis(3));
+        drop(told);
+        assert_eq!(
+            bucket(&m.snapshot(), 0.025),
+            1,
+            "23 ms, from start to the told end"
+        );
+        // Not told: up to the drop.
+        let untold = m.call_started(tokio::time::Instant::now());
+        tokio::time::advance(Duration::from_millis(70)).await;
+        drop(untold);
+        assert_eq!(bucket(&m.snapshot(), 0.1), 1, "70 ms, up to the drop");
+        assert_eq!(m.snapshot().latency.count(), 2);
     }
 
     #[test]

@@ -345,7 +345,7 @@ impl Pool {
         self: &Arc<Self>,
         config: &Config,
         exclude: &[EndpointId],
-        first: bool,
+        first: Option<Instant>,
     ) -> Result<Lease, ForwardError> {
         // The common case: a ready endpoint at the first look, nothing to wait for.
         if let Some(lease) = self.try_acquire(config, exclude, first)? {
@@ -357,7 +357,7 @@ impl Pool {
             tokio::pin!(notified);
             // Register before looking, so a change between the look and the wait is not lost.
             notified.as_mut().enable();
-            if let Some(lease) = self.try_acquire(config, exclude, false)? {
+            if let Some(lease) = self.try_acquire(config, exclude, None)? {
                 return Ok(lease);
             }
             if tokio::time::timeout_at(give_up, notified).await.is_err() {
@@ -367,21 +367,23 @@ impl Pool {
     }
 
     /// One look at the pool: a lease, `None` to wait for a change, or an error to give up.
-    /// `deposit`: first deposit one original request's share of the retry budget.
+    /// `first`: this is an original request's first look, at the call's arrival reading (no
+    /// await lies between the two, so the pick reads no clock of its own); it first deposits
+    /// the request's share of the retry budget.
     fn try_acquire(
         self: &Arc<Self>,
         config: &Config,
         exclude: &[EndpointId],
-        deposit: bool,
+        first: Option<Instant>,
     ) -> Result<Option<Lease>, ForwardError> {
-        let now = Instant::now();
+        let now = first.unwrap_or_else(Instant::now);
         let mut state = self.lock();
         let State {
             picker,
             endpoints,
             retry_budget,
         } = &mut *state;
-        if deposit {
+        if first.is_some() {
             retry_budget.deposit(now);
         }
         if endpoints.is_empty() {
@@ -483,20 +485,22 @@ impl Lease {
         picker.observe_latency(endpoints, self.id, self.probe, rtt, now);
     }
 
-    /// The request is over: release its in-flight count with its outcome.
-    pub(crate) fn finish(mut self, outcome: Outcome) {
-        self.finish_inner(outcome);
+    /// The request is over: release its in-flight count with its outcome. Returns the clock
+    /// reading it ended at, for the call's own duration.
+    pub(crate) fn finish(mut self, outcome: Outcome) -> Instant {
+        let now = Instant::now();
+        self.finish_at(outcome, now);
+        now
     }
 
     /// Where the request's load on its endpoint completes: the end of the response (or of
-    /// the attempt). Its duration since the pick goes into the endpoint's histogram, so the
-    /// histogram counts exactly the requests the picker counted.
-    fn finish_inner(&mut self, outcome: Outcome) {
+    /// the attempt), at `now`. Its duration since the pick goes into the endpoint's
+    /// histogram, so the histogram counts exactly the requests the picker counted.
+    fn finish_at(&mut self, outcome: Outcome, now: Instant) {
         if std::mem::replace(&mut self.done, true) {
             return;
         }
         self.signals.stream_closed();
-        let now = Instant::now();
         self.metrics
             .latency
             .record(now.saturating_duration_since(self.sent_at));
@@ -510,7 +514,9 @@ impl Lease {
 
 impl Drop for Lease {
     fn drop(&mut self) {
-        self.finish_inner(Outcome::Cancelled);
+        if !self.done {
+            self.finish_at(Outcome::Cancelled, Instant::now());
+        }
     }
 }
 

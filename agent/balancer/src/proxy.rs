@@ -39,20 +39,23 @@ pub(crate) async fn handle(
     req: Request<RecvStream>,
     mut respond: SendResponse<Bytes>,
 ) {
+    // One clock reading for the call's arrival: its start, its deadline and its first pick.
+    let arrived = Instant::now();
     // Records the call's duration when the call is over, however it ends: the end of the
-    // response, where the request's load on its endpoint completes too (`Lease::finish`).
-    let _call = pool.metrics.call_started();
+    // response, where the request's load on its endpoint completes too (`Lease::finish`,
+    // whose reading it reuses).
+    let mut call = pool.metrics.call_started(arrived);
     let deadline = req
         .headers()
         .get(grpc::GRPC_TIMEOUT)
         .and_then(grpc::parse_timeout)
-        .and_then(|t| Instant::now().checked_add(t));
+        .and_then(|t| arrived.checked_add(t));
     let is_grpc = grpc::is_grpc(req.headers());
     let (head, body) = req.into_parts();
     let mut request = RequestPump::new(body);
     let mut expired = std::pin::pin!(expiry(deadline));
     let forwarded = tokio::select! {
-        forwarded = forward(&pool, head, &mut request, deadline) => forwarded,
+        forwarded = forward(&pool, head, &mut request, deadline, arrived) => forwarded,
         () = expired.as_mut() => Err(ForwardError::DeadlineExceeded),
         _ = poll_fn(|cx| respond.poll_reset(cx)) => Err(ForwardError::ClientGone),
     };
@@ -96,13 +99,14 @@ pub(crate) async fn handle(
         if outcome == Outcome::Failure {
             pool.metrics.failed(FailureReason::Unavailable);
         }
-        lease.finish(outcome);
+        call.ended(lease.finish(outcome));
         return;
     }
     let mut response = ResponsePump {
         upstream,
         client,
         lease: Some(lease),
+        ended: None,
         grpc,
         status,
         metrics: &pool.metrics,
@@ -120,6 +124,9 @@ pub(crate) async fn handle(
         response.poll_pump(cx)
     })
     .await;
+    if let Some(at) = response.ended {
+        call.ended(at);
+    }
 }
 
 /// Resolves when the caller's budget runs out; never without one.
@@ -190,6 +197,7 @@ async fn forward(
     head: http::request::Parts,
     request: &mut RequestPump,
     deadline: Option<Instant>,
+    arrived: Instant,
 ) -> Result<Forwarded, ForwardError> {
     // One look at the live config per request (`reconfigure` may swap it meanwhile).
     let config = pool.config();
@@ -211,8 +219,9 @@ async fn forward(
     let mut redispatches = 0u32;
     let mut refused_by: Option<h2::Error> = None;
     loop {
-        // The request's first pick also deposits its share of the retry budget.
-        let first = attempts == 1 && redispatches == 0;
+        // The request's first pick happens at its arrival reading and also deposits its
+        // share of the retry budget.
+        let first = (attempts == 1 && redispatches == 0).then_some(arrived);
         let mut lease = match pool.acquire(&config, &tried, first).await {
             Ok(lease) => lease,
             // A retry with nowhere else to go fails with what the upstream said.
@@ -542,6 +551,8 @@ struct ResponsePump<'a> {
     upstream: RecvStream,
     client: SendStream<Bytes>,
     lease: Option<Lease>,
+    /// The clock reading the lease ended at: the call's end too.
+    ended: Option<Instant>,
     grpc: bool,
     status: StatusCode,
     metrics: &'a ServiceMetrics,
@@ -555,7 +566,7 @@ impl ResponsePump<'_> {
             if outcome == Outcome::Failure {
                 self.metrics.failed(FailureReason::Unavailable);
             }
-            lease.finish(outcome);
+            self.ended = Some(lease.finish(outcome));
         }
     }
 
@@ -655,7 +666,7 @@ impl ResponsePump<'_> {
             Outcome::Failure
         };
         if let Some(lease) = self.lease.take() {
-            lease.finish(outcome);
+            self.ended = Some(lease.finish(outcome));
             self.metrics.failed(if cancelled {
                 FailureReason::Reset
             } else {
