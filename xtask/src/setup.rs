@@ -13,8 +13,9 @@ use anyhow::{Context as _, Result, bail, ensure};
 
 /// Debian packages: the eBPF toolchain (rustc-web with its prebuilt `core` for
 /// bpfel-unknown-none, and its clippy for linting the programs), the network tools the testbed
-/// drives, the peers the benchmark compares against, and Prometheus (server and promtool) for
-/// the rule tests and the scrape tests.
+/// drives, the peers the benchmark compares against, valgrind and perf for the benchmark's
+/// load-independent counts per call (`--instructions`), and Prometheus (server and promtool)
+/// for the rule tests and the scrape tests.
 const DEBIAN_PACKAGES: &[&str] = &[
     "rustc-web",
     "cargo-web",
@@ -27,6 +28,8 @@ const DEBIAN_PACKAGES: &[&str] = &[
     "procps",
     "haproxy",
     "nginx-light",
+    "valgrind",
+    "linux-perf",
     "prometheus",
 ];
 

@@ -1,11 +1,13 @@
 //! The side-by-side proxy benchmark of issue 4, the parts that do not spawn anything: peer
 //! configurations ([`peers`]), `/proc` accounting ([`sampling`]), the folding of repeated runs
-//! ([`stats`]), and the markdown ([`report`]) and SVG ([`chart`]) output. The driver is
+//! ([`stats`]), the load-independent counts per call ([`counted`]: callgrind, `perf stat`), and
+//! the markdown ([`report`]) and SVG ([`chart`]) output. The driver is
 //! `src/bin/skewless-bench.rs`.
 #![forbid(unsafe_code)]
 
 pub mod chart;
 pub mod convergence;
+pub mod counted;
 pub mod peers;
 pub mod report;
 pub mod sampling;

@@ -335,15 +335,21 @@ pub fn builds_table(rows: &[Row]) -> String {
     }
     cells.sort_by_key(|r| (r.offered_rps.is_some(), r.delay_ms, r.connections));
     let mut t = String::new();
-    t.push_str("| delay ms | conns | loop | build | pairs | CPU us/call skewless | CPU us/call build | skewless / build, per pair | RPS skewless / build | p99 ms skewless / build | peak RSS MiB skewless / build | CPU per call <= 1.03x build |\n");
-    t.push_str("|---:|---:|---|---|---:|---:|---:|---|---|---|---|---|\n");
+    t.push_str("| delay ms | conns | loop | build | pairs | CPU us/call skewless | CPU us/call build | skewless / build, per pair | 95% interval of the median pair | pairs over 1.03x | RPS skewless / build | p99 ms skewless / build | peak RSS MiB skewless / build | CPU per call <= 1.03x build |\n");
+    t.push_str("|---:|---:|---|---|---:|---:|---:|---|---|---:|---|---|---|---|\n");
     for cell in cells {
         for build in &builds {
             let p = pairs(rows, cell, "skewless", build);
             let us = |r: &Row| r.cores_per_krps.map(|c| c * 1000.0);
-            let ratios = Spread::of(p.iter().filter_map(|(a, b)| Some(us(a)? / us(b)?)));
+            let each: Vec<f64> = p
+                .iter()
+                .filter_map(|(a, b)| Some(us(a)? / us(b)?))
+                .collect();
+            let interval = Spread::median_interval(each.iter().copied())
+                .map_or_else(|| "-".to_owned(), |(lo, hi)| format!("{lo:.3}–{hi:.3}x"));
+            let over = each.iter().filter(|r| **r > BUILD_CPU_BAR).count();
             let (Some(ratio), Some(ours), Some(theirs)) = (
-                ratios,
+                Spread::of(each.iter().copied()),
                 Spread::of(p.iter().filter_map(|(a, _)| us(a))),
                 Spread::of(p.iter().filter_map(|(_, b)| us(b))),
             ) else {
@@ -360,7 +366,7 @@ pub fn builds_table(rows: &[Row]) -> String {
             };
             let _ = writeln!(
                 t,
-                "| {} | {} | {} | {} | {} | {} | {} | {}x | {:.0} / {:.0} | {:.2} / {:.2} | {} / {} | {} |",
+                "| {} | {} | {} | {} | {} | {} | {} | {}x | {interval} | {over} of {} | {:.0} / {:.0} | {:.2} / {:.2} | {} / {} | {} |",
                 cell.delay_ms,
                 cell.connections,
                 if cell.offered_rps.is_some() {
@@ -373,6 +379,7 @@ pub fn builds_table(rows: &[Row]) -> String {
                 ours.show(2),
                 theirs.show(2),
                 ratio.show(3),
+                each.len(),
                 med(|r| r.rps, true),
                 med(|r| r.rps, false),
                 med(|r| r.p99_ms, true),
@@ -635,7 +642,7 @@ mod tests {
         );
         // Per-pair ratios 1.0204, 1.0169, 1.0202: the median is within the 3% bar although
         // the spread of either build alone is 20%.
-        assert!(t.contains("| 1.020 (1.017–1.020)x |"), "{t}");
+        assert!(t.contains("| 1.020 (1.017–1.020)x | - | 0 of 3 |"), "{t}");
         assert!(t.ends_with("| met |\n"), "{t}");
         let slower: Vec<Row> = rows
             .iter()

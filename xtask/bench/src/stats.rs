@@ -148,6 +148,34 @@ impl Spread {
         })
     }
 
+    /// A distribution-free interval holding the median of what `values` sample with at least
+    /// 95% confidence: the `k`-th smallest and `k`-th largest value for the largest `k` whose
+    /// binomial tail (n trials, p = 1/2) leaves at most 2.5% on either side. None for fewer
+    /// than 6 values (no such `k` exists).
+    #[must_use]
+    pub fn median_interval(values: impl IntoIterator<Item = f64>) -> Option<(f64, f64)> {
+        let mut v: Vec<f64> = values.into_iter().collect();
+        v.sort_by(f64::total_cmp);
+        let n = v.len();
+        // P(Bin(n, 1/2) <= j) for j = 0, 1, ...: the chance that fewer than j + 1 values fall
+        // below the median.
+        let mut tail = 0.0;
+        let mut choose = 1.0;
+        let mut k = 0;
+        for j in 0..n {
+            tail += choose * 0.5f64.powi(i32::try_from(n).ok()?);
+            if tail > 0.025 {
+                break;
+            }
+            k = j + 1;
+            #[expect(clippy::cast_precision_loss, reason = "n is a few dozen runs")]
+            {
+                choose = choose * (n - j) as f64 / (j + 1) as f64;
+            }
+        }
+        (k > 0).then(|| (v[k - 1], v[n - k]))
+    }
+
     /// `median (min–max)` with `digits` decimals, or just the value for a single run.
     #[must_use]
     pub fn show(&self, digits: usize) -> String {
@@ -288,6 +316,25 @@ pub(crate) mod tests {
             peak_rss_mib: rss,
             ..Row::default()
         }
+    }
+
+    #[test]
+    fn the_median_interval_widens_to_the_order_statistics_the_binomial_tail_allows() {
+        let values = |n: usize| (1..=n).map(|i| i as f64);
+        assert_eq!(
+            Spread::median_interval(values(5)),
+            None,
+            "5 runs: no 95% interval"
+        );
+        // 6 runs: P(all 6 on one side) = 2/64, so only min..max holds 95%.
+        assert_eq!(Spread::median_interval(values(6)), Some((1.0, 6.0)));
+        // 16 runs: P(Bin(16, 1/2) <= 3) = 1.1%, P(<= 4) = 3.8%.
+        assert_eq!(Spread::median_interval(values(16)), Some((4.0, 13.0)));
+        // Unsorted input is sorted first.
+        assert_eq!(
+            Spread::median_interval([6.0, 1.0, 5.0, 2.0, 4.0, 3.0]),
+            Some((1.0, 6.0))
+        );
     }
 
     #[test]

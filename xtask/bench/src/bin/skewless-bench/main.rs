@@ -19,6 +19,7 @@
 //! measured window and its peak RSS from `VmHWM`, both summed over its processes. Every process
 //! started here is ended by its pid when its run ends, also on errors.
 
+mod counting;
 mod procs;
 mod rotation;
 
@@ -33,6 +34,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, bail};
 use clap::Parser;
 use skewless_bench::chart::skew_chart_svg;
+use skewless_bench::counted::counted_table;
 use skewless_bench::sampling::{clk_tck, cpu_ticks, peak_rss_kib, tree};
 use skewless_bench::{
     Pod, Row, Summary, bar_chart_svg, builds_table, connection_targets_table, haproxy_config,
@@ -165,6 +167,24 @@ struct Args {
     /// Convergence: runs per target (interleaved).
     #[arg(long, default_value_t = 1)]
     convergence_repeats: usize,
+    /// Also count, for skewless and every --skewless-build, user-space instructions and clock
+    /// reads per call under valgrind's callgrind (1 connection, --in-flight calls, closed
+    /// loop) and syscalls per call with `perf stat` (native, open loop at
+    /// --instructions-rate): figures the machine's load does not move.
+    #[arg(long)]
+    instructions: bool,
+    /// Only the counts of --instructions (no closed- or open-loop grid).
+    #[arg(long)]
+    instructions_only: bool,
+    /// --instructions: runs per build (interleaved).
+    #[arg(long, default_value_t = 2)]
+    instructions_runs: usize,
+    /// --instructions: seconds counted per run.
+    #[arg(long, default_value_t = 10.0)]
+    instructions_duration: f64,
+    /// --instructions: the offered rate of the syscall runs, calls per second.
+    #[arg(long, default_value_t = 1500.0)]
+    instructions_rate: f64,
 }
 
 fn parse_build(s: &str) -> anyhow::Result<(String, PathBuf)> {
@@ -325,26 +345,35 @@ impl Bench {
                 )?
             }
             Target::Skewless | Target::Connection | Target::Build(_) => {
-                let bin = match target {
-                    Target::Build(i) => self.args.builds[i].1.clone(),
-                    _ => self.bin_dir.join("skewless-proxy"),
-                };
-                let mut cmd = Command::new(bin);
+                let mut cmd = Command::new(self.proxy_bin(target));
                 if target == Target::Connection {
                     cmd.args(["--mode", "connection"]);
                 }
-                cmd.arg("--listen")
-                    .arg(listen.to_string())
-                    .arg("--threads")
-                    .arg(threads.to_string());
-                for p in &self.pods {
-                    cmd.arg("--endpoint").arg(format!("{}={}", p.name, p.addr));
-                }
+                self.proxy_args(&mut cmd, listen);
                 Proc::spawn(&self.args.name(target), cmd.stdout(Stdio::null()))?
             }
         };
         proc.wait_listening(listen)?;
         Ok((Some(proc), listen))
+    }
+
+    /// The skewless-proxy binary of `target` (a skewless target).
+    fn proxy_bin(&self, target: Target) -> PathBuf {
+        match target {
+            Target::Build(i) => self.args.builds[i].1.clone(),
+            _ => self.bin_dir.join("skewless-proxy"),
+        }
+    }
+
+    /// skewless-proxy's arguments: listen on `listen`, the run's workers, every pod.
+    fn proxy_args(&self, cmd: &mut Command, listen: SocketAddr) {
+        cmd.arg("--listen")
+            .arg(listen.to_string())
+            .arg("--threads")
+            .arg(self.args.proxy_threads.to_string());
+        for p in &self.pods {
+            cmd.arg("--endpoint").arg(format!("{}={}", p.name, p.addr));
+        }
     }
 
     /// One run: closed loop, or open loop at `rate` calls per second.
@@ -471,8 +500,21 @@ fn run(args: Args, bin_dir: PathBuf, work: PathBuf) -> anyhow::Result<()> {
         tck: clk_tck(),
         args,
     };
-    if !bench.args.convergence_only {
-        grid(&bench, &admins)?;
+    let counted = if bench.args.instructions || bench.args.instructions_only {
+        // All pods healthy: the counts are of the proxy's own work per call.
+        set_delay(admins[PODS - 1], 0)?;
+        let table = counted_table(&bench.count_builds()?);
+        println!("{table}");
+        Some(table)
+    } else {
+        None
+    };
+    if bench.args.instructions_only {
+        if let Some(table) = &counted {
+            write_counted(&bench.args, table)?;
+        }
+    } else if !bench.args.convergence_only {
+        grid(&bench, &admins, counted.as_deref())?;
     }
     if bench.args.convergence || bench.args.convergence_only {
         // Seed 001 needs ten pods, all healthy.
@@ -489,7 +531,7 @@ fn run(args: Args, bin_dir: PathBuf, work: PathBuf) -> anyhow::Result<()> {
 }
 
 /// The closed-loop grid and the open-loop section, their tables and charts.
-fn grid(bench: &Bench, admins: &[SocketAddr]) -> anyhow::Result<()> {
+fn grid(bench: &Bench, admins: &[SocketAddr], counted: Option<&str>) -> anyhow::Result<()> {
     let started = Instant::now();
     let a = &bench.args;
     let plan = plan(a);
@@ -635,6 +677,7 @@ fn grid(bench: &Bench, admins: &[SocketAddr]) -> anyhow::Result<()> {
                 connection: connection.as_deref(),
                 low: low.as_deref(),
                 builds: builds.as_deref(),
+                counted,
             },
         );
         std::fs::write(path, replace_section(&doc, &a.section, &section))
@@ -802,6 +845,7 @@ struct Extra<'a> {
     connection: Option<&'a str>,
     low: Option<&'a str>,
     builds: Option<&'a str>,
+    counted: Option<&'a str>,
 }
 
 /// The L7 targets of the open-loop section, with direct-healthy as the baseline.
@@ -942,6 +986,7 @@ fn section(
         connection,
         low,
         builds,
+        counted,
     } = extra;
     let date = utc_now();
     let cpus = std::thread::available_parallelism().map_or(0, usize::from);
@@ -1076,10 +1121,66 @@ fn section(
              window divided by the calls served (cores per 1,000 RPS x 1,000, in \
              microseconds); `skewless / build, per pair` is the median (min–max) of the ratios \
              of the two runs of each pass, which holds when the machine's speed drifts between \
-             passes. The bar: CPU per call at most {bar:.2}x the build's (issues 10 and 11).\n\n\
+             passes; `95% interval of the median pair` is a distribution-free interval (the \
+             order statistics of the pair ratios that a binomial with p = 1/2 allows) holding \
+             the true median ratio with at least 95% confidence, shown from 6 pairs on; `pairs \
+             over` counts the single pairs above the bar. The bar: CPU per call at most \
+             {bar:.2}x the build's (issues 10 and 11), judged by the median; it is shown \
+             beyond this machine's noise only where the interval's upper end is within it \
+             too.\n\n\
              {builds}",
             bar = skewless_bench::report::BUILD_CPU_BAR,
         );
     }
+    if let Some(counted) = counted {
+        let _ = write!(out, "\n{}", counted_text(a, counted));
+    }
     out
+}
+
+/// The load-independent subsection: how the counts were made, and their table.
+fn counted_text(a: &Args, table: &str) -> String {
+    format!(
+        "### Instructions and syscalls per call (load-independent)\n\n\
+         With all pods healthy (before the grid, if any), {runs} run(s) per build, interleaved. \
+         Instructions: the build's skewless-proxy ({t} workers) under `valgrind \
+         --tool=callgrind`, warmed up by {warm} s of closed loop, its counters zeroed \
+         (`callgrind_control -z`), then `skewless-loadgen` with 1 connection x {inf} calls in \
+         flight for {d} s and no warm-up window (every call it sends is counted), then \
+         `callgrind_control -d`: the dump's user-space instructions (`Ir`) over the calls \
+         served. Clock reads: calls into `clock_gettime` in the same dump (under valgrind it \
+         is a syscall, natively a vDSO call: counted, not timed). Syscalls: the native build \
+         at an offered {rate:.0} calls/s (1 connection, open loop) for {d} s, counted with \
+         `perf stat -e raw_syscalls:sys_enter -p PID` over the load generator's window. Under \
+         callgrind the proxy is the bottleneck (it serves a few thousand calls a second), so \
+         batching is like the closed-loop runs'. These counts do not move with the machine's \
+         load, but they leave out what an instruction or a syscall costs (caches, locks, \
+         the kernel's own work): CPU time per call is the bar's measure; these are beside it.\n\n\
+         {table}",
+        runs = a.instructions_runs.max(1),
+        t = a.proxy_threads,
+        warm = counting::CALLGRIND_WARMUP_S,
+        inf = a.in_flight,
+        d = a.instructions_duration,
+        rate = a.instructions_rate,
+    )
+}
+
+/// `--instructions-only`: the counts alone, as the section `--section` of `--write`.
+fn write_counted(a: &Args, table: &str) -> anyhow::Result<()> {
+    let Some(path) = &a.write else {
+        return Ok(());
+    };
+    let doc = std::fs::read_to_string(path).unwrap_or_default();
+    let section = format!(
+        "{}\n\nRun of {} (`{}`).\n\n{}",
+        a.section,
+        utc_now(),
+        a.command,
+        counted_text(a, table)
+    );
+    std::fs::write(path, replace_section(&doc, &a.section, &section))
+        .with_context(|| format!("writing {}", path.display()))?;
+    println!("wrote {}", path.display());
+    Ok(())
 }

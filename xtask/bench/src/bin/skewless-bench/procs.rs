@@ -44,7 +44,15 @@ impl Proc {
     /// # Errors
     /// When it exits first or is not listening after 10 s.
     pub fn wait_listening(&mut self, addr: SocketAddr) -> anyhow::Result<()> {
-        let deadline = Instant::now() + Duration::from_secs(10);
+        self.wait_listening_for(addr, Duration::from_secs(10))
+    }
+
+    /// [`Proc::wait_listening`], at most `limit`.
+    ///
+    /// # Errors
+    /// When it exits first or is not listening after `limit`.
+    pub fn wait_listening_for(&mut self, addr: SocketAddr, limit: Duration) -> anyhow::Result<()> {
+        let deadline = Instant::now() + limit;
         loop {
             if let Some(status) = self.child.try_wait()? {
                 bail!("{} exited before listening: {status}", self.name);
@@ -53,7 +61,7 @@ impl Proc {
                 return Ok(());
             }
             if Instant::now() > deadline {
-                bail!("{} is not listening on {addr} after 10 s", self.name);
+                bail!("{} is not listening on {addr} after {limit:?}", self.name);
             }
             sleep(Duration::from_millis(50));
         }
