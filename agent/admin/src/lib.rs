@@ -9,6 +9,7 @@
 //! - [`window`]: the recent window behind the balancer skew and per-backend p99 gauges.
 //! - [`render`]: the `skewless status` text.
 //! - [`monitoring`]: the dashboard, rules and PrometheusRule in `deploy/monitoring/`.
+//! - [`promql`]: the identifiers of a query, for the checks that its series are exported.
 //!
 //! Pure logic, no I/O (but for [`monitoring::promtool_check_metrics`], which runs promtool for
 //! the tests): the HTTP server and client live in the `skewless` binary. This crate
@@ -21,5 +22,6 @@ pub mod collector;
 pub mod json;
 pub mod monitoring;
 pub mod names;
+pub mod promql;
 pub mod render;
 pub mod window;

@@ -8,7 +8,7 @@ use std::{
 };
 
 use serde_json::Value;
-use skewless_admin::{monitoring, names};
+use skewless_admin::{monitoring, names, promql};
 
 fn dashboard() -> Value {
     let path = monitoring::dir().join(monitoring::DASHBOARD_FILE);
@@ -51,39 +51,11 @@ fn exprs(d: &Value) -> Vec<(String, String)> {
 
 /// `(name, text before it)` for every `skewless_...` metric name outside label matchers.
 fn metric_uses(expr: &str) -> Vec<(String, String)> {
-    let mut out = Vec::new();
-    let mut in_braces = false;
-    let mut in_string = false;
-    let chars: Vec<char> = expr.chars().collect();
-    let is_ident = |c: char| c.is_ascii_alphanumeric() || c == '_' || c == ':';
-    let mut i = 0;
-    while i < chars.len() {
-        let c = chars[i];
-        if in_string {
-            in_string = c != '"';
-            i += 1;
-            continue;
-        }
-        match c {
-            '"' => in_string = true,
-            '{' => in_braces = true,
-            '}' => in_braces = false,
-            _ => {}
-        }
-        if in_braces || !is_ident(c) || (i > 0 && is_ident(chars[i - 1])) {
-            i += 1;
-            continue;
-        }
-        let start = i;
-        while i < chars.len() && is_ident(chars[i]) {
-            i += 1;
-        }
-        let word: String = chars[start..i].iter().collect();
-        if word.starts_with("skewless_") {
-            out.push((word, chars[..start].iter().collect()));
-        }
-    }
-    out
+    promql::identifiers(expr)
+        .into_iter()
+        .filter(|i| i.name.starts_with("skewless_"))
+        .map(|i| (i.name.to_owned(), expr[..i.start].to_owned()))
+        .collect()
 }
 
 #[test]

@@ -8,7 +8,7 @@ use std::{
 };
 
 use serde_yaml::Value;
-use skewless_admin::{monitoring, names};
+use skewless_admin::{monitoring, names, promql};
 
 fn read(file: &str) -> String {
     let path = monitoring::dir().join(file);
@@ -186,45 +186,14 @@ fn recording_rules_are_named_level_metric_operations() {
     }
 }
 
-/// The metric names an expression references (identifiers followed by a selector, a range or
-/// an operator; label names and functions excluded by being followed by `=`/`(`).
+/// The series an expression references: identifiers outside label matchers and strings that
+/// name a skewless metric, a recorded series or `up`, and are not a call.
 fn metric_names(expr: &str) -> BTreeSet<String> {
-    let mut out = BTreeSet::new();
-    let bytes = expr.as_bytes();
-    let is_ident = |c: u8| c.is_ascii_alphanumeric() || c == b'_' || c == b':';
-    let mut i = 0;
-    // Skip label matchers and strings: inside {...} and "..." nothing is a metric name.
-    let mut in_braces = false;
-    let mut in_string = false;
-    while i < bytes.len() {
-        let c = bytes[i];
-        if in_string {
-            in_string = c != b'"';
-            i += 1;
-            continue;
-        }
-        match c {
-            b'"' => in_string = true,
-            b'{' => in_braces = true,
-            b'}' => in_braces = false,
-            _ => {}
-        }
-        if in_braces || !is_ident(c) || (i > 0 && is_ident(bytes[i - 1])) {
-            i += 1;
-            continue;
-        }
-        let start = i;
-        while i < bytes.len() && is_ident(bytes[i]) {
-            i += 1;
-        }
-        let word = &expr[start..i];
-        let next = expr[i..].trim_start().chars().next();
-        let is_call = next == Some('(');
-        if (word.starts_with("skewless_") || word.contains(':') || word == "up") && !is_call {
-            out.insert(word.to_owned());
-        }
-    }
-    out
+    promql::identifiers(expr)
+        .into_iter()
+        .filter(promql::Identifier::is_series)
+        .map(|i| i.name.to_owned())
+        .collect()
 }
 
 #[test]

@@ -252,39 +252,11 @@ impl Drop for Prometheus {
 /// The names `expr` references: identifiers outside label matchers and strings that name a
 /// skewless metric, a recorded series, or `up`.
 fn metric_names(expr: &str) -> Vec<String> {
-    let mut out = Vec::new();
-    let (mut in_braces, mut in_string) = (false, false);
-    let chars: Vec<char> = expr.chars().collect();
-    let is_ident = |c: char| c.is_ascii_alphanumeric() || c == '_' || c == ':';
-    let mut i = 0;
-    while i < chars.len() {
-        let c = chars[i];
-        if in_string {
-            in_string = c != '"';
-            i += 1;
-            continue;
-        }
-        match c {
-            '"' => in_string = true,
-            '{' => in_braces = true,
-            '}' => in_braces = false,
-            _ => {}
-        }
-        if in_braces || !is_ident(c) || (i > 0 && is_ident(chars[i - 1])) {
-            i += 1;
-            continue;
-        }
-        let start = i;
-        while i < chars.len() && is_ident(chars[i]) {
-            i += 1;
-        }
-        let word: String = chars[start..i].iter().collect();
-        let call = chars[i..].iter().find(|c| !c.is_whitespace()) == Some(&'(');
-        if (word.starts_with("skewless_") || word.contains(':') || word == "up") && !call {
-            out.push(word);
-        }
-    }
-    out
+    skewless_admin::promql::identifiers(expr)
+        .into_iter()
+        .filter(skewless_admin::promql::Identifier::is_series)
+        .map(|i| i.name.to_owned())
+        .collect()
 }
 
 /// The services file of the end-to-end test: `echo` balanced (request mode) at `balanced`,
