@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use client_bed::{
     Backends, ClientBed, PodTap, assert_connection_mode, assert_rotation_load_failed_no_call,
-    assert_two_phase_goaways, bad_input_closes_only_that_connection, first_seen, pods_after,
+    assert_two_phase_goaways, bad_input_closes_only_that_connection, first_seen, pods_between,
     rotation_load, run_withheld, server_fin_ms, summary, unix_now,
 };
 use skewless_clients::{
@@ -108,7 +108,7 @@ fn scale_up_from_two_to_ten(octet: u8, mode: &str) {
     for r in &results {
         assert_eq!(r.failed_calls(), 0, "no call may fail: {}", summary(r));
     }
-    let before = pods_after(&results, 0.0);
+    let before = pods_between(&results, 0.0, f64::INFINITY);
     let seen = first_seen(&results);
     eprintln!(
         "scale-up at unix {scaled_at:.2}: first replies after it (s): {:?}",
@@ -147,33 +147,6 @@ fn scale_up_from_two_to_ten(octet: u8, mode: &str) {
         "the post-scale shares end within skew-threshold ({THRESHOLD}) of fair: skew {skew:.2}, \
          {after:?}"
     );
-}
-
-/// OK calls per pod over all `results` in the whole seconds of each client's run between
-/// `from` and `to` (Unix seconds).
-fn pods_between(
-    results: &[ClientResult],
-    from: f64,
-    to: f64,
-) -> std::collections::BTreeMap<String, u64> {
-    let mut out = std::collections::BTreeMap::new();
-    for r in results {
-        #[expect(
-            clippy::cast_possible_truncation,
-            clippy::cast_sign_loss,
-            reason = "seconds of a bounded run"
-        )]
-        let (first, last) = (
-            (from - r.start_unix_s).ceil().max(0.0) as usize,
-            (to - r.start_unix_s).floor().max(0.0) as usize,
-        );
-        for second in r.unary.per_second.iter().take(last).skip(first) {
-            for (pod, n) in second {
-                *out.entry(pod.clone()).or_default() += n;
-            }
-        }
-    }
-    out
 }
 
 /// The connection-mode Service's entry in `/status`.

@@ -84,11 +84,12 @@ impl CallTally {
         self.failed.values().sum()
     }
 
-    /// OK calls per pod whose reply came in second `from` or later.
+    /// OK calls per pod whose reply came in the seconds `from..to` of the run (`per_second`'s
+    /// indices; `usize::MAX`: to the end).
     #[must_use]
-    pub fn pods_since(&self, from: usize) -> BTreeMap<String, u64> {
+    pub fn pods_in(&self, from: usize, to: usize) -> BTreeMap<String, u64> {
         let mut out = BTreeMap::new();
-        for second in self.per_second.iter().skip(from) {
+        for second in self.per_second.iter().take(to).skip(from) {
             for (pod, n) in second {
                 *out.entry(pod.clone()).or_default() += n;
             }
@@ -139,7 +140,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn pods_since_adds_up_the_seconds_from_the_given_one() {
+    fn pods_in_adds_up_the_seconds_of_the_window() {
         let t = CallTally {
             per_second: vec![
                 BTreeMap::from([("a".into(), 5)]),
@@ -149,10 +150,14 @@ mod tests {
             ..CallTally::default()
         };
         assert_eq!(
-            t.pods_since(1),
+            t.pods_in(1, usize::MAX),
             BTreeMap::from([("a".into(), 1), ("b".into(), 5)])
         );
-        assert!(t.pods_since(3).is_empty());
+        assert!(t.pods_in(3, usize::MAX).is_empty());
+        assert_eq!(
+            t.pods_in(1, 2),
+            BTreeMap::from([("a".into(), 1), ("b".into(), 2)])
+        );
     }
 
     #[test]

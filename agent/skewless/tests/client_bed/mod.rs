@@ -512,17 +512,25 @@ pub fn first_seen(results: &[ClientResult]) -> std::collections::BTreeMap<String
     out
 }
 
-/// OK calls per pod over all `results` whose reply came at `from` (Unix seconds) or later.
-pub fn pods_after(results: &[ClientResult], from: f64) -> std::collections::BTreeMap<String, u64> {
+/// OK calls per pod over all `results` in the whole seconds of each client's run between
+/// `from` and `to` (Unix seconds; `f64::INFINITY`: to the end of the run).
+pub fn pods_between(
+    results: &[ClientResult],
+    from: f64,
+    to: f64,
+) -> std::collections::BTreeMap<String, u64> {
     let mut out = std::collections::BTreeMap::new();
     for r in results {
         #[expect(
             clippy::cast_possible_truncation,
             clippy::cast_sign_loss,
-            reason = "seconds of a bounded run"
+            reason = "seconds of a bounded run (an infinite end saturates)"
         )]
-        let second = (from - r.start_unix_s).ceil().max(0.0) as usize;
-        for (pod, n) in r.unary.pods_since(second) {
+        let (first, last) = (
+            (from - r.start_unix_s).ceil().max(0.0) as usize,
+            (to - r.start_unix_s).floor().max(0.0) as usize,
+        );
+        for (pod, n) in r.unary.pods_in(first, last) {
             *out.entry(pod).or_default() += n;
         }
     }
