@@ -309,16 +309,6 @@ fn beating<T>(dp: &mut Datapath, f: impl FnOnce() -> T) -> T {
     })
 }
 
-/// Removes a cgroup made by the test once its processes are gone (before the testbed removes
-/// the pod cgroup above it).
-struct ChildCgroup(std::path::PathBuf);
-
-impl Drop for ChildCgroup {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir(&self.0);
-    }
-}
-
 #[test]
 #[ignore = "privileged: needs root and the real kernel; run with `cargo xtask test`"]
 fn an_excluded_cgroup_is_never_redirected_and_the_rest_of_the_pod_is() {
@@ -329,36 +319,21 @@ fn an_excluded_cgroup_is_never_redirected_and_the_rest_of_the_pod_is() {
     let pod = bed.tb.pod("client").unwrap().cgroup.clone();
     // The agent's own cgroup, below the cgroup the hooks attach to (on Kubernetes: the
     // agent's container below kubepods).
-    let own = ChildCgroup(pod.join("agent"));
-    std::fs::create_dir(&own.0).expect("child cgroup");
+    let own = bed
+        .tb
+        .child_cgroup("client", "agent")
+        .expect("child cgroup");
     let _attachment = dp.attach(&pod).expect("attach to the pod cgroup");
-    let id = dp.exclude_cgroup(&own.0).expect("exclude the child cgroup");
+    let id = dp.exclude_cgroup(&own).expect("exclude the child cgroup");
     assert_eq!(dp.excluded_cgroups(), [id]);
 
     // The same probe, run by a process that first moves itself into the excluded cgroup.
-    let (host, port) = (vip.ip().to_string(), vip.port().to_string());
-    let script = format!(
-        "echo $$ > {}/cgroup.procs && exec python3 {} {host} {port} 200",
-        own.0.display(),
-        skewless_testbed::scripts::PROBE
-    );
-    let out = bed
-        .tb
-        .run(
-            skewless_testbed::Place::Pod("client"),
-            &["sh", "-c", &script],
-        )
+    let excluded = bed
+        .probe_in("client", &own, vip, 200)
         .expect("probe from the excluded cgroup");
-    let answered: Vec<String> = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter_map(|l| l.split_whitespace().next().map(str::to_owned))
-        .collect();
-    assert_eq!(answered.len(), 200, "every probe must report: {answered:?}");
     assert!(
-        answered
-            .iter()
-            .all(|w| IdentBed::SERVERS.contains(&w.as_str())),
-        "the excluded cgroup must reach the pods through the DNAT, never the balancer: {answered:?}"
+        excluded.all_servers(),
+        "the excluded cgroup must reach the pods through the DNAT, never the balancer: {excluded:?}"
     );
     // The rest of the pod is still redirected.
     let redirected = bed.probe("client", vip, 200).unwrap();

@@ -3,10 +3,11 @@
 use std::{
     collections::BTreeMap,
     net::{Ipv4Addr, SocketAddr, SocketAddrV4, SocketAddrV6},
+    path::Path,
     time::Duration,
 };
 
-use crate::{BALANCER_IP, BALANCER_IP6, Place, Result, Testbed, scripts};
+use crate::{BALANCER_IP, BALANCER_IP6, Place, Result, Testbed, checked_output, scripts};
 
 /// One node; pods `client` and `bystander`; three ident servers (`server-N`, answering their
 /// name on [`IdentBed::PORT`] and [`IdentBed::OTHER_PORT`]) behind Service `echo`
@@ -143,20 +144,34 @@ impl IdentBed {
         Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
     }
 
+    /// Opens `n` connections like [`IdentBed::probe`], from a process that first moves on
+    /// into `cgroup`, a cgroup below the pod's ([`Testbed::child_cgroup`]).
+    ///
+    /// # Errors
+    /// As [`IdentBed::probe`].
+    pub fn probe_in(
+        &self,
+        pod: &str,
+        cgroup: &Path,
+        addr: impl Into<SocketAddr>,
+        n: usize,
+    ) -> Result<Tally> {
+        let addr = addr.into();
+        let (host, port, count) = (
+            addr.ip().to_string(),
+            addr.port().to_string(),
+            n.to_string(),
+        );
+        let argv = ["python3", scripts::PROBE, &host, &port, &count];
+        let out = checked_output(&mut self.tb.command_in(Place::Pod(pod), cgroup, &argv)?)?;
+        Ok(Tally::of_probe(&out.stdout, n))
+    }
+
     fn probe_host(&self, pod: &str, host: &str, port: u16, n: usize) -> Result<Tally> {
         let (port, count) = (port.to_string(), n.to_string());
         let argv = ["python3", scripts::PROBE, host, &port, &count];
         let out = self.tb.run(Place::Pod(pod), &argv)?;
-        let mut tally = Tally::default();
-        for line in String::from_utf8_lossy(&out.stdout).lines() {
-            let mut words = line.split_whitespace();
-            let who = words.next().unwrap_or("EMPTY").to_owned();
-            *tally.0.entry(who).or_default() += 1;
-            let peer = words.next().unwrap_or("none").to_owned();
-            *tally.1.entry(peer).or_default() += 1;
-        }
-        assert_eq!(tally.total(), n, "every probe must report: {tally:?}");
-        Ok(tally)
+        Ok(Tally::of_probe(&out.stdout, n))
     }
 }
 
@@ -168,6 +183,23 @@ pub struct Tally(pub BTreeMap<String, usize>, pub Peers);
 pub type Peers = BTreeMap<String, usize>;
 
 impl Tally {
+    /// The tally of `n` probes from the probe script's output.
+    ///
+    /// # Panics
+    /// If the output does not report every probe.
+    fn of_probe(stdout: &[u8], n: usize) -> Self {
+        let mut tally = Tally::default();
+        for line in String::from_utf8_lossy(stdout).lines() {
+            let mut words = line.split_whitespace();
+            let who = words.next().unwrap_or("EMPTY").to_owned();
+            *tally.0.entry(who).or_default() += 1;
+            let peer = words.next().unwrap_or("none").to_owned();
+            *tally.1.entry(peer).or_default() += 1;
+        }
+        assert_eq!(tally.total(), n, "every probe must report: {tally:?}");
+        tally
+    }
+
     #[must_use]
     pub fn total(&self) -> usize {
         self.0.values().sum()

@@ -3,6 +3,7 @@
 
 use std::{
     net::SocketAddr,
+    path::{Path, PathBuf},
     process::{Command, Output, Stdio},
     time::{Duration, Instant},
 };
@@ -10,6 +11,10 @@ use std::{
 use tracing::debug;
 
 use crate::{Error, Place, Result, Testbed, scripts};
+
+/// `sh -c` arguments that move the shell into the cgroup given next (`$0`), then exec the
+/// rest of the command line in it: nothing the command runs escapes that cgroup's hooks.
+const JOIN_CGROUP: [&str; 3] = ["sh", "-c", r#"echo $$ > "$0/cgroup.procs" && exec "$@""#];
 
 impl Testbed {
     /// A command that runs `argv` in `place` (network namespace, and the pod's cgroup for
@@ -30,11 +35,38 @@ impl Testbed {
         let mut cmd = Command::new("nsenter");
         cmd.arg(format!("--net=/run/netns/{netns}")).arg("--");
         if let Some(cg) = cgroup {
-            cmd.args(["sh", "-c", r#"echo $$ > "$0/cgroup.procs" && exec "$@""#])
-                .arg(cg);
+            cmd.args(JOIN_CGROUP).arg(cg);
         }
         cmd.args(argv);
         Ok(cmd)
+    }
+
+    /// A command like [`Testbed::command`] whose process then moves on into `cgroup` (a
+    /// cgroup below a pod's, from [`Testbed::child_cgroup`]) before it execs `argv`: a
+    /// container of its own inside the pod, or a process in a node's namespace whose cgroup
+    /// is under a pod's (the agent's, below the cgroup its hooks attach to).
+    ///
+    /// # Errors
+    /// If the pod is unknown.
+    pub fn command_in(&self, place: Place<'_>, cgroup: &Path, argv: &[&str]) -> Result<Command> {
+        let mut cmd = self.command(place, &JOIN_CGROUP)?;
+        cmd.arg(cgroup).args(argv);
+        Ok(cmd)
+    }
+
+    /// Creates the cgroup `name` below `pod`'s cgroup (on Kubernetes: a container's cgroup
+    /// below its pod's, or a pod's below `kubepods`). Hooks attached to the pod's cgroup
+    /// cover it; the testbed removes it with the pod's.
+    ///
+    /// # Errors
+    /// If the pod is unknown or the directory cannot be made.
+    pub fn child_cgroup(&self, pod: &str, name: &str) -> Result<PathBuf> {
+        let dir = self.pod(pod)?.cgroup.join(name);
+        std::fs::create_dir(&dir).map_err(|source| Error::Io {
+            path: dir.clone(),
+            source,
+        })?;
+        Ok(dir)
     }
 
     /// Runs `argv` in `place` to completion.
