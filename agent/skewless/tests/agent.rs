@@ -3,7 +3,7 @@
 
 mod testbed_agent;
 
-use std::{net::SocketAddrV4, time::Duration};
+use std::{net::SocketAddrV4, path::Path, time::Duration};
 
 use skewless_testbed::{Place, fixtures::IdentBed};
 use testbed_agent::{
@@ -13,8 +13,9 @@ use testbed_agent::{
 };
 
 /// Starts the agent in the node with a raw redirect of the IdentBed VIP to its balancer
-/// stand-in, attached to the client pod; waits for its admin API. Returns its PID.
-fn spawn_redirect_agent(bed: &mut IdentBed) -> u32 {
+/// stand-in, attached to the client pod; waits for its admin API. Returns its PID. With
+/// `own`, the agent runs in that cgroup (below the client pod's) instead of the node's.
+fn spawn_redirect_agent(bed: &mut IdentBed, own: Option<&Path>) -> u32 {
     let cgroup = bed.tb.pod("client").unwrap().cgroup.display().to_string();
     let redirect = format!("{}={}", IdentBed::vip(), IdentBed::balancer());
     let argv = [
@@ -27,7 +28,12 @@ fn spawn_redirect_agent(bed: &mut IdentBed) -> u32 {
         "--admin-addr",
         ADMIN,
     ];
-    let agent = bed.tb.spawn(Place::Node(0), &argv).unwrap();
+    let mut cmd = match own {
+        Some(own) => bed.tb.command_in(Place::Node(0), own, &argv),
+        None => bed.tb.command(Place::Node(0), &argv),
+    }
+    .unwrap();
+    let agent = bed.tb.spawn_command(&mut cmd).unwrap();
     bed.tb
         .wait_for_tcp(
             Place::Node(0),
@@ -43,7 +49,7 @@ fn spawn_redirect_agent(bed: &mut IdentBed) -> u32 {
 fn agent_redirects_reports_status_and_fails_open_when_killed() {
     let mut bed = IdentBed::new().expect("testbed builds (needs root)");
     let vip = IdentBed::vip();
-    let agent = spawn_redirect_agent(&mut bed);
+    let agent = spawn_redirect_agent(&mut bed, None);
 
     let redirected = bed.probe("client", vip, 100).unwrap();
     assert!(
@@ -80,6 +86,36 @@ fn agent_redirects_reports_status_and_fails_open_when_killed() {
     assert!(
         after.all_servers(),
         "after SIGKILL every connect must go direct: {after:?}"
+    );
+}
+
+#[test]
+#[ignore = "privileged: needs root and the real kernel; run with `cargo xtask test`"]
+fn agent_never_redirects_connects_from_its_own_cgroup() {
+    let mut bed = IdentBed::new().expect("testbed builds (needs root)");
+    let vip = IdentBed::vip();
+    // As on Kubernetes: the hooks attach to a parent cgroup (kubepods) and the agent's own
+    // container is a cgroup below it. The agent is told only where to attach; it finds its
+    // own cgroup itself (/proc/self/cgroup).
+    let own = bed
+        .tb
+        .child_cgroup("client", "agent")
+        .expect("the agent's cgroup");
+    spawn_redirect_agent(&mut bed, Some(&own));
+
+    // Connects from the agent's cgroup: what its own Kubernetes client makes to an opted-in
+    // `kubernetes` VIP.
+    let own_connects = bed.probe_in("client", &own, vip, 100).unwrap();
+    assert!(
+        own_connects.all_servers(),
+        "connects from the agent's own cgroup must go to the pods through the DNAT, never \
+         to the balancer: {own_connects:?}"
+    );
+    // The rest of the cgroup the hooks attach to is redirected.
+    let redirected = bed.probe("client", vip, 100).unwrap();
+    assert!(
+        redirected.only("balancer"),
+        "the pod's other processes must still be redirected: {redirected:?}"
     );
 }
 
@@ -215,7 +251,7 @@ fn agent_balances_pick_first_grpc_client_through_the_vip_and_follows_opt_out() {
 fn stopped_agent_fails_open_within_a_second_and_resumes() {
     let mut bed = IdentBed::new().expect("testbed builds (needs root)");
     let vip = IdentBed::vip();
-    let agent = spawn_redirect_agent(&mut bed);
+    let agent = spawn_redirect_agent(&mut bed, None);
     assert!(
         bed.probe("client", vip, 20).unwrap().only("balancer"),
         "the agent redirects while alive"
