@@ -9,13 +9,15 @@
 //! map) and keeps them open, idle; the observer resolves each one's backend through conntrack
 //! and reports every 2 s. From `/proc/<agent>`: CPU (utime + stime, all threads) over whole
 //! cycles, first idle (no connections) and then with the connections, and the resident set
-//! (`VmRSS`, peak `VmHWM`). Then the full map: the second client pod opens enough connections
-//! to pass the map's capacity, and the run reports what the agent then sees and counts, and
-//! whether it still serves. Everything started here is ended when the testbed drops (also on
-//! errors); every wait is bounded.
+//! (`VmRSS`, peak `VmHWM`). Then the full map: filler pods open enough connections to pass the
+//! map's capacity, and the run reports what the agent then sees and counts, its cost with a
+//! full map, whether connections opened after that are still attributed (a second observed
+//! Service), and whether it still serves. Everything started here is ended when the testbed
+//! drops (also on errors); every wait is bounded.
 
 use std::{
     collections::HashMap,
+    fs::File,
     net::{Ipv4Addr, SocketAddr, SocketAddrV4},
     path::{Path, PathBuf},
     thread::sleep,
@@ -24,6 +26,7 @@ use std::{
 
 use anyhow::{Context as _, bail, ensure};
 use clap::Parser;
+use skewless_admin::json::Status;
 use skewless_bench::{
     replace_section,
     sampling::{clk_tck, cpu_ticks, peak_rss_kib},
@@ -31,7 +34,13 @@ use skewless_bench::{
 use skewless_conntrack::{Conntrack, Entry};
 use skewless_testbed::{Place, Testbed, scripts};
 
+/// Service `obs`, observed: the client pod's connections and the fillers'.
 const VIP: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::new(198, 19, 0, 40), 8080);
+/// Service `late`, observed too, over the same backends: only the connections opened once the
+/// map is full go to it, so its report tells whether those are recorded and attributed.
+const LATE_VIP: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::new(198, 19, 0, 41), 8080);
+/// Connections opened to [`LATE_VIP`] after the fill.
+const LATE: u32 = 1_000;
 const BACKENDS: [&str; 4] = ["backend-0", "backend-1", "backend-2", "backend-3"];
 const ADMIN: &str = "127.0.0.1:9990";
 /// The observer's period (agent/skewless/src/observer.rs).
@@ -39,6 +48,14 @@ const CYCLE: Duration = Duration::from_secs(2);
 const SECTION: &str = "## Observation at node scale (issue 11)";
 /// Connections per client process: under the machine's hard open-file limit (20,000 here).
 const PER_PROCESS: u32 = 15_000;
+/// Connections per filler pod (one source address each). Under half of the default ephemeral
+/// port range (32768-60999, 28,232 ports): Linux's connect() takes ports of one parity first
+/// (`__inet_hash_connect`, since 4.6; the other half is left to bind()), and once that half
+/// holds connections to the same VIP:port every further connect scans it. From one pod,
+/// connects slowed there from thousands to ~120 a second, and 60,000 missed the fill's
+/// deadline (the ECONNREFUSED the fillers reported then came from the teardown after that
+/// timeout, which ends the backends first).
+const FILL_PER_POD: u32 = 12_000;
 
 #[derive(Parser)]
 #[command(about = "The observer at node scale: CPU per cycle and memory of the real agent")]
@@ -55,11 +72,10 @@ struct Args {
     /// Observer cycles (2 s each) per measured window.
     #[arg(long, default_value_t = 10)]
     cycles: u32,
-    /// Connections the second pod opens afterwards, to pass the connection map's capacity
-    /// (65,536), e.g. 60000; 0 (the default) skips the full-map part. On the 2026-12-01 run
-    /// that part failed: the filler's connects were refused before 60,000 were open (not
-    /// investigated yet).
-    #[arg(long, default_value_t = 0)]
+    /// Connections filler pods open afterwards (12,000 per pod), to pass the connection map's
+    /// capacity (65,536), e.g. 60000; then 1,000 more to a second observed Service. 0 skips
+    /// the full-map part.
+    #[arg(long, default_value_t = 60_000)]
     fill: u32,
     /// Replace this benchmark's section of this Markdown file with the results.
     #[arg(long)]
@@ -106,7 +122,7 @@ fn mib(kib: u64) -> f64 {
     kib as f64 / 1024.0
 }
 
-/// What the agent's `/status` reports for the observed Service: open connections over all
+/// What the agent's `/status` reports for an observed Service: open connections over all
 /// backends, unresolved connections, backends receiving.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 struct Observed {
@@ -131,6 +147,25 @@ struct Bench<'a> {
     args: &'a Args,
     agent: u32,
     tmp: PathBuf,
+    /// The filler pods of the full-map part.
+    fillers: Vec<String>,
+    /// The agent's stderr.
+    log: PathBuf,
+}
+
+/// What the full-map part found.
+struct Full {
+    /// Connections open to `obs` (the client's and the fillers').
+    total: u64,
+    /// The observer's report of `obs` once it settled.
+    seen: Observed,
+    /// Its report of `late`, after [`LATE`] connections were opened to it with the map full.
+    late: Observed,
+    metrics: HashMap<String, f64>,
+    /// Lines of the agent's log that warn of evictions.
+    warnings: usize,
+    ready: bool,
+    running: bool,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -165,15 +200,32 @@ fn nix_is_root() -> bool {
 
 fn run(args: &Args, tmp: &Path) -> anyhow::Result<String> {
     let started = chrono_now();
-    let mut b = Testbed::builder()
-        .nodes(1)
-        .pod("client", 0)
-        .pod("filler", 0);
+    let fillers: Vec<String> = (0..args.fill.div_ceil(FILL_PER_POD))
+        .map(|i| format!("filler-{i}"))
+        .collect();
+    // Each backend holds its share of every connection in one process.
+    let per_backend = (args.connections + args.fill + LATE).div_ceil(BACKENDS.len() as u32);
+    let nofile = hard_open_files()?;
+    ensure!(
+        u64::from(per_backend) * 21 / 20 + 64 < nofile,
+        "{per_backend} connections per backend (with a 5% margin for the DNAT's random spread) do not fit the hard open-file limit {nofile}"
+    );
+    let mut b = Testbed::builder().nodes(1).pod("client", 0);
+    for f in &fillers {
+        b = b.pod(f, 0);
+    }
     for p in BACKENDS {
         b = b.pod(p, 0);
     }
     let mut tb = b
         .service("obs", *VIP.ip(), VIP.port(), VIP.port(), &BACKENDS)
+        .service(
+            "late",
+            *LATE_VIP.ip(),
+            LATE_VIP.port(),
+            LATE_VIP.port(),
+            &BACKENDS,
+        )
         .build()
         .context("building the testbed (needs root)")?;
     // Backends that accept and keep every connection.
@@ -197,11 +249,6 @@ fn run(args: &Args, tmp: &Path) -> anyhow::Result<String> {
             Duration::from_secs(20),
         )?;
     }
-    // The filler needs more ports to one VIP:port than the default range has (28,232).
-    tb.run(
-        Place::Pod("filler"),
-        &["sysctl", "-qw", "net.ipv4.ip_local_port_range=1024 65535"],
-    )?;
 
     // The node's table: synthetic entries, as a busy kube-proxy node holds.
     let netns = format!("/run/netns/{}", tb.node(0).netns);
@@ -225,25 +272,26 @@ fn run(args: &Args, tmp: &Path) -> anyhow::Result<String> {
     // The agent, observing the Service.
     let services = tmp.join("services.yaml");
     write_services(&tb, &services)?;
-    let cgroup =
-        |p: &str| -> anyhow::Result<String> { Ok(tb.pod(p)?.cgroup.display().to_string()) };
-    let (client_cg, filler_cg) = (cgroup("client")?, cgroup("filler")?);
     let agent_bin = args.agent.display().to_string();
-    let agent = tb.spawn(
-        Place::Node(0),
-        &[
-            &agent_bin,
-            "agent",
-            "--services-file",
-            &services.display().to_string(),
-            "--cgroup",
-            &client_cg,
-            "--cgroup",
-            &filler_cg,
-            "--admin-addr",
-            ADMIN,
-        ],
-    )?;
+    let services_arg = services.display().to_string();
+    let mut argv = vec![
+        agent_bin.clone(),
+        "agent".into(),
+        "--services-file".into(),
+        services_arg,
+        "--admin-addr".into(),
+        ADMIN.into(),
+    ];
+    for pod in std::iter::once("client").chain(fillers.iter().map(String::as_str)) {
+        argv.push("--cgroup".into());
+        argv.push(tb.pod(pod)?.cgroup.display().to_string());
+    }
+    // Its log (stderr) is kept: the run reports whether it warned of evictions.
+    let log = tmp.join("agent.log");
+    let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
+    let mut cmd = tb.command(Place::Node(0), &argv)?;
+    cmd.stderr(File::create(&log).with_context(|| format!("creating {}", log.display()))?);
+    let agent = tb.spawn_command(&mut cmd)?;
     tb.wait_for_tcp(
         Place::Node(0),
         ADMIN.parse::<SocketAddr>()?,
@@ -255,6 +303,8 @@ fn run(args: &Args, tmp: &Path) -> anyhow::Result<String> {
         args,
         agent,
         tmp: tmp.to_owned(),
+        fillers,
+        log,
     };
     bench.measure(started, fill_s, conntrack_l, table.len())
 }
@@ -279,7 +329,7 @@ impl Bench<'_> {
 
         // The connections: the first cycles resolve them (one conntrack GET each).
         let before = self.sample()?;
-        self.open("client", n)?;
+        self.open(&[("client", n)], VIP)?;
         let seen = self.wait_observed(u64::from(n), Duration::from_secs(60))?;
         let after = self.sample()?;
         rows.push(self.row(
@@ -308,52 +358,11 @@ impl Bench<'_> {
         let map = conns_map(self.agent);
 
         // The full map: more connections than the map holds.
-        let mut full = None;
-        if self.args.fill > 0 {
-            let total = u64::from(n + self.args.fill);
-            let before = self.sample()?;
-            self.open("filler", self.args.fill)?;
-            // Let the observer catch up: until two reports in a row agree.
-            let deadline = Instant::now() + Duration::from_secs(90);
-            let mut last = self.observed()?;
-            loop {
-                sleep(CYCLE);
-                let now = self.observed()?;
-                if now == last && now.open > u64::from(n) {
-                    break;
-                }
-                ensure!(
-                    Instant::now() < deadline,
-                    "the observer's report did not settle after the fill: {now:?}"
-                );
-                last = now;
-            }
-            let after = self.sample()?;
-            rows.push(self.row(
-                &format!(
-                    "{} more connections (map capacity passed; {:.1} s)",
-                    self.args.fill,
-                    (after.at - before.at).as_secs_f64()
-                ),
-                total,
-                before,
-                after,
-            )?);
-            let metrics = self.metrics()?;
-            let ready = self
-                .tb
-                .run(
-                    Place::Node(0),
-                    &[
-                        "python3",
-                        scripts::HTTP_GET,
-                        &format!("http://{ADMIN}/ready"),
-                    ],
-                )
-                .is_ok();
-            let running = self.tb.is_running(self.agent);
-            full = Some((total, last, metrics, ready, running));
-        }
+        let full = if self.args.fill > 0 {
+            Some(self.fill(&mut rows)?)
+        } else {
+            None
+        };
         let peak_end = self.sample()?.peak_kib;
 
         let mut s = format!(
@@ -361,7 +370,8 @@ impl Bench<'_> {
              network namespace) with a kube-proxy-style DNAT Service over {} backend pods, its \
              conntrack table filled with {} synthetic TCP entries over ctnetlink ({fill_s:.1} s; \
              the table then held {table_len}), and the real agent (`dist` build) observing that \
-             Service (`observe` mode), its hooks on two client pods' cgroups. A client pod opens \
+             Service (`observe` mode), its hooks on the client pod's cgroup and the filler pods'. \
+             The client pod opens \
              {n} real connections to the VIP through the hooks and keeps them open, idle; the \
              agent's observer resolves each one's backend (one conntrack GET per new \
              connection) and reports every 2 s. CPU is the agent's utime + stime (all its \
@@ -417,26 +427,38 @@ impl Bench<'_> {
                 mib(m.memlock / 1024)
             ));
         }
-        if let Some((total, seen, metrics, ready, running)) = full {
-            let metric = |name: &str| metrics.get(name).copied().unwrap_or(f64::NAN);
+        if let Some(f) = full {
+            let metric = |name: &str| metrics_value(&f.metrics, name);
+            let evicted = metric("skewless_observed_records_evicted_total");
+            let entries = metric("skewless_map_entries{map=\"conns\"}");
             s.push_str(&format!(
-                "\nFull map: {total} connections open (every connect succeeded); the observer \
-                 reports {} of them open, so {} have no record. The agent's metrics: \
-                 `skewless_map_entries{{map=\"conns\"}}` {} of `skewless_map_capacity` {}, \
-                 `skewless_observed_records_evicted_total` {}, \
-                 `skewless_observed_connections_total` {}, \
-                 `skewless_observed_record_failed_total` {}. Agent still running: {}; `/ready` \
-                 answered: {}; its peak RSS by then {:.1} MiB.\n",
-                seen.open,
-                total.saturating_sub(seen.open),
-                metric("skewless_map_entries{map=\"conns\"}"),
-                metric("skewless_map_capacity{map=\"conns\"}"),
-                metric("skewless_observed_records_evicted_total"),
-                metric("skewless_observed_connections_total"),
-                metric("skewless_observed_record_failed_total"),
-                if running { "yes" } else { "NO" },
-                if ready { "yes" } else { "NO" },
-                mib(peak_end),
+                "\nFull map: {total} connections open to the Service (every connect succeeded, \
+                 {pods} filler pods of at most {FILL_PER_POD}); the observer reports {open} of \
+                 them open ({unresolved} unresolved), so {missing} have no record. The agent's \
+                 metrics: `skewless_map_entries{{map=\"conns\"}}` {entries} of \
+                 `skewless_map_capacity` {capacity}, `skewless_observed_records_evicted_total` \
+                 {evicted}, `skewless_observed_connections_total` {recorded}, \
+                 `skewless_observed_record_failed_total` {failed}; the log's eviction \
+                 warnings: {warnings}. Then {LATE} connections to a second observed Service \
+                 (`late`, same backends), opened with the map full: it reports {late_open} of \
+                 them open, {late_unresolved} unresolved, on {late_backends} backends. Agent \
+                 still running: {running}; `/ready` answered: {ready}; its peak RSS by then \
+                 {peak:.1} MiB.\n",
+                total = f.total,
+                pods = self.fillers.len(),
+                open = f.seen.open,
+                unresolved = f.seen.unresolved,
+                missing = f.total.saturating_sub(f.seen.open),
+                capacity = metric("skewless_map_capacity{map=\"conns\"}"),
+                recorded = metric("skewless_observed_connections_total"),
+                failed = metric("skewless_observed_record_failed_total"),
+                warnings = f.warnings,
+                late_open = f.late.open,
+                late_unresolved = f.late.unresolved,
+                late_backends = f.late.backends,
+                running = if f.running { "yes" } else { "NO" },
+                ready = if f.ready { "yes" } else { "NO" },
+                peak = mib(peak_end),
             ));
         }
         Ok(s)
@@ -455,7 +477,7 @@ impl Bench<'_> {
         Ok(Row {
             phase: phase.to_owned(),
             recorded,
-            observed: self.observed()?,
+            observed: self.observed(VIP)?,
             cpu_per_cycle_ms: cpu * 1000.0 / cycles,
             cores,
             rss_mib: mib(b.rss_kib),
@@ -463,31 +485,128 @@ impl Bench<'_> {
         })
     }
 
-    /// Starts `n` held connections from `pod` to the VIP, in processes of at most
-    /// [`PER_PROCESS`] (the open-file limit), and waits until all are open.
-    fn open(&mut self, pod: &str, n: u32) -> anyhow::Result<()> {
-        let mut clients = Vec::new();
-        let mut left = n;
-        while left > 0 {
-            let k = left.min(PER_PROCESS);
-            left -= k;
-            let ready = self.tmp.join(format!("{pod}-{}.ready", clients.len()));
-            let pid = self.tb.spawn(
-                Place::Pod(pod),
+    /// The full map: the fillers' connections, the observer's report once it settles, a
+    /// steady window with the map full, then [`LATE`] connections to `late`.
+    fn fill(&mut self, rows: &mut Vec<Row>) -> anyhow::Result<Full> {
+        let n = self.args.connections;
+        let total = u64::from(n + self.args.fill);
+        let before = self.sample()?;
+        let mut left = self.args.fill;
+        let plan: Vec<(String, u32)> = self
+            .fillers
+            .iter()
+            .map(|f| {
+                let k = left.min(FILL_PER_POD);
+                left -= k;
+                (f.clone(), k)
+            })
+            .collect();
+        let plan: Vec<(&str, u32)> = plan.iter().map(|(f, k)| (f.as_str(), *k)).collect();
+        self.open(&plan, VIP)?;
+        let opened = self.sample()?;
+        // Let the observer catch up: until two reports in a row agree.
+        let seen = self.settled(VIP, u64::from(n))?;
+        let after = self.sample()?;
+        rows.push(self.row(
+            &format!(
+                "{} more connections in {} pods (map capacity passed; opened in {:.1} s, report \
+                 settled after {:.1} s)",
+                self.args.fill,
+                self.fillers.len(),
+                (opened.at - before.at).as_secs_f64(),
+                (after.at - before.at).as_secs_f64()
+            ),
+            total,
+            before,
+            after,
+        )?);
+        // Steady with the map full: every cycle dumps all of it.
+        sleep(CYCLE);
+        let a = self.sample()?;
+        sleep(CYCLE * self.args.cycles);
+        let b = self.sample()?;
+        rows.push(self.row(&format!("steady, map full ({total} open)"), total, a, b)?);
+        // Connections opened now must still be recorded and attributed.
+        self.open(&[("client", LATE)], LATE_VIP)?;
+        let late = self.settled(LATE_VIP, 0)?;
+        let metrics = self.metrics()?;
+        let ready = self
+            .tb
+            .run(
+                Place::Node(0),
                 &[
                     "python3",
-                    scripts::HOLD_CONNS,
-                    "connect",
-                    &VIP.ip().to_string(),
-                    &VIP.port().to_string(),
-                    &k.to_string(),
-                    &ready.display().to_string(),
+                    scripts::HTTP_GET,
+                    &format!("http://{ADMIN}/ready"),
                 ],
-            )?;
-            clients.push((pid, ready));
+            )
+            .is_ok();
+        let running = self.tb.is_running(self.agent);
+        let warnings = std::fs::read_to_string(&self.log)
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| l.contains("connection map full"))
+            .count();
+        Ok(Full {
+            total,
+            seen,
+            late,
+            metrics,
+            warnings,
+            ready,
+            running,
+        })
+    }
+
+    /// Polls the observer's report of the Service at `vip` every cycle until two in a row
+    /// agree and it shows more than `floor` open connections (bounded: 90 s).
+    fn settled(&self, vip: SocketAddrV4, floor: u64) -> anyhow::Result<Observed> {
+        let deadline = Instant::now() + Duration::from_secs(90);
+        let mut last = self.observed(vip)?;
+        loop {
+            sleep(CYCLE);
+            let now = self.observed(vip)?;
+            if now == last && now.open > floor {
+                return Ok(now);
+            }
+            ensure!(
+                Instant::now() < deadline,
+                "the observer's report of {vip} did not settle: {now:?}"
+            );
+            last = now;
         }
+    }
+
+    /// Starts held connections to `vip`, `n` from each `(pod, n)`, in processes of at most
+    /// [`PER_PROCESS`] (the open-file limit), and waits until all are open.
+    fn open(&mut self, plan: &[(&str, u32)], vip: SocketAddrV4) -> anyhow::Result<()> {
+        let mut clients = Vec::new();
+        for &(pod, n) in plan {
+            let mut left = n;
+            while left > 0 {
+                let k = left.min(PER_PROCESS);
+                left -= k;
+                let ready = self
+                    .tmp
+                    .join(format!("{pod}-{}-{}.ready", vip.ip(), clients.len()));
+                let pid = self.tb.spawn(
+                    Place::Pod(pod),
+                    &[
+                        "python3",
+                        scripts::HOLD_CONNS,
+                        "connect",
+                        &vip.ip().to_string(),
+                        &vip.port().to_string(),
+                        &k.to_string(),
+                        &ready.display().to_string(),
+                    ],
+                )?;
+                clients.push((pod, pid, ready));
+            }
+        }
+        let total: u32 = plan.iter().map(|(_, n)| n).sum();
         let deadline = Instant::now() + Duration::from_secs(180);
-        for (pid, ready) in clients {
+        for (pod, pid, ready) in clients {
             while !ready.exists() {
                 ensure!(
                     self.tb.is_running(pid),
@@ -495,7 +614,7 @@ impl Bench<'_> {
                 );
                 ensure!(
                     Instant::now() < deadline,
-                    "{pod}: {n} connections not open within 180 s"
+                    "{total} connections to {vip} not open within 180 s"
                 );
                 sleep(Duration::from_millis(100));
             }
@@ -503,11 +622,11 @@ impl Bench<'_> {
         Ok(())
     }
 
-    /// Waits until the observer reports `n` open connections.
+    /// Waits until the observer reports `n` open connections to `obs`.
     fn wait_observed(&self, n: u64, timeout: Duration) -> anyhow::Result<Observed> {
         let deadline = Instant::now() + timeout;
         loop {
-            let o = self.observed()?;
+            let o = self.observed(VIP)?;
             if o.open >= n {
                 return Ok(o);
             }
@@ -519,21 +638,21 @@ impl Bench<'_> {
         }
     }
 
-    fn observed(&self) -> anyhow::Result<Observed> {
+    /// The observer's report of the Service at `vip`, from `skewless status --json`.
+    fn observed(&self, vip: SocketAddrV4) -> anyhow::Result<Observed> {
         let agent = self.args.agent.display().to_string();
         let out = self.tb.run(
             Place::Node(0),
             &[&agent, "status", "--json", "--admin-addr", ADMIN],
         )?;
-        let status: serde_json::Value =
+        let status: Status =
             serde_json::from_slice(&out.stdout).context("the agent's status JSON")?;
         let mut o = Observed::default();
-        for svc in status["observed"].as_array().into_iter().flatten() {
-            o.unresolved += svc["unresolved"].as_u64().unwrap_or(0);
-            for backend in svc["backends"].as_array().into_iter().flatten() {
-                let open = backend["open_connections"].as_u64().unwrap_or(0);
-                o.open += open;
-                o.backends += usize::from(open > 0);
+        for svc in status.observed.iter().filter(|s| s.vip == vip.to_string()) {
+            o.unresolved += svc.unresolved as u64;
+            for backend in &svc.backends {
+                o.open += backend.open_connections as u64;
+                o.backends += usize::from(backend.open_connections > 0);
             }
         }
         Ok(o)
@@ -558,6 +677,25 @@ impl Bench<'_> {
             })
             .collect())
     }
+}
+
+/// A metric's value from [`Bench::metrics`], NaN when absent.
+fn metrics_value(metrics: &HashMap<String, f64>, name: &str) -> f64 {
+    metrics.get(name).copied().unwrap_or(f64::NAN)
+}
+
+/// This process's hard open-file limit (its children inherit it), from `/proc/self/limits`.
+fn hard_open_files() -> anyhow::Result<u64> {
+    let limits = std::fs::read_to_string("/proc/self/limits").context("/proc/self/limits")?;
+    let line = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .context("no open-file limit in /proc/self/limits")?;
+    let hard = line
+        .split_whitespace()
+        .nth(4)
+        .context("/proc/self/limits: open-file limit line")?;
+    Ok(hard.parse().unwrap_or(u64::MAX))
 }
 
 /// Entry `i`: a client among 8 addresses x 16,384 ports to one of 16 VIPs, DNATed to one of
@@ -588,18 +726,21 @@ fn time_conntrack_list(netns: &str) -> anyhow::Result<f64> {
     Ok(t.elapsed().as_secs_f64())
 }
 
-/// The services file: the Service in `observe` mode over the backend pods.
+/// The services file: both Services in `observe` mode over the backend pods.
 fn write_services(tb: &Testbed, path: &Path) -> anyhow::Result<()> {
-    let mut yaml = format!(
-        "services:\n  - name: obs\n    clusterIPs: [\"{}\"]\n    mode: observe\n    ports:\n      - port: {port}\n        targetPort: {port}\n    endpoints:\n",
-        VIP.ip(),
-        port = VIP.port()
-    );
-    for p in BACKENDS {
+    let mut yaml = String::from("services:\n");
+    for (name, vip) in [("obs", VIP), ("late", LATE_VIP)] {
         yaml.push_str(&format!(
-            "      - {{address: {}, target: {p}}}\n",
-            tb.pod(p)?.ip
+            "  - name: {name}\n    clusterIPs: [\"{}\"]\n    mode: observe\n    ports:\n      - port: {port}\n        targetPort: {port}\n    endpoints:\n",
+            vip.ip(),
+            port = vip.port()
         ));
+        for p in BACKENDS {
+            yaml.push_str(&format!(
+                "      - {{address: {}, target: {p}}}\n",
+                tb.pod(p)?.ip
+            ));
+        }
     }
     std::fs::write(path, yaml).with_context(|| format!("writing {}", path.display()))
 }
