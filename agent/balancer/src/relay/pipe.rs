@@ -681,7 +681,13 @@ pub(super) async fn run<C: Io, B: Io>(
     };
     match &outcome {
         Ok(end) => tracing::debug!(?end, requests = shared.stats.requests(), "relay done"),
-        Err(error) => tracing::debug!(%error, "relay failed"),
+        Err(error) => tracing::debug!(
+            %error,
+            source = std::error::Error::source(error).map(ToString::to_string),
+            phase = ?r.conn.phase,
+            open = r.conn.open_streams(),
+            "relay failed"
+        ),
     }
     let backend_lost = match &outcome {
         Err(e) => !e.is_client(),
