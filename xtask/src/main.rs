@@ -425,8 +425,8 @@ const BARS_NOT_MET: &[(&str, &str)] = &[
     ),
     (
         "connection_mode_rotation_every_second_fails_no_grpc_js_call",
-        "issue 13: grpc-js fails one 4 MiB call (UNAVAILABLE \"Connection dropped\") in about 2 \
-         of 11 runs, when the relay loses its backend connection shortly after a rotation's \
+        "issue 13: grpc-js failed one 4 MiB call (UNAVAILABLE \"Connection dropped\") in 2 of \
+         18 runs, when the relay loses its backend connection shortly after a rotation's \
          final GOAWAY; cause not found (the refusals are gone with the quiesce)",
     ),
 ];
