@@ -282,7 +282,7 @@ pub const ROTATION_STATE: Family = Family::new(
     "rotation_state",
     Kind::Gauge,
     &["service", "vip", "state"],
-    "Where connection mode's rotation policy stands: 1 on the series of that state (idle, balanced, holding, rotating, waiting: the rotation budget is spent and holds the next rotation back, as_even_as_possible, disabled), the other states are not exported",
+    "Where connection mode's rotation policy stands: 1 on the series of that state (idle, balanced, holding, rotating, waiting: the rotation budget is spent and holds the next rotation back, or the connections a move needs are younger than the minimum age, as_even_as_possible, disabled), the other states are not exported",
 );
 
 // Observed Services (eBPF, no balancer).

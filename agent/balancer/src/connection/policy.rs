@@ -136,7 +136,8 @@ pub enum PolicyState {
     Holding,
     /// A connection is rotated now.
     Rotating,
-    /// Skew above the threshold, but the budget or the spacing makes the next rotation wait.
+    /// Skew above the threshold, but the budget makes the next rotation wait, or every move
+    /// that lowers it needs a connection younger than `min_connection_age`.
     Waiting,
     /// Skew above the threshold and no move of a rotatable connection lowers it: as even as
     /// connection mode can be.
@@ -156,8 +157,8 @@ pub struct Evaluation {
     /// The connection to rotate now, and the live skew expected once it and the rotations
     /// planned after it have moved.
     pub rotate: Option<(ConnId, f64)>,
-    /// When to evaluate again even without new traffic: the hold ends (`Holding`) or a
-    /// budget slot frees (`Waiting`).
+    /// When to evaluate again even without new traffic: the hold ends (`Holding`), a budget
+    /// slot frees or a young connection a move needs reaches the minimum age (`Waiting`).
     pub wake: Option<Instant>,
 }
 
@@ -255,11 +256,23 @@ impl RotationPolicy {
             eval.wake = Some(since + hold);
             return eval;
         }
-        let Some((conn, after)) = live.next_move(
-            conns,
-            self.config.min_connection_age,
-            plan_target(threshold),
-        ) else {
+        let min_age = self.config.min_connection_age;
+        let Some((conn, after)) = live.next_move(conns, min_age, plan_target(threshold)) else {
+            // A move that only waits for connections to reach the minimum age (the clients of
+            // a scale-up or a rotation wave just connected) is not "as even as possible": say
+            // Waiting, and evaluate again when the first of them is old enough.
+            if live
+                .next_move(conns, Duration::ZERO, plan_target(threshold))
+                .is_some()
+            {
+                eval.state = PolicyState::Waiting;
+                eval.wake = conns
+                    .iter()
+                    .filter(|c| !c.unrotatable && !c.rotating && c.rate > 0.0 && c.age < min_age)
+                    .map(|c| now + (min_age - c.age))
+                    .min();
+                return eval;
+            }
             eval.state = PolicyState::AsEvenAsPossible;
             return eval;
         };
@@ -816,10 +829,62 @@ mod tests {
         let mut young = conn(2, 0, 300.0);
         young.age = secs(3);
         let conns = vec![tonic, young, conn(3, 1, 10.0)];
-        let eval = policy.evaluate(Instant::now(), &backends_for(3, &conns), &conns, &mut rng);
+        let now = Instant::now();
+        let eval = policy.evaluate(now, &backends_for(3, &conns), &conns, &mut rng);
         assert!(eval.live_skew > 2.0, "both count on backend 0: {eval:?}");
         assert_eq!(eval.rotate, None);
-        assert_eq!(eval.state, PolicyState::AsEvenAsPossible);
+        // Moving the young one would help: not as even as possible, only waiting for it.
+        assert_eq!(eval.state, PolicyState::Waiting);
+        assert_eq!(eval.wake, Some(now + secs(7)), "when it is 10 s old");
+        let mut tonic2 = conns[1].clone();
+        tonic2.unrotatable = true;
+        let conns = vec![conns[0].clone(), tonic2, conns[2].clone()];
+        let eval = policy.evaluate(now, &backends_for(3, &conns), &conns, &mut rng);
+        assert_eq!(eval.rotate, None);
+        assert_eq!(
+            eval.state,
+            PolicyState::AsEvenAsPossible,
+            "no rotatable connection can move"
+        );
+    }
+
+    #[test]
+    fn a_move_that_waits_only_for_young_connections_is_waiting_then_rotates_when_they_age() {
+        // The demo's act 3: the connections just placed 8/4 on 2 of 4 pods, younger than the
+        // minimum age: status must not say as_even_as_possible while 2 pods wait for one.
+        let mut policy = RotationPolicy::new(RotationConfig {
+            hold_time: Duration::ZERO,
+            ..RotationConfig::default()
+        });
+        let mut rng = SmallRng::seed_from_u64(8);
+        let conns: Vec<ConnLoad> = (0..12)
+            .map(|i| {
+                let mut c = conn(i, u64::from(i >= 8), 50.0);
+                c.age = secs(2) + Duration::from_millis(100 * (11 - i));
+                c
+            })
+            .collect();
+        let backends = backends_for(4, &conns);
+        let t0 = Instant::now();
+        let eval = policy.evaluate(t0, &backends, &conns, &mut rng);
+        assert_eq!(eval.state, PolicyState::Waiting, "{eval:?}");
+        assert_eq!(eval.rotate, None);
+        let wake = eval.wake.expect("woken when the oldest is 10 s old");
+        assert_eq!(wake, t0 + secs(10) - conns[0].age);
+        let aged: Vec<ConnLoad> = conns
+            .iter()
+            .map(|c| ConnLoad {
+                age: c.age + (wake - t0),
+                ..c.clone()
+            })
+            .collect();
+        let eval = policy.evaluate(wake, &backends, &aged, &mut rng);
+        assert_eq!(eval.state, PolicyState::Rotating, "{eval:?}");
+        assert_eq!(
+            eval.rotate.map(|(id, _)| id),
+            Some(ConnId(0)),
+            "the one old enough"
+        );
     }
 
     #[test]
