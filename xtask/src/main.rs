@@ -238,7 +238,7 @@ fn observer_bench(args: &BenchArgs) -> Result<()> {
     let mut shown = String::from("cargo xtask bench --observer-only");
     if !args.bench_args.is_empty() {
         shown.push_str(" -- ");
-        shown.push_str(&args.bench_args.join(" "));
+        shown.push_str(&shell_words(&args.bench_args));
     }
     let mut cmd = Command::new(target_dir().join("debug/skewless-observer-bench"));
     cmd.arg("--agent")
@@ -285,7 +285,7 @@ fn proxy_bench(args: &BenchArgs) -> Result<()> {
     }
     if !args.bench_args.is_empty() {
         shown.push_str(" -- ");
-        shown.push_str(&args.bench_args.join(" "));
+        shown.push_str(&shell_words(&args.bench_args));
     }
     let mut cmd = cargo();
     cmd.args([
@@ -393,6 +393,24 @@ fn baseline_proxy(rev: &str) -> Result<(String, PathBuf)> {
     std::fs::remove_dir_all(dir.join("target"))?;
     std::fs::remove_dir_all(&src)?;
     Ok((commit, bin))
+}
+
+/// `args` as one would type them: an argument with a space or a shell metacharacter in
+/// double quotes, so a command written into the docs (`--section "## ..."`) runs as shown.
+fn shell_words(args: &[String]) -> String {
+    args.iter()
+        .map(|a| {
+            if !a.is_empty()
+                && a.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || ",.-_=/@:".contains(c))
+            {
+                a.clone()
+            } else {
+                format!("\"{}\"", a.replace('\\', "\\\\").replace('"', "\\\""))
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 pub(crate) fn workspace_root() -> PathBuf {
@@ -617,7 +635,24 @@ fn is_root() -> bool {
 mod tests {
     use clap::Parser as _;
 
-    use super::{Cli, Cmd, parse_test_result};
+    use super::{Cli, Cmd, parse_test_result, shell_words};
+
+    #[test]
+    fn bench_arguments_with_spaces_are_shown_quoted() {
+        let args: Vec<String> = [
+            "--section",
+            "## Request mode (issues 10, 11)",
+            "--repeats",
+            "4",
+        ]
+        .map(String::from)
+        .to_vec();
+        assert_eq!(
+            shell_words(&args),
+            "--section \"## Request mode (issues 10, 11)\" --repeats 4"
+        );
+        assert_eq!(shell_words(&[r#"a"b"#.to_owned()]), r#""a\"b""#);
+    }
 
     #[test]
     fn bench_flags_and_pass_through() {
