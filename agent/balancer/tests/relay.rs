@@ -130,6 +130,15 @@ struct Bed {
     task: JoinHandle<Result<RelayEnd, RelayError>>,
 }
 
+impl Bed {
+    /// The rotation's epilogue: both peers get FIN, and the relay task ends cleanly.
+    async fn ends_cleanly(&mut self) -> RelayEnd {
+        self.client.expect_eof().await;
+        self.backend.expect_eof().await;
+        (&mut self.task).await.expect("task").expect("clean end")
+    }
+}
+
 fn bed(settings: RelaySettings) -> Bed {
     bed_with(settings, RelayHandle::new())
 }
@@ -285,9 +294,7 @@ async fn finish_1_and_3(mut b: Bed, reason: RotateReason) {
     b.backend.send(&response(3)).await;
     expect_response(&mut b.client, 1).await;
     expect_response(&mut b.client, 3).await;
-    b.client.expect_eof().await;
-    b.backend.expect_eof().await;
-    let end = b.task.await.expect("task").expect("clean end");
+    let end = b.ends_cleanly().await;
     assert_eq!(end, RelayEnd::Rotated(reason));
 }
 
@@ -386,9 +393,7 @@ async fn a_stream_opened_between_the_goaways_is_relayed_named_by_the_final_one_a
     expect_response(&mut b.client, 1).await;
     // Then FIN both ways; the backend never got anything after the two requests (no GOAWAY,
     // not our PING's ACK).
-    b.client.expect_eof().await;
-    b.backend.expect_eof().await;
-    let end = b.task.await.expect("task").expect("clean end");
+    let end = b.ends_cleanly().await;
     assert_eq!(end, RelayEnd::Rotated(RotateReason::Skew));
 }
 
@@ -524,9 +529,7 @@ async fn a_quiesce_without_an_ack_ends_after_a_second_with_the_first_goaway() {
     expect_response(&mut b.client, 1).await;
     b.client.send(&ping(true, ours.opaque)).await;
     assert_eq!(settle_until_the_final_go_away(&mut b.client).await, 1);
-    b.client.expect_eof().await;
-    b.backend.expect_eof().await;
-    let end = b.task.await.expect("task").expect("clean end");
+    let end = b.ends_cleanly().await;
     assert_eq!(end, RelayEnd::Rotated(RotateReason::Skew));
 }
 
@@ -569,9 +572,7 @@ async fn a_stream_the_client_writes_after_its_ping_ack_is_relayed_and_under_the_
     b.backend.send(&response(3)).await;
     expect_response(&mut b.client, 1).await;
     expect_response(&mut b.client, 3).await;
-    b.client.expect_eof().await;
-    b.backend.expect_eof().await;
-    let end = b.task.await.expect("task").expect("clean end");
+    let end = b.ends_cleanly().await;
     assert_eq!(end, RelayEnd::Rotated(RotateReason::MaxAge));
 }
 
@@ -757,9 +758,7 @@ async fn other_pings_and_acks_pass_through_both_ways_even_during_a_rotation() {
     assert_eq!(settle_until_the_final_go_away(&mut b.client).await, 1);
     b.backend.send(&response(1)).await;
     expect_response(&mut b.client, 1).await;
-    b.client.expect_eof().await;
-    b.backend.expect_eof().await;
-    b.task.await.expect("task").expect("clean end");
+    b.ends_cleanly().await;
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
@@ -790,9 +789,7 @@ async fn without_an_ack_the_final_goaway_follows_the_ping_timeout_at_most_half_t
         tokio::time::sleep(Duration::from_secs(2)).await;
         b.backend.send(&response(1)).await;
         expect_response(&mut b.client, 1).await;
-        b.client.expect_eof().await;
-        b.backend.expect_eof().await;
-        let end = b.task.await.expect("task").expect("clean end");
+        let end = b.ends_cleanly().await;
         assert_eq!(
             end,
             RelayEnd::Rotated(RotateReason::Skew),
@@ -850,9 +847,7 @@ async fn streams_opened_after_the_final_goaway_are_refused_keeping_hpack_and_win
     // The stream opened before the GOAWAY still finishes, then the connection ends.
     b.backend.send(&response(1)).await;
     expect_response(&mut b.client, 1).await;
-    b.client.expect_eof().await;
-    b.backend.expect_eof().await;
-    b.task.await.expect("task").expect("clean end");
+    b.ends_cleanly().await;
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
@@ -876,9 +871,7 @@ async fn backend_goaways_are_forwarded_and_no_goaway_to_the_client_ever_raises_t
     );
     b.backend.send(&response(1)).await;
     expect_response(&mut b.client, 1).await;
-    b.client.expect_eof().await;
-    b.backend.expect_eof().await;
-    b.task.await.expect("task").expect("clean end");
+    b.ends_cleanly().await;
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
@@ -923,9 +916,7 @@ async fn at_the_end_of_the_drain_grace_open_streams_are_reset_both_ways_then_fin
     );
     let rst = b.backend.expect_rst().await;
     assert_eq!((rst.stream_id, rst.error_code), (1, ErrorCode::CANCEL));
-    b.client.expect_eof().await;
-    b.backend.expect_eof().await;
-    let end = b.task.await.expect("task").expect("clean end");
+    let end = b.ends_cleanly().await;
     assert_eq!(end, RelayEnd::GraceExpired { reset: 1 });
     let s = metrics.snapshot();
     assert_eq!(s.latency.count(), 1, "the cut stream is timed");
