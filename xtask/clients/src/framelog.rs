@@ -9,8 +9,9 @@
 //! keeps opening streams; one that never sees the PING never answers it. Headers are never
 //! changed, so the two ends' HPACK state stays in step.
 //!
-//! The log is JSON lines ([`LogLine`]), flushed per line so a test can read it while the tap
-//! runs. Frames are decoded with `skewless-frame`; every length a peer declares is bounded by
+//! The log is JSON lines ([`LogLine`]), written whole lines at a time (every line that is
+//! waiting, in one write) so a test can read it while the tap runs and the log keeps up with a
+//! loaded machine; [`read_log_when_closed`] waits until it is complete. Frames are decoded with `skewless-frame`; every length a peer declares is bounded by
 //! [`MAX_FRAME`] (a longer frame ends that connection, logged).
 
 use std::{
@@ -20,6 +21,7 @@ use std::{
         Arc,
         atomic::{AtomicU64, Ordering},
     },
+    time::Duration,
 };
 
 use serde::{Deserialize, Serialize};
@@ -32,6 +34,14 @@ use tokio::{
     sync::mpsc,
     time::Instant,
 };
+
+/// The most the log writer gathers into one write (it writes sooner when no line waits).
+const WRITE_BATCH: usize = 1 << 20;
+
+fn push_line(batch: &mut String, line: &LogLine) {
+    batch.push_str(&serde_json::to_string(line).unwrap_or_default());
+    batch.push('\n');
+}
 
 /// The largest frame the tap relays (the largest SETTINGS_MAX_FRAME_SIZE a peer may use).
 pub const MAX_FRAME: u32 = MAX_MAX_FRAME_SIZE;
@@ -161,6 +171,40 @@ pub fn read_log(path: &Path) -> std::io::Result<Vec<LogLine>> {
         .collect())
 }
 
+/// Reads a tap's log once every connection it opened has ended both ways (both peers are
+/// done with it), or after `bound`, whichever comes first: the tap writes its lines behind
+/// the bytes it relays, so a log read as soon as the client is done can lack the last frames
+/// and ends (on a loaded machine a tap was seen 26 s behind its client at the end of a 60 s
+/// run).
+///
+/// # Errors
+/// When the file cannot be read.
+pub fn read_log_when_closed(path: &Path, bound: Duration) -> std::io::Result<Vec<LogLine>> {
+    let deadline = std::time::Instant::now() + bound;
+    loop {
+        let log = read_log(path)?;
+        if all_closed(&log) || std::time::Instant::now() >= deadline {
+            return Ok(log);
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// Whether every connection that opened in `log` has ended both ways.
+fn all_closed(log: &[LogLine]) -> bool {
+    let mut ends: std::collections::HashMap<u64, usize> = std::collections::HashMap::new();
+    for line in log {
+        match line {
+            LogLine::Open { conn, .. } => {
+                ends.entry(*conn).or_default();
+            }
+            LogLine::End { conn, .. } => *ends.entry(*conn).or_default() += 1,
+            _ => {}
+        }
+    }
+    ends.values().all(|&n| n >= 2)
+}
+
 /// The connections whose client sent the HTTP/2 preface, in the order they opened (a bare
 /// TCP connect, such as a readiness probe, is not one).
 #[must_use]
@@ -215,12 +259,19 @@ pub async fn serve(
     let mut file = tokio::fs::File::create(log).await?;
     let (tx, mut rx) = mpsc::unbounded_channel::<LogLine>();
     let writer = tokio::spawn(async move {
+        // One write per batch of waiting lines: a write and a flush per line (each a blocking
+        // file operation handed to a thread) left the log seconds behind the relayed bytes.
+        let mut batch = String::new();
         while let Some(line) = rx.recv().await {
-            let mut text = serde_json::to_string(&line).unwrap_or_default();
-            text.push('\n');
-            if file.write_all(text.as_bytes()).await.is_err() || file.flush().await.is_err() {
+            push_line(&mut batch, &line);
+            while batch.len() < WRITE_BATCH {
+                let Ok(line) = rx.try_recv() else { break };
+                push_line(&mut batch, &line);
+            }
+            if file.write_all(batch.as_bytes()).await.is_err() || file.flush().await.is_err() {
                 return;
             }
+            batch.clear();
         }
     });
     let ctx = Ctx {

@@ -121,8 +121,9 @@ impl LocalTap {
         Self { child, log, addr }
     }
 
+    /// The log, complete (every connection ended both ways; call it when the client is done).
     fn log(&self) -> Vec<LogLine> {
-        framelog::read_log(&self.log).unwrap()
+        framelog::read_log_when_closed(&self.log, Duration::from_secs(30)).unwrap()
     }
 }
 

@@ -281,8 +281,18 @@ impl ClientBed {
     }
 
     /// What the tapped first backend received and sent ([`Backends::tap_first`]).
+    /// Complete: read once every connection to it has ended both ways (call it when the
+    /// clients are done), or after a minute.
     pub fn backend_log(&self) -> Vec<LogLine> {
-        framelog::read_log(&self.backend_log).unwrap_or_default()
+        let asked = Instant::now();
+        let log = framelog::read_log_when_closed(&self.backend_log, Duration::from_secs(60))
+            .unwrap_or_default();
+        eprintln!(
+            "the backend tap's log ({} lines) was read {:?} after it was asked for",
+            log.len(),
+            asked.elapsed()
+        );
+        log
     }
 
     pub fn target(&self) -> String {
@@ -319,32 +329,17 @@ impl PodTap {
         Self { log, addr }
     }
 
+    /// The log, complete: read once every connection the tap opened has ended both ways
+    /// (call it when the tapped client is done), or after a minute.
     pub fn log(&self) -> Vec<LogLine> {
-        framelog::read_log(&self.log).unwrap()
-    }
-
-    /// The log once every connection it opened has ended both ways (its client is done), or
-    /// after `bound`: the tap writes its lines in order behind the relayed bytes, and on a
-    /// loaded machine it was seen 26 s behind its client at the end of a 60 s run.
-    pub fn log_when_closed(&self, bound: Duration) -> Vec<LogLine> {
-        let deadline = Instant::now() + bound;
-        loop {
-            let log = self.log();
-            let mut ends: std::collections::HashMap<u64, usize> = std::collections::HashMap::new();
-            for line in &log {
-                match line {
-                    LogLine::Open { conn, .. } => {
-                        ends.entry(*conn).or_default();
-                    }
-                    LogLine::End { conn, .. } => *ends.entry(*conn).or_default() += 1,
-                    _ => {}
-                }
-            }
-            if ends.values().all(|&n| n >= 2) || Instant::now() >= deadline {
-                return log;
-            }
-            std::thread::sleep(Duration::from_millis(200));
-        }
+        let asked = Instant::now();
+        let log = framelog::read_log_when_closed(&self.log, Duration::from_secs(60)).unwrap();
+        eprintln!(
+            "the tap's log ({} lines) was read {:?} after it was asked for",
+            log.len(),
+            asked.elapsed()
+        );
+        log
     }
 }
 
