@@ -10,6 +10,8 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use bytes::{Buf as _, Bytes};
+use rand::SeedableRng as _;
+use rand::rngs::SmallRng;
 use skewless_balancer::connection::{ConnectionBalancer, ConnectionConfig, RotationConfig};
 use skewless_balancer::{Endpoint, EndpointState};
 use skewless_echo::SpawnedEcho;
@@ -52,13 +54,29 @@ fn quick() -> ConnectionConfig {
 }
 
 async fn bed(config: ConnectionConfig, endpoints: Vec<Endpoint>) -> Bed {
+    bed_with(endpoints, |rx| ConnectionBalancer::new(config, rx)).await
+}
+
+/// A bed whose balancer draws from a seeded RNG: placements are repeatable when nothing else
+/// draws between them (see `connections_are_spread_over_backends_by_load`).
+async fn seeded_bed(config: ConnectionConfig, endpoints: Vec<Endpoint>, seed: u64) -> Bed {
+    bed_with(endpoints, |rx| {
+        ConnectionBalancer::with_rng(config, rx, SmallRng::seed_from_u64(seed))
+    })
+    .await
+}
+
+async fn bed_with(
+    endpoints: Vec<Endpoint>,
+    balancer: impl FnOnce(watch::Receiver<Vec<Endpoint>>) -> ConnectionBalancer,
+) -> Bed {
     // `RUST_LOG=skewless_balancer=debug cargo test ...` shows the balancer's view of a test.
     let _ = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_test_writer()
         .try_init();
     let (tx, rx) = watch::channel(endpoints);
-    let balancer = ConnectionBalancer::new(config, rx);
+    let balancer = balancer(rx);
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");
     let (shutdown_tx, shutdown_rx) = oneshot::channel::<()>();
@@ -191,6 +209,15 @@ fn pod_of(frame: &[u8]) -> Option<String> {
 
 /// A client calling Echo back to back until `stop`, over one connection at a time.
 fn client(addr: SocketAddr, stop: watch::Receiver<bool>) -> JoinHandle<Report> {
+    client_after(addr, watch::channel(true).1, stop)
+}
+
+/// [`client`] that connects at once but makes its first call only once `go` is true.
+fn client_after(
+    addr: SocketAddr,
+    mut go: watch::Receiver<bool>,
+    stop: watch::Receiver<bool>,
+) -> JoinHandle<Report> {
     tokio::spawn(async move {
         let mut report = Report::default();
         // Whether the call in hand was refused once already.
@@ -207,6 +234,7 @@ fn client(addr: SocketAddr, stop: watch::Receiver<bool>) -> JoinHandle<Report> {
             tokio::spawn(async move {
                 let _ = conn.await;
             });
+            let _ = go.wait_for(|go| *go).await;
             while !*stop.borrow() {
                 match echo(&send).await {
                     Ok(Some(pod)) => {
@@ -262,14 +290,28 @@ fn failed(reports: &[Report]) -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_are_spread_over_backends_by_load() {
+    // Power of two choices over three backends, one placement after another at equal load,
+    // ends 1/4/4 in 1 of 81 runs (the first three fill the empty backends; then each picks the
+    // lighter of two at random, and four ties in a row leave one backend at 1): the bounds
+    // below hold for this seed, not for every draw (seeds 0 and 608 end 4/4/1 and 1/4/4). With
+    // this seed, placement that ignores load (always the first of the two) ends 4/4/1. The seed
+    // fixes the draws only if nothing else draws between the placements, so the clients
+    // connect one at a time (each accept draws a max-age jitter, then its placement two
+    // choices) and call only once all are placed (a skew on the first connections' calls would
+    // draw a hold jitter in between).
     let pods = pods(3).await;
-    let b = bed(quick(), endpoints(&pods)).await;
+    let b = seeded_bed(quick(), endpoints(&pods), 1).await;
     let (stop, stop_rx) = watch::channel(false);
-    let clients: Vec<_> = (0..9).map(|_| client(b.addr, stop_rx.clone())).collect();
-    until("every client relayed", Duration::from_secs(20), || {
-        b.balancer.stats().connections == 9
-    })
-    .await;
+    let (go, go_rx) = watch::channel(false);
+    let mut clients = Vec::new();
+    for n in 1..=9 {
+        clients.push(client_after(b.addr, go_rx.clone(), stop_rx.clone()));
+        until("the client placed", Duration::from_secs(20), || {
+            b.balancer.stats().connections == n
+        })
+        .await;
+    }
+    go.send_replace(true);
     tokio::time::sleep(Duration::from_secs(1)).await;
     let stats = b.balancer.stats();
     let reports = finish(&stop, clients).await;
