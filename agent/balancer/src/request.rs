@@ -78,29 +78,39 @@ async fn serve(pool: Arc<Pool>, stream: TcpStream, mut stop: Stop<Config>) {
             Guard::new(FloodLimits::default(), pool.counters.floods.clone()),
             Close::Linger,
         ));
-    let mut conn = match tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake).await {
-        Ok(Ok(conn)) => conn,
-        Ok(Err(error)) => {
-            count_client_error(&pool, &error);
-            tracing::debug!(%error, "client handshake failed");
-            return;
-        }
-        Err(_) => {
-            pool.metrics.client_error(ClientErrorReason::NoPreface);
-            tracing::debug!("client sent no HTTP/2 preface in time");
-            return;
-        }
-    };
     // Every stream runs on its own task; this one drives the connection.
     let spawn_stream = |(req, respond)| {
         // Boxed: tokio moves a task's future by value when it spawns and finishes it; a
         // pointer is cheaper to move than the call's state machine.
         tokio::spawn(Box::pin(proxy::handle(pool.clone(), req, respond)));
     };
-    {
-        // Armed once for the connection, not once per accepted stream.
+    let mut conn = {
+        // Armed once, from the accept, for the life of the connection (not per stream).
         let stopped = stop.stopped();
         tokio::pin!(stopped);
+        let handshook = tokio::select! {
+            biased;
+            handshook = tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake) => handshook,
+            // Told to wind down (a drain) before its preface is in, the client has no stream
+            // to finish: dropping the handshake closes it at once (lingering, see `Tapped`).
+            reason = &mut stopped => {
+                tracing::debug!(?reason, "client wound down before its preface, closing");
+                return;
+            }
+        };
+        let mut conn = match handshook {
+            Ok(Ok(conn)) => conn,
+            Ok(Err(error)) => {
+                count_client_error(&pool, &error);
+                tracing::debug!(%error, "client handshake failed");
+                return;
+            }
+            Err(_) => {
+                pool.metrics.client_error(ClientErrorReason::NoPreface);
+                tracing::debug!("client sent no HTTP/2 preface in time");
+                return;
+            }
+        };
         loop {
             tokio::select! {
                 next = conn.accept() => match next {
@@ -115,7 +125,8 @@ async fn serve(pool: Arc<Pool>, stream: TcpStream, mut stop: Stop<Config>) {
                 _ = &mut stopped => break,
             }
         }
-    }
+        conn
+    };
     let grace = stop.grace();
     // Two-phase GOAWAY (last stream id 2^31-1 and a PING, then the real last stream id): the
     // client stops opening streams on this connection and reconnects; streams in flight

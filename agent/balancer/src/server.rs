@@ -91,8 +91,9 @@ impl<C: Lifecycle> Stop<C> {
     }
 
     /// Resolves when the connection should wind down. The max age counts from the first poll
-    /// (when the connection is up), or from the change for a max age set or changed while the
-    /// connection is open. Poll the same future for the life of the connection: it arms its
+    /// (both modes poll from the accept on, through the client's preface: told to wind down
+    /// before it, a connection has no stream and is closed at once), or from the change for a
+    /// max age set or changed while the connection is open. Poll the same future for the life of the connection: it arms its
     /// timers once per configuration, not once per poll.
     pub async fn stopped(&mut self) -> StopReason {
         let reason = self.wait().await;

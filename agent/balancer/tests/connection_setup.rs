@@ -9,11 +9,11 @@ use std::time::Duration;
 
 use skewless_balancer::Endpoint;
 use skewless_balancer::connection::{ConnectionBalancer, ConnectionConfig};
-use skewless_balancer::metrics::ClientErrorReason;
+use skewless_balancer::metrics::{ClientErrorReason, RotationReason};
 use skewless_frame::{HEADER_LEN, Head, Kind, PREFACE, Settings, flags};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
@@ -26,6 +26,10 @@ struct Bed {
     balancer: ConnectionBalancer,
     /// Every connection the balancer opened to the backend, with when it was accepted.
     backend: mpsc::UnboundedReceiver<(Instant, TcpStream)>,
+    /// Starts the server's drain.
+    drain: Option<oneshot::Sender<()>>,
+    /// The server; it returns once its drain is over.
+    serving: JoinHandle<()>,
     tasks: Vec<JoinHandle<()>>,
 }
 
@@ -51,7 +55,19 @@ impl Bed {
         self.balancer.metrics().client_errors[i]
     }
 
+    fn rotations(&self, reason: RotationReason) -> u64 {
+        let i = RotationReason::ALL
+            .iter()
+            .position(|r| *r == reason)
+            .expect("a reason");
+        self.balancer.metrics().rotations[i]
+    }
+
     async fn stop(mut self) {
+        if !self.serving.is_finished() {
+            self.serving.abort();
+            let _ = (&mut self.serving).await;
+        }
         for t in self.tasks.drain(..) {
             t.abort();
             let _ = t.await;
@@ -76,8 +92,12 @@ async fn bed() -> Bed {
         }
     });
     let b = balancer.clone();
+    let (drain, drained) = oneshot::channel::<()>();
     let serving = tokio::spawn(async move {
-        skewless_balancer::server::serve(&b, listener, std::future::pending(), |_| true)
+        let shutdown = async {
+            let _ = drained.await;
+        };
+        skewless_balancer::server::serve(&b, listener, shutdown, |_| true)
             .await
             .expect("serve");
     });
@@ -85,7 +105,9 @@ async fn bed() -> Bed {
         addr,
         balancer,
         backend: accepted,
-        tasks: vec![accepting, serving],
+        drain: Some(drain),
+        serving,
+        tasks: vec![accepting],
     }
 }
 
@@ -230,5 +252,52 @@ async fn a_client_whose_preface_comes_late_is_placed_then_and_relayed_as_usual()
         "no client error counted"
     );
     assert!(b.backend.try_recv().is_err(), "one backend connection");
+    b.stop().await;
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_drain_closes_clients_without_a_preface_at_once_and_counts_them_drained() {
+    // Such a connection has no stream and no backend: nothing to wind down gracefully, so the
+    // drain must not wait for its handshake timeout (or its grace) to end it.
+    let mut b = bed().await;
+    let mut clients = Vec::new();
+    for sent in [&b""[..], &PREFACE[..12], &hello()[..30]] {
+        let mut c = TcpStream::connect(b.addr).await.expect("connects");
+        c.write_all(sent).await.expect("write");
+        clients.push(c);
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(
+        b.balancer.metrics().client_connections,
+        3,
+        "all three accepted"
+    );
+    let t0 = Instant::now();
+    let _ = b.drain.take().expect("not drained yet").send(());
+    for c in &mut clients {
+        let got = until_closed(c).await;
+        assert!(got.is_empty(), "nothing is sent to such a client: {got:?}");
+    }
+    tokio::time::timeout(STUCK, &mut b.serving)
+        .await
+        .expect("the drain never ends")
+        .expect("serve task");
+    assert!(
+        t0.elapsed() < Duration::from_secs(1),
+        "closed and the drain over at once, not at the 10 s handshake timeout: {:?}",
+        t0.elapsed()
+    );
+    b.assert_no_backend_connection("after the drain");
+    assert_eq!(
+        b.rotations(RotationReason::Drain),
+        3,
+        "each wound down by the drain"
+    );
+    assert_eq!(
+        b.balancer.metrics().client_errors.iter().sum::<u64>(),
+        0,
+        "the clients did nothing wrong: no no_preface"
+    );
+    assert_eq!(b.balancer.metrics().client_connections, 0, "none open");
     b.stop().await;
 }

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::BytesMut;
-use skewless_balancer::metrics::{ClientErrorReason, ServiceSnapshot};
+use skewless_balancer::metrics::{ClientErrorReason, RotationReason, ServiceSnapshot};
 use skewless_balancer::{Balancer, BalancerCounters, Config, Endpoint};
 use skewless_echo::SpawnedEcho;
 use skewless_echo::pb::EchoRequest;
@@ -339,4 +339,57 @@ async fn clients_that_send_no_preface_are_closed_after_the_handshake_timeout_and
         service.client_errors
     );
     bed.stop().await;
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_drain_closes_clients_without_a_preface_at_once_and_counts_them_drained() {
+    // Such a connection has no stream: nothing to wind down gracefully, so the drain must not
+    // wait for its handshake timeout (or its grace) to end it. h2's handshake ends with the
+    // 24-byte magic (SETTINGS are the connection's), so these clients stop short of it; one
+    // that sent it is wound down with the GOAWAY like any other. Paused time: the 10 s timeout
+    // costs nothing, and "at once" is measured on the runtime's clock.
+    let mut bed = Bed::start().await;
+    let mut clients = Vec::new();
+    for sent in [&b""[..], &PREFACE[..12], &PREFACE[..23]] {
+        let mut c = TcpStream::connect(bed.addr).await.expect("connects");
+        c.write_all(sent).await.expect("write");
+        clients.push(c);
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(
+        bed.balancer.metrics().client_connections,
+        3,
+        "all three accepted"
+    );
+    let t0 = tokio::time::Instant::now();
+    let _ = bed.stop.take().expect("not drained yet").send(());
+    for c in &mut clients {
+        // h2's SETTINGS (a server sends its own preface at once), then FIN.
+        let mut got = Vec::new();
+        tokio::time::timeout(Duration::from_secs(3600), c.read_to_end(&mut got))
+            .await
+            .expect("the balancer never closes the client")
+            .expect("FIN, not a reset");
+    }
+    tokio::time::timeout(Duration::from_secs(3600), &mut bed.task)
+        .await
+        .expect("the drain never ends")
+        .expect("serve task");
+    assert!(
+        t0.elapsed() < Duration::from_secs(1),
+        "closed and the drain over at once, not at the 10 s handshake timeout: {:?}",
+        t0.elapsed()
+    );
+    let service = bed.balancer.metrics();
+    let drain = RotationReason::ALL
+        .iter()
+        .position(|r| *r == RotationReason::Drain)
+        .expect("a reason");
+    assert_eq!(service.rotations[drain], 3, "each wound down by the drain");
+    assert_eq!(
+        service.client_errors.iter().sum::<u64>(),
+        0,
+        "the clients did nothing wrong: no no_preface"
+    );
+    assert_eq!(service.client_connections, 0, "none open");
 }

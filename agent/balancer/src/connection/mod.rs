@@ -331,10 +331,23 @@ async fn serve(shared: Arc<Shared>, mut client: TcpStream, mut stop: Stop<Connec
             ..RelaySettings::default()
         }
     };
+    // Armed once, from the accept, for the life of the connection.
+    let stopped = stop.stopped();
+    tokio::pin!(stopped);
     // Nothing is spent on a client before its preface and SETTINGS are in (see
     // `relay::read_preface`): it is not placed yet, has no backend connection and no relay
-    // buffers, so a silent client costs a few bytes, not a backend connection.
-    let preface = match relay::read_preface(&mut client, settings.handshake_timeout).await {
+    // buffers, so a silent client costs a few bytes, not a backend connection. Told to wind
+    // down meanwhile (a drain), it has no stream to finish: it is closed at once.
+    let read = tokio::select! {
+        biased;
+        read = relay::read_preface(&mut client, settings.handshake_timeout) => read,
+        reason = &mut stopped => {
+            tracing::debug!(?reason, "client wound down before its preface, closing");
+            crate::linger::close(client);
+            return;
+        }
+    };
+    let preface = match read {
         Ok(Some(preface)) => preface,
         Ok(None) => {
             tracing::debug!("client closed before its preface");
@@ -373,7 +386,7 @@ async fn serve(shared: Arc<Shared>, mut client: TcpStream, mut stop: Stop<Connec
     tokio::pin!(relayed);
     let end = tokio::select! {
         end = &mut relayed => end,
-        reason = stop.stopped() => {
+        reason = &mut stopped => {
             let reason = match reason {
                 StopReason::Drain => RotateReason::Drain,
                 StopReason::MaxAge => RotateReason::MaxAge,
