@@ -1,11 +1,13 @@
 """Echo gRPC server (grpcio) for the demo and tests: every reply names this pod.
 
 Usage: echo_server.py --gen DIR --name POD --port PORT [--delay-ms MS]
-                      [--max-connection-age-ms MS]
+                      [--max-connection-age-ms MS] [--max-workers N] [--host ADDR]
 DIR holds the stubs generated from proto/skewless/echo/v1/echo.proto. All four methods of the
 echo service are served; messages up to 64 MiB are accepted both ways. With
 --max-connection-age-ms the server sends each connection grpcio's graceful GOAWAY once it is
 that old (a gRPC server's MaxConnectionAge), as a backend rotating its own connections does.
+--max-workers: handler threads (default 32); every call in flight, also one waiting out its
+--delay-ms, holds one.
 """
 import argparse
 import sys
@@ -22,6 +24,8 @@ def main():
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--delay-ms", type=int, default=0)
     ap.add_argument("--max-connection-age-ms", type=int, default=0)
+    ap.add_argument("--max-workers", type=int, default=32)
+    ap.add_argument("--host", default="0.0.0.0")
     args = ap.parse_args()
     sys.path.insert(0, args.gen)
     import grpc
@@ -74,9 +78,10 @@ def main():
         options.append(("grpc.max_connection_age_grace_ms", 30000))
     # Streams hold a worker thread each for their whole life: enough workers for the tests'
     # streams next to their unary load.
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), options=options)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=args.max_workers),
+                         options=options)
     echo_pb2_grpc.add_EchoServicer_to_server(Echo(), server)
-    server.add_insecure_port("0.0.0.0:%d" % args.port)
+    server.add_insecure_port("%s:%d" % (args.host, args.port))
     server.start()
     server.wait_for_termination()
 

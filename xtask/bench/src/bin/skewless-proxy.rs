@@ -50,6 +50,10 @@ struct Args {
     /// Connection mode: connections younger than this many seconds are never rotated for skew.
     #[arg(long, default_value_t = RotationConfig::default().min_connection_age.as_secs_f64())]
     min_connection_age: f64,
+    /// Connection mode: rotate every client connection once it is this many seconds old
+    /// (+-10% jitter; `skewless.io/max-connection-age`); 0: never.
+    #[arg(long, default_value_t = 0.0)]
+    max_connection_age: f64,
 }
 
 /// How the balancer serves a client connection.
@@ -93,6 +97,7 @@ fn main() -> anyhow::Result<()> {
         hold_time,
         max_rotations_per_minute,
         min_connection_age,
+        max_connection_age,
     } = Args::parse();
     let secs = |s: f64, what: &str| {
         Duration::try_from_secs_f64(s).with_context(|| format!("{what} must be seconds >= 0"))
@@ -150,8 +155,10 @@ fn main() -> anyhow::Result<()> {
             run(&control, served, threads, &stop_tx, failed)
         }
         Mode::Connection => {
+            let max_age = secs(max_connection_age, "--max-connection-age")?;
             let config = ConnectionConfig {
                 rotation,
+                max_connection_age: (!max_age.is_zero()).then_some(max_age),
                 ..ConnectionConfig::default()
             };
             let balancer = {
