@@ -1282,6 +1282,73 @@ async fn streams_open_when_the_backend_closes_fail_and_those_the_client_leaves_d
     assert_eq!(s.failures, [0; 5], "the client left: no failure");
 }
 
+/// A backend that closes its socket right after its last response, while the client reads
+/// that response slowly (the 4 MiB grpc-js call of the rotation stress: an h2 backend closes
+/// once its last stream has ended when it has received a GOAWAY, and Node's http2 sends one
+/// as it closes on the rotation's first GOAWAY). The client's WINDOW_UPDATEs for the rest of
+/// the response then meet a closed socket (a reset, on a real one) while the relay still
+/// holds that rest. It must still reach the client, whole, then FIN: the call is not lost.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_response_the_backend_sent_before_closing_reaches_a_slow_client_whole_then_fin() {
+    let (mut b, metrics) = open_metered_bed(RelaySettings::default()).await;
+    rotate_and_ack(&mut b, RotateReason::MaxAge).await;
+    assert_eq!(settle_until_the_final_go_away(&mut b.client).await, 1);
+    // 1.5 MiB of DATA: more than the client's socket and the relay's buffer hold, so the
+    // rest waits in the backend's socket while the client reads nothing.
+    let chunk = vec![7u8; 16 * 1024];
+    let frames = 96;
+    let mut response = headers(1, flags::END_HEADERS);
+    for _ in 0..frames {
+        response.extend(frame(Kind::Data, 0, 1, &chunk));
+    }
+    response.extend(headers(1, flags::END_HEADERS | flags::END_STREAM));
+    b.backend.send(&response).await;
+    let Bed {
+        mut client,
+        backend,
+        task,
+        ..
+    } = b;
+    drop(backend);
+    // The client grants the window its reads free; the relay's write of it fails.
+    let mut update = Vec::new();
+    WindowUpdate {
+        stream_id: 0,
+        increment: 1 << 20,
+    }
+    .encode(&mut update);
+    client.send(&update).await;
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    client.expect(Kind::Headers).await;
+    let mut data = 0;
+    loop {
+        let (head, payload) = client
+            .next()
+            .await
+            .unwrap_or_else(|| panic!("EOF after {data} bytes of DATA, before the trailers"));
+        match head.kind {
+            Kind::Data => data += payload.len(),
+            Kind::Headers => {
+                assert!(head.is_end_stream(), "the trailers end the stream");
+                break;
+            }
+            _ => panic!("expected DATA or the trailers, got {head:?}"),
+        }
+    }
+    assert_eq!(
+        data,
+        frames * chunk.len(),
+        "every byte of the response arrives"
+    );
+    client.expect_eof().await;
+    client.io.shutdown().await.expect("shutdown");
+    let end = task.await.expect("task").expect("a clean end");
+    assert_eq!(end, RelayEnd::Closed, "the backend closed first");
+    let s = metrics.snapshot();
+    assert_eq!(s.latency.count(), 1, "stream 1 is over");
+    assert_eq!(s.failures, [0; 5], "and did not fail");
+}
+
 // Hostile clients (issue 11 section 3): each is cut off, bounded in what the relay carries for
 // it, and told why when it spoke HTTP/2.
 

@@ -348,6 +348,10 @@ struct Relay {
     half_closed: bool,
     /// The peer whose FIN came first.
     first_eof: Option<Side>,
+    /// The backend's socket failed (a write, its FIN or a read: typically the backend closed
+    /// and its kernel answered our next write with RST). Nothing more goes to it, and what it
+    /// sent before still goes to the client (see [`Relay::break_backend`]).
+    backend_broken: Option<io::Error>,
 }
 
 impl Relay {
@@ -363,6 +367,9 @@ impl Relay {
         for _ in 0..64 {
             let mut progress = false;
             for side in [Side::Client, Side::Backend] {
+                // The backend's socket failed in this round: taken up after this side's turn.
+                let mut broke = None;
+                let broken = self.backend_broken.is_some();
                 let (pipe, src, dst): (_, &mut dyn Stream, &mut dyn Stream) = match side {
                     Side::Client => (&mut self.c2b, &mut *client, &mut *backend),
                     Side::Backend => (&mut self.b2c, &mut *backend, &mut *client),
@@ -376,6 +383,13 @@ impl Relay {
                 if back.buf.len() < 4096 {
                     match pipe.poll_read(cx, src) {
                         Poll::Ready(Ok(p)) => progress |= p,
+                        Poll::Ready(Err(e)) if side == Side::Backend => {
+                            // Everything the backend sent before the failure is read (the
+                            // kernel returns queued bytes first): it ends there, as at a FIN.
+                            pipe.eof = true;
+                            broke = Some(e);
+                            progress = true;
+                        }
                         Poll::Ready(Err(e)) => return Poll::Ready(Err(RelayError::io(side, e))),
                         Poll::Pending => {}
                     }
@@ -395,17 +409,32 @@ impl Relay {
                     // The source is gone: a truncated last frame goes as it is.
                     pipe.scan = pipe.end;
                 }
+                if side == Side::Client && broken {
+                    // The client's frames are still followed (its stream ends, resets and
+                    // ACKs), but nothing can reach the backend any more.
+                    pipe.start = pipe.scan;
+                    *out = Out::default();
+                    continue;
+                }
                 match pipe.poll_write(cx, dst, out, may_inject) {
                     Poll::Ready(Ok(p)) => progress |= p,
+                    Poll::Ready(Err(e)) if side == Side::Client => {
+                        broke = Some(e);
+                        progress = true;
+                    }
                     Poll::Ready(Err(e)) => {
                         return Poll::Ready(Err(RelayError::io(other(side), e)));
                     }
                     Poll::Pending => {}
                 }
-                if pipe.eof && !pipe.shut && pipe.flushed(out) {
+                if broke.is_none() && pipe.eof && !pipe.shut && pipe.flushed(out) {
                     match Pin::new(&mut *dst).poll_shutdown(cx) {
                         Poll::Ready(Ok(())) => {
                             pipe.shut = true;
+                            progress = true;
+                        }
+                        Poll::Ready(Err(e)) if side == Side::Client => {
+                            broke = Some(e);
                             progress = true;
                         }
                         Poll::Ready(Err(e)) => {
@@ -413,6 +442,9 @@ impl Relay {
                         }
                         Poll::Pending => {}
                     }
+                }
+                if let Some(e) = broke {
+                    self.break_backend(e);
                 }
             }
             if std::mem::take(&mut self.conn.quiesce_acked) && self.conn.phase == Phase::Quiescing {
@@ -439,6 +471,33 @@ impl Relay {
         }
         cx.waker().wake_by_ref();
         Poll::Pending
+    }
+
+    /// The backend's socket failed. Typically the backend closed after its last stream (an h2
+    /// server does once it has received a GOAWAY, e.g. one a client sent as it closed) while
+    /// the client's WINDOW_UPDATEs for the end of a response were still on their way, and its
+    /// kernel answered them with RST, while the relay still held the end of that response for
+    /// a client that reads slowly. Aborting there cost the client a response the backend had
+    /// completely sent. So the backend's side is over (nothing more is written to it; the
+    /// client's frames are still followed, then discarded), and what it sent, in the buffer
+    /// and in the socket (read until its end or error), still goes to the client, then FIN.
+    /// The relay then ends as usual; only streams it leaves open make it a backend failure.
+    fn break_backend(&mut self, e: io::Error) {
+        if self.backend_broken.is_some() {
+            return;
+        }
+        tracing::debug!(
+            error = %e,
+            phase = ?self.conn.phase,
+            open = self.conn.open_streams(),
+            held_bytes = self.b2c.end - self.b2c.start,
+            "backend connection failed, delivering what it sent"
+        );
+        self.backend_broken = Some(e);
+        self.first_eof.get_or_insert(Side::Backend);
+        self.c2b.start = self.c2b.scan;
+        self.c2b.shut = true;
+        self.conn.to_backend = Out::default();
     }
 
     /// The connection is done: both peers closed, or the rotation has nothing left to carry.
@@ -568,6 +627,7 @@ pub(super) async fn run<C: Io, B: Io>(
         grace_over: None,
         half_closed: false,
         first_eof: None,
+        backend_broken: None,
     };
     // Cleared once the client's first frame (its SETTINGS, after the preface) is through.
     let mut handshake_deadline = Some(Instant::now() + settings.handshake_timeout);
@@ -678,6 +738,11 @@ pub(super) async fn run<C: Io, B: Io>(
             Ok(Event::Done(end)) => break Ok(end),
             Err(e) => break Err(e),
         }
+    };
+    let outcome = match (outcome, r.backend_broken.take()) {
+        // The backend failed with streams it never ended: those calls are lost.
+        (Ok(_), Some(e)) if r.conn.open_streams() > 0 => Err(RelayError::BackendIo(e)),
+        (outcome, _) => outcome,
     };
     match &outcome {
         Ok(end) => tracing::debug!(?end, requests = shared.stats.requests(), "relay done"),
