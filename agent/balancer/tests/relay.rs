@@ -1349,6 +1349,35 @@ async fn a_response_the_backend_sent_before_closing_reaches_a_slow_client_whole_
     assert_eq!(s.failures, [0; 5], "and did not fail");
 }
 
+/// A client that answers the rotation's GOAWAY with a GOAWAY of its own (Node's http2 closes
+/// its session on a NO_ERROR GOAWAY, and its close() sends one): the relay does not forward
+/// it, so the backend (an h2 server closes once its last stream ends after a GOAWAY) is
+/// closed by the relay, with FIN, once the streams are done and delivered. Outside a
+/// rotation a client's GOAWAY goes to the backend as every other frame.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_clients_goaway_in_answer_to_a_rotation_is_not_forwarded_to_the_backend() {
+    let mut b = open_bed(RelaySettings::default()).await;
+    b.handle.rotate(RotateReason::MaxAge);
+    assert_eq!(b.client.expect_go_away().await, MAX_STREAM_ID);
+    b.client.send(&go_away(0)).await;
+    let ours = b.client.expect_ping().await;
+    b.client.send(&ping(true, ours.opaque)).await;
+    assert_eq!(settle_until_the_final_go_away(&mut b.client).await, 1);
+    b.backend.send(&response(1)).await;
+    expect_response(&mut b.client, 1).await;
+    // The backend gets nothing after the request (no GOAWAY), then FIN.
+    let end = b.ends_cleanly().await;
+    assert_eq!(end, RelayEnd::Rotated(RotateReason::MaxAge));
+
+    let mut b = open_bed(RelaySettings::default()).await;
+    b.client.send(&go_away(0)).await;
+    assert_eq!(
+        b.backend.expect_go_away().await,
+        0,
+        "outside a rotation the client's GOAWAY is forwarded"
+    );
+}
+
 // Hostile clients (issue 11 section 3): each is cut off, bounded in what the relay carries for
 // it, and told why when it spoke HTTP/2.
 

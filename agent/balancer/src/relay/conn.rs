@@ -483,8 +483,26 @@ impl Conn {
                 }
             }
             Kind::GoAway => {
-                go_away_prefix(head, payload)?;
-                Action::Forward
+                let g = go_away_prefix(head, payload)?;
+                if self.phase != Phase::Open && g.error_code == ErrorCode::NO_ERROR {
+                    // The client's graceful close in answer to ours (Node's http2 closes its
+                    // session on a NO_ERROR GOAWAY, and close() sends one): the relay ends
+                    // the backend's side itself, with FIN once every stream is done and what
+                    // the backend sent is delivered. Forwarded, it made an h2 backend close
+                    // as soon as its last stream was written, with the end of that response
+                    // still on its way to a slow client and the client's WINDOW_UPDATEs for
+                    // it then meeting a closed socket (RST). No GOAWAY reaches the backend
+                    // while its streams are open (issue 13).
+                    tracing::debug!(
+                        last = g.last_stream_id,
+                        phase = ?self.phase,
+                        open = self.streams.len(),
+                        "client GOAWAY during a rotation, not forwarded"
+                    );
+                    Action::Drop
+                } else {
+                    Action::Forward
+                }
             }
             _ => Action::Pass,
         })
