@@ -10,7 +10,7 @@ use std::{
     time::Duration,
 };
 
-use skewless_testbed::{Place, Testbed, grpc, scripts};
+use skewless_testbed::{FileService, Place, Testbed, grpc, scripts};
 use testbed_agent::{
     ADMIN, ECHO_PODS, TempPath, echo_bed, services_in_status, spawn_file_agent, status_json,
     wait_until, write_services,
@@ -275,17 +275,17 @@ fn write_three_services(
         ("obs", observed, "observe"),
         ("conn", relayed, "connection"),
     ] {
-        yaml.push_str(&format!(
-            "  - name: {name}\n    clusterIPs: [\"{}\"]\n    mode: {mode}\n    ports:\n      - port: {p}\n        targetPort: {p}\n    endpoints:\n",
-            vip.ip(),
-            p = vip.port()
-        ));
-        for pod in ECHO_PODS {
-            yaml.push_str(&format!(
-                "      - {{address: {}, target: {pod}}}\n",
-                tb.pod(pod).unwrap().ip
-            ));
-        }
+        yaml.push_str(
+            &tb.services_entry(&FileService {
+                name,
+                cluster_ips: &[vip.ip().to_string()],
+                port: vip.port(),
+                mode,
+                pods: &ECHO_PODS,
+                ipv6_endpoints: false,
+            })
+            .unwrap(),
+        );
     }
     yaml.push_str(
         "  - name: bad\n    clusterIPs: [\"198.19.0.99\"]\n    mode: request\n    annotations:\n      skewless.io/hold-time: soon\n    ports:\n      - port: 80\n        targetPort: 80\n",

@@ -36,6 +36,7 @@ pub mod grpc;
 mod nft;
 mod process;
 pub mod scripts;
+mod services_file;
 
 use std::{
     collections::BTreeMap,
@@ -50,6 +51,7 @@ pub use addr::{BALANCER_IP, BALANCER_IP6, vip6};
 pub use builder::Builder;
 pub use cleanup::clean_stale;
 pub use process::checked_output;
+pub use services_file::FileService;
 
 /// Every namespace and cgroup the testbed creates starts with this, so [`clean_stale`] can find
 /// leftovers of crashed runs without touching anything else.

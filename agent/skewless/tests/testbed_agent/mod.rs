@@ -75,21 +75,18 @@ pub fn write_services_full(
     pods: &[&str],
     ipv6_endpoints: bool,
 ) {
-    let ips: Vec<String> = cluster_ips.iter().map(|ip| format!("\"{ip}\"")).collect();
-    let mut yaml = format!(
-        "services:\n  - name: echo\n    clusterIPs: [{}]\n    mode: {mode}\n    ports:\n      - port: {port}\n        targetPort: {port}\n    endpoints:\n",
-        ips.join(", ")
+    let mut yaml = String::from("services:\n");
+    yaml.push_str(
+        &tb.services_entry(&skewless_testbed::FileService {
+            name: "echo",
+            cluster_ips,
+            port,
+            mode,
+            pods,
+            ipv6_endpoints,
+        })
+        .unwrap(),
     );
-    for p in pods {
-        let pod = tb.pod(p).unwrap();
-        yaml.push_str(&format!("      - {{address: {}, target: {p}}}\n", pod.ip));
-        if ipv6_endpoints {
-            yaml.push_str(&format!(
-                "      - {{address: \"{}\", target: {p}}}\n",
-                pod.ip6
-            ));
-        }
-    }
     // Write-then-rename: the agent polls the file and must never read half of it.
     let tmp = path.with_extension("tmp");
     std::fs::write(&tmp, yaml).unwrap();

@@ -32,7 +32,7 @@ use skewless_bench::{
     sampling::{clk_tck, cpu_ticks, peak_rss_kib},
 };
 use skewless_conntrack::{Conntrack, Entry};
-use skewless_testbed::{Place, Testbed, scripts};
+use skewless_testbed::{FileService, Place, Testbed, scripts};
 
 /// Service `obs`, observed: the client pod's connections and the fillers'.
 const VIP: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::new(198, 19, 0, 40), 8080);
@@ -730,17 +730,14 @@ fn time_conntrack_list(netns: &str) -> anyhow::Result<f64> {
 fn write_services(tb: &Testbed, path: &Path) -> anyhow::Result<()> {
     let mut yaml = String::from("services:\n");
     for (name, vip) in [("obs", VIP), ("late", LATE_VIP)] {
-        yaml.push_str(&format!(
-            "  - name: {name}\n    clusterIPs: [\"{}\"]\n    mode: observe\n    ports:\n      - port: {port}\n        targetPort: {port}\n    endpoints:\n",
-            vip.ip(),
-            port = vip.port()
-        ));
-        for p in BACKENDS {
-            yaml.push_str(&format!(
-                "      - {{address: {}, target: {p}}}\n",
-                tb.pod(p)?.ip
-            ));
-        }
+        yaml.push_str(&tb.services_entry(&FileService {
+            name,
+            cluster_ips: &[vip.ip().to_string()],
+            port: vip.port(),
+            mode: "observe",
+            pods: &BACKENDS,
+            ipv6_endpoints: false,
+        })?);
     }
     std::fs::write(path, yaml).with_context(|| format!("writing {}", path.display()))
 }
