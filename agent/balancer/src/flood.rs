@@ -16,7 +16,7 @@ use std::io;
 use std::sync::Arc;
 
 use skewless_frame::{Follower, Kind};
-use tokio::time::Instant;
+use tokio::{sync::oneshot, time::Instant};
 
 use crate::budget::FrameBudgets;
 pub(crate) use crate::budget::{Flood, FloodCounters, FloodLimits};
@@ -28,6 +28,9 @@ pub(crate) struct FloodGuard {
     frames: Follower,
     budgets: FrameBudgets,
     tripped: Option<Flood>,
+    /// A SETTINGS frame came by: the client's preface is complete (the magic, which h2's
+    /// handshake ends with, then SETTINGS).
+    settings_seen: bool,
 }
 
 impl FloodGuard {
@@ -37,6 +40,7 @@ impl FloodGuard {
             frames: Follower::client(skewless_frame::MAX_MAX_FRAME_SIZE),
             budgets: FrameBudgets::new(limits, now),
             tripped: None,
+            settings_seen: false,
         }
     }
 
@@ -54,6 +58,7 @@ impl FloodGuard {
             if !matches!(head.kind, Kind::Ping | Kind::Settings | Kind::RstStream) {
                 continue;
             }
+            self.settings_seen |= head.kind == Kind::Settings;
             let now = *now.get_or_insert_with(&clock);
             if let Some(flood) = self.budgets.spend(&head, now) {
                 self.tripped = Some(flood);
@@ -66,16 +71,25 @@ impl FloodGuard {
 
 /// A client socket's [`ReadTap`]: a read that completes a flood fails instead (h2 ends the
 /// connection) and is counted once; every read after it fails without reading.
+/// It also tells when the client's preface is complete (its first SETTINGS came by):
+/// h2's server handshake ends with the 24-byte magic, so a client that sends the magic and
+/// nothing more would otherwise hold its connection with no deadline.
 pub(crate) struct Guard {
     guard: FloodGuard,
     counters: Arc<FloodCounters>,
+    preface_done: Option<oneshot::Sender<()>>,
 }
 
 impl Guard {
-    pub(crate) fn new(limits: FloodLimits, counters: Arc<FloodCounters>) -> Self {
+    pub(crate) fn new(
+        limits: FloodLimits,
+        counters: Arc<FloodCounters>,
+        preface_done: oneshot::Sender<()>,
+    ) -> Self {
         Self {
             guard: FloodGuard::new(limits, Instant::now()),
             counters,
+            preface_done: Some(preface_done),
         }
     }
 }
@@ -89,7 +103,13 @@ impl ReadTap for Guard {
     }
 
     fn read(&mut self, bytes: &[u8]) -> io::Result<()> {
-        match self.guard.feed(bytes, Instant::now) {
+        let flood = self.guard.feed(bytes, Instant::now);
+        if self.guard.settings_seen
+            && let Some(done) = self.preface_done.take()
+        {
+            let _ = done.send(());
+        }
+        match flood {
             Some(flood) => {
                 self.counters.count(flood);
                 tracing::debug!(%flood, "client flood, closing its connection");

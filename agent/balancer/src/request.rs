@@ -65,6 +65,10 @@ impl NewConnection for crate::Balancer {
 }
 
 async fn serve(pool: Arc<Pool>, stream: TcpStream, mut stop: Stop<Config>) {
+    // The preface (the magic, then the client's SETTINGS) is due within the handshake
+    // timeout of the accept; h2's handshake covers only the magic (see `Guard`).
+    let preface_deadline = tokio::time::Instant::now() + HANDSHAKE_TIMEOUT;
+    let (preface_done, mut preface_in) = tokio::sync::oneshot::channel();
     let handshake = h2::server::Builder::new()
         // Fixed windows; see `pool::STREAM_WINDOW`.
         .initial_window_size(pool::STREAM_WINDOW)
@@ -75,7 +79,11 @@ async fn serve(pool: Arc<Pool>, stream: TcpStream, mut stop: Stop<Config>) {
         .max_local_error_reset_streams(Some(MAX_LOCAL_ERROR_RESETS))
         .handshake::<_, Bytes>(Tapped::new(
             stream,
-            Guard::new(FloodLimits::default(), pool.counters.floods.clone()),
+            Guard::new(
+                FloodLimits::default(),
+                pool.counters.floods.clone(),
+                preface_done,
+            ),
             Close::Linger,
         ));
     // Every stream runs on its own task; this one drives the connection.
@@ -90,7 +98,7 @@ async fn serve(pool: Arc<Pool>, stream: TcpStream, mut stop: Stop<Config>) {
         tokio::pin!(stopped);
         let handshook = tokio::select! {
             biased;
-            handshook = tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake) => handshook,
+            handshook = tokio::time::timeout_at(preface_deadline, handshake) => handshook,
             // Told to wind down (a drain) before its preface is in, the client has no stream
             // to finish: dropping the handshake closes it at once (lingering, see `Tapped`).
             reason = &mut stopped => {
@@ -111,6 +119,9 @@ async fn serve(pool: Arc<Pool>, stream: TcpStream, mut stop: Stop<Config>) {
                 return;
             }
         };
+        let late = tokio::time::sleep_until(preface_deadline);
+        tokio::pin!(late);
+        let mut preface_complete = false;
         loop {
             tokio::select! {
                 next = conn.accept() => match next {
@@ -122,7 +133,19 @@ async fn serve(pool: Arc<Pool>, stream: TcpStream, mut stop: Stop<Config>) {
                     }
                     None => return,
                 },
-                _ = &mut stopped => break,
+                _ = &mut preface_in, if !preface_complete => preface_complete = true,
+                () = &mut late, if !preface_complete => {
+                    pool.metrics.client_error(ClientErrorReason::NoPreface);
+                    tracing::debug!("client sent the magic but no SETTINGS in time");
+                    return;
+                }
+                reason = &mut stopped => {
+                    if !preface_complete {
+                        tracing::debug!(?reason, "client wound down before its preface, closing");
+                        return;
+                    }
+                    break;
+                }
             }
         }
         conn

@@ -293,17 +293,23 @@ async fn a_hundred_thousand_streams_on_one_connection_are_cut_off_and_counted() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn clients_that_send_no_preface_are_closed_after_the_handshake_timeout_and_counted() {
-    // 50 connections that send nothing and one that sends half a preface, beside a good
+    // 50 connections that send nothing, one that sends half the magic and one the whole
+    // magic but no SETTINGS (h2's handshake is over then: the preface is not), beside a good
     // client: each is closed at the 10 s handshake timeout (not before), counted once.
     let bed = Bed::start().await;
     let stop = Arc::new(AtomicBool::new(false));
     let good = good_client(bed.addr, stop.clone());
     let t0 = tokio::time::Instant::now();
     let mut silent = Vec::new();
-    for i in 0..51 {
+    for i in 0..52 {
         let mut s = TcpStream::connect(bed.addr).await.expect("connects");
         if i == 50 {
-            s.write_all(&PREFACE[..12]).await.expect("half a preface");
+            s.write_all(&PREFACE[..12]).await.expect("half the magic");
+        }
+        if i == 51 {
+            s.write_all(&PREFACE[..])
+                .await
+                .expect("the magic, no SETTINGS");
         }
         silent.push(tokio::spawn(async move {
             let mut rest = Vec::new();
@@ -334,7 +340,7 @@ async fn clients_that_send_no_preface_are_closed_after_the_handshake_timeout_and
     let service = bed.balancer.metrics();
     assert_eq!(
         client_errors(&service, ClientErrorReason::NoPreface),
-        51,
+        52,
         "{:?}",
         service.client_errors
     );
@@ -345,12 +351,12 @@ async fn clients_that_send_no_preface_are_closed_after_the_handshake_timeout_and
 async fn a_drain_closes_clients_without_a_preface_at_once_and_counts_them_drained() {
     // Such a connection has no stream: nothing to wind down gracefully, so the drain must not
     // wait for its handshake timeout (or its grace) to end it. h2's handshake ends with the
-    // 24-byte magic (SETTINGS are the connection's), so these clients stop short of it; one
-    // that sent it is wound down with the GOAWAY like any other. Paused time: the 10 s timeout
+    // 24-byte magic, before the client's SETTINGS (the preface's end): the last client sent
+    // the magic only, and is closed at once like the others. Paused time: the 10 s timeout
     // costs nothing, and "at once" is measured on the runtime's clock.
     let mut bed = Bed::start().await;
     let mut clients = Vec::new();
-    for sent in [&b""[..], &PREFACE[..12], &PREFACE[..23]] {
+    for sent in [&b""[..], &PREFACE[..12], &PREFACE[..23], &PREFACE[..]] {
         let mut c = TcpStream::connect(bed.addr).await.expect("connects");
         c.write_all(sent).await.expect("write");
         clients.push(c);
@@ -358,8 +364,8 @@ async fn a_drain_closes_clients_without_a_preface_at_once_and_counts_them_draine
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert_eq!(
         bed.balancer.metrics().client_connections,
-        3,
-        "all three accepted"
+        4,
+        "all four accepted"
     );
     let t0 = tokio::time::Instant::now();
     let _ = bed.stop.take().expect("not drained yet").send(());
@@ -385,7 +391,7 @@ async fn a_drain_closes_clients_without_a_preface_at_once_and_counts_them_draine
         .iter()
         .position(|r| *r == RotationReason::Drain)
         .expect("a reason");
-    assert_eq!(service.rotations[drain], 3, "each wound down by the drain");
+    assert_eq!(service.rotations[drain], 4, "each wound down by the drain");
     assert_eq!(
         service.client_errors.iter().sum::<u64>(),
         0,
