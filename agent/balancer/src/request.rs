@@ -93,15 +93,13 @@ async fn serve(pool: Arc<Pool>, stream: TcpStream, mut stop: Stop<Config>) {
         tokio::spawn(Box::pin(proxy::handle(pool.clone(), req, respond)));
     };
     let mut conn = {
-        // Armed once, from the accept, for the life of the connection (not per stream).
-        let stopped = stop.stopped();
-        tokio::pin!(stopped);
+        // Told to wind down by a drain before its preface is in, the client has no stream to
+        // finish: dropping the handshake closes it at once (lingering, see `Tapped`). Its max
+        // age counts from the preface on (see `Stop::drained`).
         let handshook = tokio::select! {
             biased;
             handshook = tokio::time::timeout_at(preface_deadline, handshake) => handshook,
-            // Told to wind down (a drain) before its preface is in, the client has no stream
-            // to finish: dropping the handshake closes it at once (lingering, see `Tapped`).
-            reason = &mut stopped => {
+            reason = stop.drained() => {
                 tracing::debug!(?reason, "client wound down before its preface, closing");
                 return;
             }
@@ -119,9 +117,19 @@ async fn serve(pool: Arc<Pool>, stream: TcpStream, mut stop: Stop<Config>) {
                 return;
             }
         };
-        let late = tokio::time::sleep_until(preface_deadline);
-        tokio::pin!(late);
-        let mut preface_complete = false;
+        // h2's handshake ends with the magic; the preface ends with the client's SETTINGS,
+        // which the guard reports. Until then only a drain (or the handshake deadline) ends
+        // the connection; from then on its max age counts too, armed once for its life.
+        let wind_down = async {
+            tokio::select! {
+                biased;
+                _ = &mut preface_in => {}
+                reason = stop.drained() => return Err(Some(reason)),
+                () = tokio::time::sleep_until(preface_deadline) => return Err(None),
+            }
+            Ok(stop.stopped().await)
+        };
+        tokio::pin!(wind_down);
         loop {
             tokio::select! {
                 next = conn.accept() => match next {
@@ -133,19 +141,18 @@ async fn serve(pool: Arc<Pool>, stream: TcpStream, mut stop: Stop<Config>) {
                     }
                     None => return,
                 },
-                _ = &mut preface_in, if !preface_complete => preface_complete = true,
-                () = &mut late, if !preface_complete => {
-                    pool.metrics.client_error(ClientErrorReason::NoPreface);
-                    tracing::debug!("client sent the magic but no SETTINGS in time");
-                    return;
-                }
-                reason = &mut stopped => {
-                    if !preface_complete {
+                end = &mut wind_down => match end {
+                    Ok(_) => break,
+                    Err(Some(reason)) => {
                         tracing::debug!(?reason, "client wound down before its preface, closing");
                         return;
                     }
-                    break;
-                }
+                    Err(None) => {
+                        pool.metrics.client_error(ClientErrorReason::NoPreface);
+                        tracing::debug!("client sent the magic but no SETTINGS in time");
+                        return;
+                    }
+                },
             }
         }
         conn

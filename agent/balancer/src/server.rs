@@ -91,9 +91,9 @@ impl<C: Lifecycle> Stop<C> {
     }
 
     /// Resolves when the connection should wind down. The max age counts from the first poll
-    /// (both modes poll from the accept on, through the client's preface: told to wind down
-    /// before it, a connection has no stream and is closed at once), or from the change for a
-    /// max age set or changed while the connection is open. Poll the same future for the life of the connection: it arms its
+    /// (both modes poll it once the client's preface is in; before it they wait on
+    /// [`Stop::drained`]), or from the change for a max age set or changed while the
+    /// connection is open. Poll the same future for the life of the connection: it arms its
     /// timers once per configuration, not once per poll.
     pub async fn stopped(&mut self) -> StopReason {
         let reason = self.wait().await;
@@ -104,6 +104,22 @@ impl<C: Lifecycle> Stop<C> {
             });
         }
         reason
+    }
+
+    /// Resolves when the server drains (counted as the connection's drain rotation): what
+    /// stops a connection whose client has not sent its preface yet. Such a connection has no
+    /// stream, so a drain closes it at once; its max age does not count yet, because closing a
+    /// connection the client is still opening is no rotation: the client sees its connect
+    /// fail (grpc-js then fails its calls "No connection established" until it reconnects),
+    /// where a max age must wind a connection down with a GOAWAY.
+    pub async fn drained(&mut self) -> StopReason {
+        // A dropped sender (the server is gone) stops the connection as a drain does.
+        let _ = self.drain.wait_for(|d| *d).await;
+        tracing::debug!("draining client connection");
+        if let Some(m) = &self.metrics {
+            m.rotated(RotationReason::Drain);
+        }
+        StopReason::Drain
     }
 
     async fn wait(&mut self) -> StopReason {

@@ -76,13 +76,17 @@ impl Bed {
 }
 
 async fn bed() -> Bed {
+    bed_with(ConnectionConfig::default()).await
+}
+
+async fn bed_with(config: ConnectionConfig) -> Bed {
     let backend = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     // The sender goes at once: the balancer keeps the last list it was given.
     let (_, rx) = tokio::sync::watch::channel(vec![Endpoint::new(
         backend.local_addr().expect("addr"),
         "pod-0",
     )]);
-    let balancer = ConnectionBalancer::new(ConnectionConfig::default(), rx);
+    let balancer = ConnectionBalancer::new(config, rx);
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");
     let (accepted_tx, accepted) = mpsc::unbounded_channel();
@@ -299,5 +303,56 @@ async fn a_drain_closes_clients_without_a_preface_at_once_and_counts_them_draine
         "the clients did nothing wrong: no no_preface"
     );
     assert_eq!(b.balancer.metrics().client_connections, 0, "none open");
+    b.stop().await;
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_client_whose_preface_comes_after_its_max_age_is_relayed_then_rotated_not_closed() {
+    // A client starved right after its connect (seen at load 11-17) sends its preface later
+    // than a short max age. Closing it then is no rotation: the client sees its connect fail
+    // (grpc-js fails its waiting calls "No connection established"). The max age counts from
+    // the preface: the client is relayed, then wound down with a GOAWAY.
+    let mut b = bed_with(ConnectionConfig {
+        max_connection_age: Some(Duration::from_secs(1)),
+        ..ConnectionConfig::default()
+    })
+    .await;
+    let mut c = TcpStream::connect(b.addr).await.expect("connects");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let t0 = Instant::now();
+    c.write_all(&hello()).await.expect("write");
+    let (_, mut s) = tokio::time::timeout(STUCK, b.backend.recv())
+        .await
+        .expect("the client was closed before its preface, not relayed")
+        .expect("a backend connection");
+    let mut preface = [0u8; 24];
+    s.read_exact(&mut preface).await.expect("preface");
+    assert_eq!(&preface, PREFACE, "relayed");
+    let mut settings = Vec::new();
+    Settings::encode(false, &[], &mut settings);
+    s.write_all(&settings).await.expect("write");
+    let (head, _) = next_frame(&mut c).await;
+    assert_eq!(
+        head.kind,
+        Kind::Settings,
+        "the backend's SETTINGS reach the client"
+    );
+    // Then the rotation: a GOAWAY, about a max age after the preface.
+    loop {
+        let (head, _) = next_frame(&mut c).await;
+        if head.kind == Kind::GoAway {
+            break;
+        }
+    }
+    assert!(
+        t0.elapsed() >= Duration::from_millis(900),
+        "the max age counts from the preface: GOAWAY after {:?}",
+        t0.elapsed()
+    );
+    assert_eq!(
+        b.rotations(RotationReason::MaxAge),
+        1,
+        "rotated for its max age"
+    );
     b.stop().await;
 }

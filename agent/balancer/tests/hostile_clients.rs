@@ -61,6 +61,10 @@ struct Bed {
 
 impl Bed {
     async fn start() -> Self {
+        Self::start_with(Config::default()).await
+    }
+
+    async fn start_with(config: Config) -> Self {
         let _ = tracing_subscriber::fmt()
             .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
             .with_test_writer()
@@ -69,7 +73,7 @@ impl Bed {
             .await
             .expect("echo starts");
         let (tx, rx) = watch::channel(vec![Endpoint::new(pod.addr, "pod-0")]);
-        let balancer = Arc::new(Balancer::new(Config::default(), rx));
+        let balancer = Arc::new(Balancer::new(config, rx));
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr");
         let (stop, stopped) = oneshot::channel::<()>();
@@ -398,4 +402,54 @@ async fn a_drain_closes_clients_without_a_preface_at_once_and_counts_them_draine
         "the clients did nothing wrong: no no_preface"
     );
     assert_eq!(service.client_connections, 0, "none open");
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_client_whose_preface_comes_after_its_max_age_is_wound_down_with_a_goaway_not_closed() {
+    // A client starved right after its connect (seen at load 15-20) sends its preface later
+    // than a short max age. Closing it then is no rotation: the client sees its connect fail
+    // and fails its waiting calls. The max age counts from the preface: the connection is
+    // served, then wound down with h2's GOAWAY. Paused time: the ages cost nothing.
+    let bed = Bed::start_with(Config {
+        max_connection_age: Some(Duration::from_secs(1)),
+        ..Config::default()
+    })
+    .await;
+    let mut c = TcpStream::connect(bed.addr).await.expect("connects");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let t0 = tokio::time::Instant::now();
+    c.write_all(&start()).await.expect("the preface, late");
+    let mut kinds = Vec::new();
+    loop {
+        let mut header = [0u8; skewless_frame::HEADER_LEN];
+        tokio::time::timeout(Duration::from_secs(3600), c.read_exact(&mut header))
+            .await
+            .expect("the balancer is stuck")
+            .unwrap_or_else(|e| panic!("closed without a GOAWAY after {kinds:?}: {e}"));
+        let head = Head::decode(&header);
+        let mut payload = vec![0u8; head.len as usize];
+        c.read_exact(&mut payload).await.expect("the payload");
+        kinds.push(head.kind);
+        if head.kind == Kind::GoAway {
+            break;
+        }
+    }
+    assert!(
+        t0.elapsed() >= Duration::from_millis(900),
+        "the max age counts from the preface: GOAWAY after {:?}",
+        t0.elapsed()
+    );
+    let service = bed.balancer.metrics();
+    let max_age = RotationReason::ALL
+        .iter()
+        .position(|r| *r == RotationReason::MaxAge)
+        .expect("a reason");
+    assert_eq!(service.rotations[max_age], 1, "rotated for its max age");
+    assert_eq!(
+        service.client_errors.iter().sum::<u64>(),
+        0,
+        "the client did nothing wrong"
+    );
+    drop(c);
+    bed.stop().await;
 }

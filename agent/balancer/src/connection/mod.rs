@@ -331,22 +331,23 @@ async fn serve(shared: Arc<Shared>, mut client: TcpStream, mut stop: Stop<Connec
             ..RelaySettings::default()
         }
     };
-    // Armed once, from the accept, for the life of the connection.
-    let stopped = stop.stopped();
-    tokio::pin!(stopped);
     // Nothing is spent on a client before its preface and SETTINGS are in (see
     // `relay::read_preface`): it is not placed yet, has no backend connection and no relay
     // buffers, so a silent client costs a few bytes, not a backend connection. Told to wind
-    // down meanwhile (a drain), it has no stream to finish: it is closed at once.
+    // down meanwhile by a drain, it has no stream to finish: it is closed at once. Its max
+    // age counts from the preface on (see `Stop::drained`).
     let read = tokio::select! {
         biased;
         read = relay::read_preface(&mut client, settings.handshake_timeout) => read,
-        reason = &mut stopped => {
+        reason = stop.drained() => {
             tracing::debug!(?reason, "client wound down before its preface, closing");
             crate::linger::close(client);
             return;
         }
     };
+    // Armed once, from the preface, for the life of the connection.
+    let stopped = stop.stopped();
+    tokio::pin!(stopped);
     let preface = match read {
         Ok(Some(preface)) => preface,
         Ok(None) => {
