@@ -51,6 +51,22 @@ fn headers(stream: u32, fl: u8) -> Vec<u8> {
     frame(Kind::Headers, fl, stream, &[0x82, 0x86, 0x84])
 }
 
+/// `bytes` for a failure message: the length, and the first and last `EDGE` bytes in hex (a
+/// peer's buffer holds up to a megabyte; printed whole it buries the failure).
+fn excerpt(bytes: &[u8]) -> String {
+    const EDGE: usize = 256;
+    let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
+    if bytes.len() <= 2 * EDGE {
+        return format!("{} bytes: {}", bytes.len(), hex(bytes));
+    }
+    format!(
+        "{} bytes: {} .. {}",
+        bytes.len(),
+        hex(&bytes[..EDGE]),
+        hex(&bytes[bytes.len() - EDGE..])
+    )
+}
+
 /// One side of the relay, spoken to frame by frame.
 struct Peer {
     io: DuplexStream,
@@ -76,7 +92,11 @@ impl Peer {
                 .expect("the relay is stuck")
                 .expect("read");
             if n == 0 {
-                assert!(self.buf.is_empty(), "EOF inside a frame: {:?}", self.buf);
+                assert!(
+                    self.buf.is_empty(),
+                    "EOF inside a frame: {}",
+                    excerpt(&self.buf)
+                );
                 return None;
             }
             self.buf.extend_from_slice(&chunk[..n]);
