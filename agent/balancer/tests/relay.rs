@@ -1363,10 +1363,40 @@ async fn a_response_the_backend_sent_before_closing_reaches_a_slow_client_whole_
     client.expect_eof().await;
     client.io.shutdown().await.expect("shutdown");
     let end = task.await.expect("task").expect("a clean end");
-    assert_eq!(end, RelayEnd::Closed, "the backend closed first");
+    assert_eq!(
+        end,
+        RelayEnd::Rotated(RotateReason::MaxAge),
+        "the backend closed first, with every stream done: the rotation's end"
+    );
     let s = metrics.snapshot();
     assert_eq!(s.latency.count(), 1, "stream 1 is over");
     assert_eq!(s.failures, [0; 5], "and did not fail");
+}
+
+/// A backend that closes during a rotation once every stream is done (an h2 server closes
+/// after its last stream once a GOAWAY reached it), before the relay's final GOAWAY: the
+/// connection ends as rotated, as when the relay closes both sides itself. The rotation asked
+/// for the end and nothing was lost; which side closes first is timing.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_backend_that_closes_mid_rotation_with_every_stream_done_ends_it_as_rotated() {
+    let mut b = open_bed(RelaySettings::default()).await;
+    b.backend.send(&response(1)).await;
+    expect_response(&mut b.client, 1).await;
+    rotate_and_ack(&mut b, RotateReason::Skew).await;
+    b.backend.io.shutdown().await.expect("shutdown");
+    // The settling's own frames may come first; then FIN.
+    while let Some((head, _)) = b.client.next().await {
+        assert!(
+            matches!(head.kind, Kind::Settings | Kind::Ping),
+            "only the settling's frames before FIN, got {head:?}"
+        );
+    }
+    b.client.io.shutdown().await.expect("shutdown");
+    b.backend.expect_eof().await;
+    assert_eq!(
+        b.task.await.expect("task").expect("clean end"),
+        RelayEnd::Rotated(RotateReason::Skew)
+    );
 }
 
 /// A client that answers the rotation's GOAWAY with a GOAWAY of its own (Node's http2 closes

@@ -26,9 +26,11 @@ use crate::linger::LINGER;
 /// How a relayed connection ended (without a protocol or socket error).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RelayEnd {
-    /// A peer closed the connection (and the other side was then closed too).
+    /// A peer closed the connection (and the other side was then closed too), outside a
+    /// rotation or with streams still open.
     Closed,
-    /// Rotated: every stream finished, then both sides were closed.
+    /// Rotated: every stream finished, then both sides were closed (by the relay, or first by
+    /// a peer once the rotation had started).
     Rotated(RotateReason),
     /// Rotated, but the drain grace ended first: `reset` streams were reset both ways.
     GraceExpired { reset: u32 },
@@ -405,6 +407,12 @@ impl Relay {
                     Side::Client => &mut self.conn.to_backend,
                     Side::Backend => &mut self.conn.to_client,
                 };
+                if pipe.shut {
+                    // Our FIN went to that peer: nothing can follow it (a write fails with
+                    // EPIPE), also not a rotation's frames queued after it (the settling's
+                    // SETTINGS once a backend closed first).
+                    *out = Out::default();
+                }
                 if pipe.eof && (out.is_empty() || !may_inject) && pipe.drop == 0 {
                     // The source is gone: a truncated last frame goes as it is.
                     pipe.scan = pipe.end;
@@ -742,6 +750,18 @@ pub(super) async fn run<C: Io, B: Io>(
     let outcome = match (outcome, r.backend_broken.take()) {
         // The backend failed with streams it never ended: those calls are lost.
         (Ok(_), Some(e)) if r.conn.open_streams() > 0 => Err(RelayError::BackendIo(e)),
+        (outcome, _) => outcome,
+    };
+    // A peer that closes (or a backend whose socket fails) during a rotation, once every
+    // stream is done, ends the rotation: it is the rotation's end, as when the relay closes
+    // both sides itself. Which side closes first is timing (an h2 backend closes after its
+    // last stream once the client's GOAWAY reached it, possibly before the relay has passed
+    // that stream's end to a slowly reading client), and the end names why the connection
+    // ended: the rotation asked for it, and nothing was lost.
+    let outcome = match (outcome, r.conn.reason) {
+        (Ok(RelayEnd::Closed), Some(reason)) if r.conn.open_streams() == 0 => {
+            Ok(RelayEnd::Rotated(reason))
+        }
         (outcome, _) => outcome,
     };
     match &outcome {
