@@ -437,9 +437,10 @@ const BARS_NOT_MET: &[(&str, &str)] = &[
     (
         "connection_mode_rotation_every_second_fails_no_grpcio_call",
         "issue 13: grpcio fails one 4 MiB call (\"GOAWAY received\") in about 1 of 4 runs, 0 \
-         unary calls: grpc-core cancels a call it had committed to the connection but not yet \
-         started when GOAWAY(2^31-1) arrives, never on the wire, and cannot retry it above its \
-         256 KiB retry buffer; no relay timing prevents it",
+         unary calls: grpc-core hands a call picked between reading any GOAWAY and its \
+         subchannel hearing of it (another thread) to the old transport, which cancels it \
+         unsent, and cannot retry it above its 256 KiB retry buffer; no relay behaviour \
+         prevents it (docs/connection-mode.md)",
     ),
     (
         "connection_mode_rotation_every_second_fails_no_grpc_js_call",
