@@ -284,15 +284,7 @@ impl ClientBed {
     /// Complete: read once every connection to it has ended both ways (call it when the
     /// clients are done), or after a minute.
     pub fn backend_log(&self) -> Vec<LogLine> {
-        let asked = Instant::now();
-        let log = framelog::read_log_when_closed(&self.backend_log, Duration::from_secs(60))
-            .unwrap_or_default();
-        eprintln!(
-            "the backend tap's log ({} lines) was read {:?} after it was asked for",
-            log.len(),
-            asked.elapsed()
-        );
-        log
+        read_tap_log(&self.backend_log, "backend tap").unwrap_or_default()
     }
 
     pub fn target(&self) -> String {
@@ -332,15 +324,22 @@ impl PodTap {
     /// The log, complete: read once every connection the tap opened has ended both ways
     /// (call it when the tapped client is done), or after a minute.
     pub fn log(&self) -> Vec<LogLine> {
-        let asked = Instant::now();
-        let log = framelog::read_log_when_closed(&self.log, Duration::from_secs(60)).unwrap();
-        eprintln!(
-            "the tap's log ({} lines) was read {:?} after it was asked for",
-            log.len(),
-            asked.elapsed()
-        );
-        log
+        read_tap_log(&self.log, "tap").unwrap()
     }
+}
+
+/// A tap's log at `path`, complete: read once every connection the tap opened has ended both
+/// ways, or after a minute; prints how long that took (a tap falls behind on a loaded
+/// machine), naming the log `what`.
+fn read_tap_log(path: &std::path::Path, what: &str) -> std::io::Result<Vec<LogLine>> {
+    let asked = Instant::now();
+    let log = framelog::read_log_when_closed(path, Duration::from_secs(60))?;
+    eprintln!(
+        "the {what}'s log ({} lines) was read {:?} after it was asked for",
+        log.len(),
+        asked.elapsed()
+    );
+    Ok(log)
 }
 
 impl Drop for PodTap {
