@@ -8,8 +8,8 @@ use std::{net::SocketAddrV4, path::Path, time::Duration};
 use skewless_testbed::{Place, fixtures::IdentBed};
 use testbed_agent::{
     ADMIN, ECHO_PODS, TempPath, echo_bed, metric, services_in_status, spawn_file_agent,
-    spawn_long_client, status_json, wait_until, write_services, write_services_full,
-    write_services_ips,
+    spawn_long_client, status_json, status_json_at, status_text, wait_until, write_services,
+    write_services_full, write_services_ips,
 };
 
 /// Starts the agent in the node with a raw redirect of the IdentBed VIP to its balancer
@@ -57,19 +57,7 @@ fn agent_redirects_reports_status_and_fails_open_when_killed() {
         "the agent must redirect the listed Service: {redirected:?}"
     );
 
-    let status = bed
-        .tb
-        .run(
-            Place::Node(0),
-            &[
-                env!("CARGO_BIN_EXE_skewless"),
-                "status",
-                "--admin-addr",
-                ADMIN,
-            ],
-        )
-        .expect("skewless status runs");
-    let status = String::from_utf8_lossy(&status.stdout);
+    let status = status_text(&bed.tb);
     assert!(
         status.contains(&vip.to_string()),
         "status must list the redirected Service: {status}"
@@ -751,21 +739,7 @@ fn rolling_upgrade_under_grpc_load_fails_no_call() {
     // reconnects. Starting the new agent first, as a surge rollout does, avoids that gap.)
     let late = spawn_long_client(&mut tb, &gen_dir, vip, 2, &["--duration", "1"]);
     wait_until("the late client finishes", || !tb.is_running(late));
-    let out = tb
-        .command(
-            Place::Node(0),
-            &[
-                env!("CARGO_BIN_EXE_skewless"),
-                "status",
-                "--json",
-                "--admin-addr",
-                NEW_ADMIN,
-            ],
-        )
-        .unwrap()
-        .output()
-        .unwrap();
-    let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+    let status = status_json_at(&tb, NEW_ADMIN);
     let served: u64 = status["services"][0]["endpoints"]
         .as_array()
         .map_or(0, |e| e.iter().filter_map(|e| e["requests"].as_u64()).sum());

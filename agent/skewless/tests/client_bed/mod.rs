@@ -13,13 +13,16 @@ use std::{
     time::{Duration, Instant},
 };
 
+#[path = "../testbed_agent/mod.rs"]
+mod testbed_agent;
+
 use skewless_clients::{
     ClientKind, ClientResult, ClientSpec, Harness,
     framelog::{self, Dir, LogLine, Withhold},
 };
 use skewless_testbed::{Place, Testbed};
 
-pub const ADMIN: &str = "127.0.0.1:9990";
+pub use testbed_agent::ADMIN;
 pub const PORT: u16 = 50051;
 
 /// One node; `backends` tonic echo pods (`echo-N`, all running; the Service's endpoints are
@@ -201,38 +204,11 @@ impl ClientBed {
     }
 
     pub fn status(&self) -> serde_json::Value {
-        let out = self
-            .tb
-            .command(
-                Place::Node(0),
-                &[
-                    env!("CARGO_BIN_EXE_skewless"),
-                    "status",
-                    "--json",
-                    "--admin-addr",
-                    ADMIN,
-                ],
-            )
-            .unwrap()
-            .output()
-            .unwrap();
-        serde_json::from_slice(&out.stdout).unwrap_or_default()
+        testbed_agent::status_json(&self.tb)
     }
 
     pub fn status_text(&self) -> String {
-        let out = self
-            .tb
-            .run(
-                Place::Node(0),
-                &[
-                    env!("CARGO_BIN_EXE_skewless"),
-                    "status",
-                    "--admin-addr",
-                    ADMIN,
-                ],
-            )
-            .unwrap();
-        String::from_utf8_lossy(&out.stdout).into_owned()
+        testbed_agent::status_text(&self.tb)
     }
 
     /// The agent's /metrics, as text.

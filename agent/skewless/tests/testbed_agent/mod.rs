@@ -98,6 +98,12 @@ pub fn services_in_status(tb: &skewless_testbed::Testbed) -> usize {
 }
 
 pub fn status_json(tb: &skewless_testbed::Testbed) -> serde_json::Value {
+    status_json_at(tb, ADMIN)
+}
+
+/// `skewless status --json` run in the node against the agent serving its admin API at
+/// `admin`; `Null` when it does not answer.
+pub fn status_json_at(tb: &skewless_testbed::Testbed, admin: &str) -> serde_json::Value {
     let out = tb
         .command(
             Place::Node(0),
@@ -106,13 +112,29 @@ pub fn status_json(tb: &skewless_testbed::Testbed) -> serde_json::Value {
                 "status",
                 "--json",
                 "--admin-addr",
-                ADMIN,
+                admin,
             ],
         )
         .unwrap()
         .output()
         .unwrap();
     serde_json::from_slice(&out.stdout).unwrap_or_default()
+}
+
+/// `skewless status` (the table) run in the node against the agent at [`ADMIN`].
+pub fn status_text(tb: &skewless_testbed::Testbed) -> String {
+    let out = tb
+        .run(
+            Place::Node(0),
+            &[
+                env!("CARGO_BIN_EXE_skewless"),
+                "status",
+                "--admin-addr",
+                ADMIN,
+            ],
+        )
+        .expect("skewless status runs");
+    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 pub fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
