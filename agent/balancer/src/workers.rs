@@ -19,7 +19,7 @@
 use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -29,7 +29,10 @@ use tokio::task::JoinHandle as TaskHandle;
 use tracing::Instrument as _;
 
 use crate::server::{self, NewConnection};
+
+mod threads;
 use crate::{Balancer, BalancerError};
+pub use threads::{StallCause, StallTimes, ThreadSample, blocked_in};
 
 /// How often every worker proves it still runs its tasks (see [`Workers::stalled`]).
 const TICK: Duration = Duration::from_millis(100);
@@ -45,6 +48,8 @@ struct Worker {
     handle: Handle,
     /// Milliseconds since `epoch` when the worker last ran its tick task.
     last_tick: Arc<AtomicU64>,
+    /// The worker thread's id (0 until it is known), for [`Workers::liveness`].
+    tid: Arc<AtomicU32>,
     stop: Option<oneshot::Sender<()>>,
     thread: Option<JoinHandle<()>>,
 }
@@ -72,10 +77,13 @@ impl Workers {
             let handle = runtime.handle().clone();
             let last_tick = Arc::new(AtomicU64::new(0));
             let ticks = Arc::clone(&last_tick);
+            let tid = Arc::new(AtomicU32::new(0));
+            let tid_of_thread = Arc::clone(&tid);
             let (stop, stopped) = oneshot::channel::<()>();
             let thread = std::thread::Builder::new()
                 .name(format!("{name}-{i}"))
                 .spawn(move || {
+                    tid_of_thread.store(threads::current_tid().unwrap_or(0), Ordering::Relaxed);
                     runtime.spawn(async move {
                         let mut tick = tokio::time::interval(TICK);
                         loop {
@@ -91,6 +99,7 @@ impl Workers {
             workers.push(Worker {
                 handle,
                 last_tick,
+                tid,
                 stop: Some(stop),
                 thread: Some(thread),
             });
@@ -129,6 +138,34 @@ impl Workers {
         self.workers
             .iter()
             .any(|w| now.saturating_sub(w.last_tick.load(Ordering::Relaxed)) > max)
+    }
+}
+
+/// One worker's liveness (see [`Workers::liveness`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Liveness {
+    /// How long since the worker last ran its tick task.
+    pub since_tick: Duration,
+    /// The worker thread's id, for reading its scheduler counters ([`ThreadSample::read`]);
+    /// `None` when it is not known (not Linux, or the thread has not started).
+    pub tid: Option<u32>,
+}
+
+impl Workers {
+    /// Each worker's liveness, in worker order: what tells a stall's cause (the agent samples
+    /// the threads while they tick, and again when one stops).
+    #[must_use]
+    pub fn liveness(&self) -> Vec<Liveness> {
+        let now = millis_since(self.epoch);
+        self.workers
+            .iter()
+            .map(|w| Liveness {
+                since_tick: Duration::from_millis(
+                    now.saturating_sub(w.last_tick.load(Ordering::Relaxed)),
+                ),
+                tid: Some(w.tid.load(Ordering::Relaxed)).filter(|&t| t != 0),
+            })
+            .collect()
     }
 }
 
@@ -288,6 +325,18 @@ mod tests {
             );
             std::thread::sleep(Duration::from_millis(20));
         }
+        // Blocked in a system call (a channel's futex), off the CPU: told as blocked.
+        let live = workers.liveness();
+        assert!(live[1].since_tick > Duration::from_millis(300), "{live:?}");
+        assert!(live[0].since_tick < live[1].since_tick, "{live:?}");
+        let tid = live[1].tid.expect("the worker's thread id");
+        let before = ThreadSample::read(tid).expect("a sample");
+        let t0 = Instant::now();
+        std::thread::sleep(Duration::from_millis(200));
+        let now = ThreadSample::read(tid).expect("a sample");
+        assert_eq!(now.state, 'S', "asleep in the kernel");
+        let times = now.since(&before, t0.elapsed());
+        assert_eq!(times.cause(), StallCause::Blocked, "{times:?}");
         release.send(()).unwrap();
         let deadline = Instant::now() + Duration::from_secs(10);
         while workers.stalled(Duration::from_millis(500)) {

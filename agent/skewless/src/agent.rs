@@ -330,24 +330,32 @@ fn pods_parent(root: &std::path::Path) -> Result<PathBuf> {
 /// tasks: if a worker hangs, the control runtime hangs, or the process is stopped, the
 /// heartbeat goes stale and new connections go straight to the Service within a second.
 async fn heartbeat(datapath: Arc<Mutex<Datapath>>, workers: Arc<Workers>) {
-    let mut tick = tokio::time::interval(Duration::from_millis(200));
+    const EVERY: Duration = Duration::from_millis(200);
+    let mut tick = tokio::time::interval(EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut stalled = false;
+    let mut watch = crate::stall::StallWatch::default();
+    let mut last = tokio::time::Instant::now();
     loop {
         tick.tick().await;
+        // The control runtime itself late (starved or busy): the hooks' 750 ms limit may have
+        // passed whatever the workers did.
+        let gap = last.elapsed();
+        last = tokio::time::Instant::now();
+        if gap > 3 * EVERY {
+            tracing::warn!(
+                gap_ms = gap.as_millis(),
+                "heartbeat ran late: redirects may have failed open"
+            );
+        }
         // Workers tick every 100 ms; 400 ms without one leaves the hooks' 750 ms staleness
         // limit enough room to fail open within a second.
-        if workers.stalled(Duration::from_millis(400)) {
-            if !std::mem::replace(&mut stalled, true) {
-                tracing::error!(
-                    "a data-plane worker is stalled: heartbeat paused, redirects fail open"
-                );
-            }
+        let max = Duration::from_millis(400);
+        let live = workers.liveness();
+        if live.iter().any(|w| w.since_tick > max) {
+            watch.stalled(&live, max);
             continue;
         }
-        if std::mem::replace(&mut stalled, false) {
-            tracing::info!("data-plane workers running again: heartbeat resumed");
-        }
+        watch.running(&live);
         let result = datapath
             .lock()
             .map_err(|_| None)

@@ -15,6 +15,7 @@ mod observer;
 mod peers;
 mod reconcile;
 mod report;
+mod stall;
 mod status;
 
 use clap::{Parser, Subcommand};
