@@ -41,20 +41,52 @@ enum Cmd {
 
 fn main() -> anyhow::Result<()> {
     let Cli { cmd } = Cli::parse();
+    // The data-plane workers log from their own threads: a write to stderr that blocks (a
+    // pipe its reader drains late, a slow disk) must not stall them. Lines go through a
+    // bounded queue to a writer thread; when it is full they are dropped and counted.
+    let (writer, _flush_at_exit) = tracing_appender::non_blocking::NonBlockingBuilder::default()
+        .buffered_lines_limit(LOG_QUEUE_LINES)
+        .lossy(true)
+        .thread_name("skewless-log")
+        .finish(std::io::stderr());
+    let dropped = writer.error_counter();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
-        .with_writer(std::io::stderr)
+        .with_writer(writer)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
+    rt.spawn(report_dropped_log_lines(dropped));
     match cmd {
         Cmd::Agent(args) => rt.block_on(agent::run(args)),
         Cmd::Status(args) => rt.block_on(status::status(args)),
+    }
+}
+
+/// Log lines waiting for stderr at most (a few MiB); more are dropped and counted.
+const LOG_QUEUE_LINES: usize = 8192;
+
+/// Warns, at most every 10 s, when log lines were dropped because stderr was not read fast
+/// enough (the warning itself goes through the same queue, once there is room).
+async fn report_dropped_log_lines(dropped: tracing_appender::non_blocking::ErrorCounter) {
+    let mut reported = 0;
+    let mut every = tokio::time::interval(std::time::Duration::from_secs(10));
+    loop {
+        every.tick().await;
+        let total = dropped.dropped_lines();
+        if total > reported {
+            tracing::warn!(
+                dropped = total - reported,
+                total,
+                "log lines dropped: stderr is not read fast enough"
+            );
+            reported = total;
+        }
     }
 }
 
