@@ -49,23 +49,29 @@ impl FloodGuard {
     /// `clock` is read only when a frame that can spend from a budget (PING, SETTINGS,
     /// RST_STREAM) comes by, at most once per read: most reads carry none and need
     /// no clock (a call's reads are part of its CPU cost).
-    pub(crate) fn feed(&mut self, mut bytes: &[u8], clock: impl Fn() -> Instant) -> Option<Flood> {
+    pub(crate) fn feed(&mut self, bytes: &[u8], clock: impl Fn() -> Instant) -> Option<Flood> {
         if self.tripped.is_some() {
             return self.tripped;
         }
         let mut now = None;
-        while let Ok(Some(head)) = self.frames.next_head(&mut bytes) {
-            if !matches!(head.kind, Kind::Ping | Kind::Settings | Kind::RstStream) {
-                continue;
+        let Self {
+            frames,
+            budgets,
+            tripped,
+            settings_seen,
+        } = self;
+        // An error (a broken preface) ends the following; the headers before it count.
+        let _ = frames.each_head(bytes, |head| {
+            if tripped.is_some()
+                || !matches!(head.kind, Kind::Ping | Kind::Settings | Kind::RstStream)
+            {
+                return;
             }
-            self.settings_seen |= head.kind == Kind::Settings;
+            *settings_seen |= head.kind == Kind::Settings;
             let now = *now.get_or_insert_with(&clock);
-            if let Some(flood) = self.budgets.spend(&head, now) {
-                self.tripped = Some(flood);
-                return self.tripped;
-            }
-        }
-        None
+            *tripped = budgets.spend(&head, now);
+        });
+        *tripped
     }
 }
 

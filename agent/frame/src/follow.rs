@@ -8,7 +8,7 @@ use crate::{HEADER_LEN, PREFACE};
 /// Follows the frame boundaries of one direction of an HTTP/2 connection, fed in whatever
 /// pieces it is read in: it yields each frame header and skips the payload (which the caller
 /// forwards or ignores). Constant memory: one partial header.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Follower {
     /// Bytes of the client preface still expected (0 once it has been seen, or when the
     /// stream is a server's, which starts with a frame).
@@ -107,6 +107,60 @@ impl Follower {
         }
         self.skip = head.len;
         Ok(Some(head))
+    }
+
+    /// Consumes all of `input`, calling `f` with each frame header it completes, in order:
+    /// what calling [`Follower::next_head`] until it returns `None` yields, in a tighter loop
+    /// for followers that see every byte of a connection (request mode's socket taps, on
+    /// every read). Between frames the state lives in locals, and a header that lies whole in
+    /// `input` is decoded where it lies; only the preface and a header split across reads take
+    /// [`Follower::next_head`]'s path.
+    ///
+    /// # Errors
+    /// As [`Follower::next_head`], which leaves the follower in the same state; the headers
+    /// before the error have been passed to `f`.
+    pub fn each_head(
+        &mut self,
+        mut input: &[u8],
+        mut f: impl FnMut(Head),
+    ) -> Result<(), FrameError> {
+        // The preface, a partial header, or a payload to skip: one step of the general path.
+        while self.preface_left > 0 || self.have > 0 {
+            match self.next_head(&mut input)? {
+                Some(head) => f(head),
+                None => return Ok(()),
+            }
+        }
+        let mut skip = self.skip as usize;
+        loop {
+            if skip >= input.len() {
+                // The payload goes on in the next input. `skip - len` <= `self.skip` or a
+                // frame length, both u32.
+                self.skip = (skip - input.len()) as u32;
+                return Ok(());
+            }
+            input = &input[skip..];
+            let Some((whole, rest)) = input.split_first_chunk() else {
+                // A header split across inputs: the rest of it comes next.
+                self.skip = 0;
+                self.header[..input.len()].copy_from_slice(input);
+                // Shorter than a header.
+                self.have = input.len() as u8;
+                return Ok(());
+            };
+            let head = Head::decode(whole);
+            if head.len > self.max_len {
+                self.skip = 0;
+                return Err(FrameError::TooLarge {
+                    kind: head.kind,
+                    len: head.len,
+                    max: self.max_len,
+                });
+            }
+            input = rest;
+            skip = head.len as usize;
+            f(head);
+        }
     }
 }
 

@@ -349,6 +349,54 @@ proptest! {
         prop_assert!(follower.at_boundary() || frames.is_empty() && stream.len() < PREFACE.len());
     }
 
+    /// `each_head` is `next_head` called until `None`, state included: on valid streams, on
+    /// oversized frames and broken prefaces, read in any pieces, also after an error.
+    #[test]
+    fn each_head_yields_and_leaves_what_next_head_does(
+        frames in proptest::collection::vec(any_frame(), 0..12),
+        garbage in proptest::collection::vec(any::<u8>(), 0..40),
+        client in any::<bool>(),
+        broken_preface in any::<Option<prop::sample::Index>>(),
+        max_len in prop_oneof![Just(MAX_MAX_FRAME_SIZE), 0u32..300],
+        cuts in proptest::collection::vec(any::<prop::sample::Index>(), 0..20),
+    ) {
+        let mut stream = if client { PREFACE.to_vec() } else { Vec::new() };
+        if let (true, Some(at)) = (client, broken_preface) {
+            stream[at.index(PREFACE.len())] ^= 0x20;
+        }
+        for f in &frames {
+            stream.extend_from_slice(f);
+        }
+        stream.extend_from_slice(&garbage);
+        let mut at: Vec<usize> = cuts.iter().map(|i| i.index(stream.len() + 1)).collect();
+        at.push(0);
+        at.push(stream.len());
+        at.sort_unstable();
+        let start = if client { Follower::client(max_len) } else { Follower::new(max_len) };
+        let (mut stepped, mut looped) = (start.clone(), start);
+        for w in at.windows(2) {
+            let piece = &stream[w[0]..w[1]];
+            let mut by_step = Vec::new();
+            let mut input = piece;
+            loop {
+                match stepped.next_head(&mut input) {
+                    Ok(Some(h)) => by_step.push(Ok(h)),
+                    Ok(None) => break,
+                    Err(e) => {
+                        by_step.push(Err(e));
+                        break;
+                    }
+                }
+            }
+            let mut by_loop = Vec::new();
+            if let Err(e) = looped.each_head(piece, |h| by_loop.push(Ok(h))) {
+                by_loop.push(Err(e));
+            }
+            prop_assert_eq!(&by_loop, &by_step, "piece {}..{}", w[0], w[1]);
+            prop_assert_eq!(&looped, &stepped, "state after piece {}..{}", w[0], w[1]);
+        }
+    }
+
     #[test]
     fn grpc_messages_round_trip_in_any_pieces(
         msgs in proptest::collection::vec((any::<bool>(), proptest::collection::vec(any::<u8>(), 0..100)), 0..8),
