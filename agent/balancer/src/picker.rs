@@ -159,6 +159,41 @@ fn nanos(d: Duration) -> f64 {
         .map_or_else(|| d.as_nanos() as f64, |n| n as f64)
 }
 
+/// Endpoints whose latencies [`lower_median`] sorts on the stack; a larger set spills into a
+/// `Vec`. Most Services have a handful of endpoints behind each node.
+const MEDIAN_ON_STACK: usize = 16;
+
+/// The lower median of `values` (the element at `(n - 1) / 2` in `f64::total_cmp` order), or
+/// `None` when there is none. The reference latency is taken on every latency sample, i.e.
+/// about once per request: up to [`MEDIAN_ON_STACK`] values it allocates nothing.
+fn lower_median(values: impl Iterator<Item = f64>) -> Option<f64> {
+    let mut stack = [0.0; MEDIAN_ON_STACK];
+    let mut spilled: Vec<f64> = Vec::new();
+    let mut n = 0;
+    for v in values {
+        if n < MEDIAN_ON_STACK {
+            stack[n] = v;
+        } else {
+            if spilled.is_empty() {
+                spilled.extend_from_slice(&stack);
+            }
+            spilled.push(v);
+        }
+        n += 1;
+    }
+    let v = if n <= MEDIAN_ON_STACK {
+        &mut stack[..n]
+    } else {
+        &mut spilled[..]
+    };
+    if v.is_empty() {
+        return None;
+    }
+    // Values equal under `total_cmp` have the same bits: an unstable sort gives the same order.
+    v.sort_unstable_by(f64::total_cmp);
+    Some(v[(n - 1) / 2])
+}
+
 fn slot<S: AsRef<Slot>>(e: &Entry<S>) -> &Slot {
     e.value.as_ref()
 }
@@ -369,13 +404,16 @@ impl<R: Rng> Picker<R> {
         exclude: &[EndpointId],
         now: Instant,
     ) -> Option<EndpointId> {
-        let active: Vec<&Entry<S>> = set
-            .iter()
-            .filter(|e| e.usable() && health(e) == Health::Active && !exclude.contains(&e.id()))
-            .collect();
-        match active.len() {
+        // Counted, then walked again to the two chosen: no list of the active endpoints is
+        // allocated per request (a few comparisons per endpoint against a malloc, a grow and
+        // a free).
+        let active = || {
+            set.iter()
+                .filter(|e| e.usable() && health(e) == Health::Active && !exclude.contains(&e.id()))
+        };
+        match active().count() {
             0 => None,
-            1 => Some(active[0].id()),
+            1 => active().next().map(Entry::id),
             n => {
                 let rr = self.cursor % n;
                 self.cursor = self.cursor.wrapping_add(1);
@@ -383,7 +421,7 @@ impl<R: Rng> Picker<R> {
                 if other >= rr {
                     other += 1;
                 }
-                let (a, b) = (active[rr], active[other]);
+                let (a, b) = (active().nth(rr)?, active().nth(other)?);
                 if self.cost(slot(b), now) * self.config.tie_ratio < self.cost(slot(a), now) {
                     Some(b.id())
                 } else {
@@ -420,16 +458,11 @@ impl<R: Rng> Picker<R> {
     /// a slow endpoint pass as normal.
     fn reference_ns<S: AsRef<Slot>>(&self, set: &EndpointSet<S>) -> Option<f64> {
         let floor = self.floor_ns();
-        let mut v: Vec<f64> = set
-            .iter()
-            .filter(|e| e.usable() && !matches!(health(e), Health::Ejected | Health::Unproven))
-            .map(|e| slot(e).mean.map_or(floor, |(m, _)| m.max(floor)))
-            .collect();
-        if v.is_empty() {
-            return None;
-        }
-        v.sort_by(f64::total_cmp);
-        Some(v[(v.len() - 1) / 2])
+        lower_median(
+            set.iter()
+                .filter(|e| e.usable() && !matches!(health(e), Health::Ejected | Health::Unproven))
+                .map(|e| slot(e).mean.map_or(floor, |(m, _)| m.max(floor))),
+        )
     }
 
     fn threshold_ns<S: AsRef<Slot>>(&self, set: &EndpointSet<S>) -> Option<f64> {
@@ -444,16 +477,11 @@ impl<R: Rng> Picker<R> {
         id: EndpointId,
         now: Instant,
     ) -> Option<f64> {
-        let mut v: Vec<f64> = set
-            .iter()
-            .filter(|e| e.id() != id && e.usable() && health(e) == Health::Active)
-            .map(|e| self.latency_ns(slot(e), now))
-            .collect();
-        if v.is_empty() {
-            return None;
-        }
-        v.sort_by(f64::total_cmp);
-        Some(v[(v.len() - 1) / 2])
+        lower_median(
+            set.iter()
+                .filter(|e| e.id() != id && e.usable() && health(e) == Health::Active)
+                .map(|e| self.latency_ns(slot(e), now)),
+        )
     }
 
     /// Whether one more endpoint may leave the rotation: at least half of the ready endpoints
@@ -675,6 +703,16 @@ mod tests {
     use super::*;
 
     proptest::proptest! {
+        /// The allocation-free median is the sorted list's lower middle, bit for bit, on both
+        /// sides of the stack buffer's size (NaNs and signed zeros included).
+        #[test]
+        fn lower_median_is_the_sorted_lists_lower_middle(values in proptest::collection::vec(proptest::prelude::any::<f64>(), 0..40)) {
+            let mut sorted = values.clone();
+            sorted.sort_by(f64::total_cmp);
+            let want = (!sorted.is_empty()).then(|| sorted[(sorted.len() - 1) / 2].to_bits());
+            proptest::prop_assert_eq!(lower_median(values.into_iter()).map(f64::to_bits), want);
+        }
+
         /// The fast conversion is the `u128` one, bit for bit, over the whole `Duration` range.
         #[test]
         fn nanos_converts_exactly_as_the_u128_cast(secs in proptest::prelude::any::<u64>(), sub in 0u32..1_000_000_000, small in 0u64..1 << 40) {
