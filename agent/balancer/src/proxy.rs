@@ -413,7 +413,7 @@ struct RequestPump {
     upstream: Option<SendStream<Bytes>>,
     /// What was read from the client so far, while it is small and no reply arrived; `None`
     /// once the copy is off.
-    copy: Option<Vec<Bytes>>,
+    copy: Option<Replay>,
     copied: usize,
     /// The client's trailers, if it sent any (kept for a replay too).
     trailers: Option<HeaderMap>,
@@ -429,7 +429,7 @@ impl RequestPump {
         Self {
             client,
             upstream: None,
-            copy: Some(Vec::new()),
+            copy: Some(Replay::default()),
             copied: 0,
             trailers: None,
             read_all,
@@ -542,6 +542,33 @@ impl RequestPump {
                 }
             }
         }
+    }
+}
+
+/// The chunks of a request body kept for a replay, in order. The first one is held in place:
+/// a unary gRPC request is one DATA frame, so most calls allocate nothing for their copy (a
+/// `Vec` of them was one malloc, and one free, per call).
+#[derive(Default)]
+struct Replay {
+    first: Option<Bytes>,
+    rest: Vec<Bytes>,
+}
+
+impl Replay {
+    fn push(&mut self, chunk: Bytes) {
+        if self.first.is_none() {
+            self.first = Some(chunk);
+        } else {
+            self.rest.push(chunk);
+        }
+    }
+
+    fn len(&self) -> usize {
+        usize::from(self.first.is_some()) + self.rest.len()
+    }
+
+    fn iter(&self) -> impl Iterator<Item = &Bytes> {
+        self.first.iter().chain(&self.rest)
     }
 }
 
@@ -695,7 +722,23 @@ impl ResponsePump<'_> {
 mod tests {
     use std::time::Duration;
 
-    use super::retry_pause;
+    use bytes::Bytes;
+
+    use super::{Replay, retry_pause};
+
+    #[test]
+    fn a_replay_keeps_every_chunk_in_order() {
+        let mut replay = Replay::default();
+        assert_eq!(replay.len(), 0);
+        assert_eq!(replay.iter().count(), 0, "nothing kept yet");
+        let chunks = [&b"one"[..], b"two", b"three"];
+        for (i, chunk) in chunks.iter().enumerate() {
+            replay.push(Bytes::from_static(chunk));
+            assert_eq!(replay.len(), i + 1);
+            let kept: Vec<&[u8]> = replay.iter().map(|b| &b[..]).collect();
+            assert_eq!(kept, chunks[..=i], "every chunk so far, in the order read");
+        }
+    }
 
     #[test]
     fn retry_pauses_double_per_retry_with_jitter_in_the_upper_half() {
