@@ -48,21 +48,25 @@ impl fmt::Display for StallCause {
 }
 
 /// A thread's time between two samples `over` apart: on a CPU, waiting for one, and the
-/// rest (sleeping or blocked).
+/// rest (sleeping or blocked), and whether it was runnable at the later one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StallTimes {
     pub on_cpu: Duration,
     pub waiting: Duration,
     pub off_cpu: Duration,
+    /// State `R` at the later sample. The kernel adds a wait on the run queue to `schedstat`
+    /// when the wait ends, so a thread still waiting shows that wait as `off_cpu`.
+    pub runnable: bool,
 }
 
 impl StallTimes {
-    /// Where most of the time went.
+    /// Where most of the time went: on a CPU (busy); else runnable now or mostly waiting for
+    /// a CPU (starved); else off the CPU (blocked).
     #[must_use]
     pub fn cause(&self) -> StallCause {
         if self.on_cpu >= self.waiting && self.on_cpu >= self.off_cpu {
             StallCause::Busy
-        } else if self.waiting >= self.off_cpu {
+        } else if self.runnable || self.waiting >= self.off_cpu {
             StallCause::Starved
         } else {
             StallCause::Blocked
@@ -105,6 +109,7 @@ impl ThreadSample {
             on_cpu,
             waiting,
             off_cpu: over.saturating_sub(on_cpu + waiting),
+            runnable: self.state == 'R',
         }
     }
 }
@@ -146,7 +151,7 @@ mod tests {
     #[test]
     fn a_stall_is_told_by_where_most_of_its_time_went() {
         let at = |on_cpu_ms, waiting_ms| ThreadSample {
-            state: 'R',
+            state: 'S',
             on_cpu: Duration::from_millis(on_cpu_ms),
             waiting: Duration::from_millis(waiting_ms),
         };
@@ -156,6 +161,12 @@ mod tests {
         assert_eq!(cause(at(1500, 1050)), StallCause::Busy);
         assert_eq!(cause(at(1050, 1450)), StallCause::Starved);
         assert_eq!(cause(at(1010, 1010)), StallCause::Blocked);
+        // Still waiting for a CPU: its wait is not in schedstat yet, but its state says so.
+        let waiting_now = ThreadSample {
+            state: 'R',
+            ..at(1010, 1010)
+        };
+        assert_eq!(cause(waiting_now), StallCause::Starved);
         let t = at(1100, 1200).since(&before, over);
         assert_eq!(
             (t.on_cpu, t.waiting, t.off_cpu),
