@@ -44,11 +44,7 @@ fn main() -> anyhow::Result<()> {
     // The data-plane workers log from their own threads: a write to stderr that blocks (a
     // pipe its reader drains late, a slow disk) must not stall them. Lines go through a
     // bounded queue to a writer thread; when it is full they are dropped and counted.
-    let (writer, _flush_at_exit) = tracing_appender::non_blocking::NonBlockingBuilder::default()
-        .buffered_lines_limit(LOG_QUEUE_LINES)
-        .lossy(true)
-        .thread_name("skewless-log")
-        .finish(std::io::stderr());
+    let (writer, _flush_at_exit) = log_writer(std::io::stderr());
     let dropped = writer.error_counter();
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -70,6 +66,20 @@ fn main() -> anyhow::Result<()> {
 
 /// Log lines waiting for stderr at most (a few MiB); more are dropped and counted.
 const LOG_QUEUE_LINES: usize = 8192;
+
+/// The agent's log writer over `out`: bounded, lossy, on its own thread (see `main`).
+fn log_writer<W: std::io::Write + Send + 'static>(
+    out: W,
+) -> (
+    tracing_appender::non_blocking::NonBlocking,
+    tracing_appender::non_blocking::WorkerGuard,
+) {
+    tracing_appender::non_blocking::NonBlockingBuilder::default()
+        .buffered_lines_limit(LOG_QUEUE_LINES)
+        .lossy(true)
+        .thread_name("skewless-log")
+        .finish(out)
+}
 
 /// Warns, at most every 10 s, when log lines were dropped because stderr was not read fast
 /// enough (the warning itself goes through the same queue, once there is room).
@@ -94,7 +104,50 @@ async fn report_dropped_log_lines(dropped: tracing_appender::non_blocking::Error
 mod tests {
     use clap::Parser as _;
 
-    use super::{Cli, Cmd};
+    use super::{Cli, Cmd, LOG_QUEUE_LINES, log_writer};
+
+    /// A stderr nobody reads: every write blocks until the test ends.
+    struct Stuck(std::sync::mpsc::Receiver<()>);
+
+    impl std::io::Write for Stuck {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            let _ = self.0.recv();
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// A data-plane worker logs from its own thread: with stderr stuck, its log calls must
+    /// still return (the lines past the queue dropped and counted), not block the worker.
+    #[test]
+    fn logging_never_blocks_on_a_stderr_nobody_reads_and_counts_what_it_drops() {
+        use std::io::Write as _;
+        let (unstick, stuck) = std::sync::mpsc::channel();
+        let (writer, guard) = log_writer(Stuck(stuck));
+        let dropped = writer.error_counter();
+        let lines = 4 * LOG_QUEUE_LINES;
+        let (done, logged) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut writer = writer;
+            for i in 0..lines {
+                let _ = writeln!(writer, "line {i}");
+            }
+            let _ = done.send(());
+        });
+        // A bound on a hang, not a speed target: blocked, the thread never sends.
+        logged
+            .recv_timeout(std::time::Duration::from_secs(60))
+            .expect("a log call blocked on the stuck stderr");
+        assert!(
+            dropped.dropped_lines() >= lines - LOG_QUEUE_LINES - 1,
+            "lines past the queue are dropped and counted: {} of {lines}",
+            dropped.dropped_lines()
+        );
+        drop(unstick);
+        drop(guard);
+    }
 
     /// The DaemonSet's container args must be flags this binary accepts.
     #[test]
