@@ -225,6 +225,14 @@ fn client_errors(s: &ServiceSnapshot, reason: ClientErrorReason) -> u64 {
     s.client_errors[i]
 }
 
+fn rotations(s: &ServiceSnapshot, reason: RotationReason) -> u64 {
+    let i = RotationReason::ALL
+        .iter()
+        .position(|r| *r == reason)
+        .expect("a reason");
+    s.rotations[i]
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_ping_flood_is_cut_off_and_counted_and_other_clients_are_served() {
     let (sent, counters) = flooded_while_serving(start(), ping()).await;
@@ -391,11 +399,11 @@ async fn a_drain_closes_clients_without_a_preface_at_once_and_counts_them_draine
         t0.elapsed()
     );
     let service = bed.balancer.metrics();
-    let drain = RotationReason::ALL
-        .iter()
-        .position(|r| *r == RotationReason::Drain)
-        .expect("a reason");
-    assert_eq!(service.rotations[drain], 4, "each wound down by the drain");
+    assert_eq!(
+        rotations(&service, RotationReason::Drain),
+        4,
+        "each wound down by the drain"
+    );
     assert_eq!(
         service.client_errors.iter().sum::<u64>(),
         0,
@@ -440,11 +448,11 @@ async fn a_client_whose_preface_comes_after_its_max_age_is_wound_down_with_a_goa
         t0.elapsed()
     );
     let service = bed.balancer.metrics();
-    let max_age = RotationReason::ALL
-        .iter()
-        .position(|r| *r == RotationReason::MaxAge)
-        .expect("a reason");
-    assert_eq!(service.rotations[max_age], 1, "rotated for its max age");
+    assert_eq!(
+        rotations(&service, RotationReason::MaxAge),
+        1,
+        "rotated for its max age"
+    );
     assert_eq!(
         service.client_errors.iter().sum::<u64>(),
         0,
