@@ -432,14 +432,14 @@ pub(crate) fn cargo() -> Command {
 /// Privileged tests whose bar the code does not meet yet on every run: left out of `cargo
 /// xtask test` by name, said so in its output and in README's Limits, and run on demand with
 /// `cargo test -p skewless --test connection_mode -- --ignored NAME`. Never a way to hide a
-/// regression: an entry goes with an open issue and its measurement.
+/// regression: an entry goes with an open or blocked issue, its measurement and its reason.
 const BARS_NOT_MET: &[(&str, &str)] = &[(
     "connection_mode_rotation_every_second_fails_no_grpcio_call",
-    "issue 13: grpcio fails one 4 MiB call (\"GOAWAY received\") in about 1 of 4 runs, 0 \
-         unary calls: grpc-core hands a call picked between reading any GOAWAY and its \
-         subchannel hearing of it (another thread) to the old transport, which cancels it \
-         unsent, and cannot retry it above its 256 KiB retry buffer; no relay behaviour \
-         prevents it (docs/connection-mode.md)",
+    "issue 13 (blocked on grpc-core's client): grpcio fails one 4 MiB call (\"GOAWAY \
+         received\") in about 1 of 4 runs, 0 unary calls: grpc-core hands a call picked \
+         between reading any GOAWAY and its subchannel hearing of it (another thread) to the \
+         old transport, which cancels it unsent, and cannot retry it above its 256 KiB retry \
+         buffer; no relay behaviour prevents it (docs/connection-mode.md)",
 )];
 
 fn test(args: TestArgs) -> Result<()> {
@@ -512,7 +512,7 @@ fn test(args: TestArgs) -> Result<()> {
             .args(["test", "--workspace", "--", "--ignored", "--test-threads=2"])
             .args(&test_args);
         for (test, why) in BARS_NOT_MET {
-            println!("==> NOT RUN (its bar is not met yet, the issue is open): {test}: {why}");
+            println!("==> NOT RUN (its bar is not met): {test}: {why}");
             privileged_tests.args(["--skip", test]);
         }
         tiers.push(("privileged tests (real kernel)", privileged_tests));
