@@ -18,7 +18,7 @@ pub struct ThreadSample {
     pub waiting: Duration,
 }
 
-/// Where a stalled thread's time went between two samples (see [`ThreadSample::cause`]).
+/// Where a stalled thread's time went between two samples (see [`StallTimes::cause`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StallCause {
     /// Mostly on a CPU: a task ran without yielding to the runtime.
