@@ -46,16 +46,25 @@ pub(crate) fn teardown_named(id: &str) {
         }
     }
     remove_cgroup_tree(&cg_root);
+    let _ = fs::remove_file(Path::new(OWNERS_DIR).join(id));
 }
 
 /// Removes what crashed runs left behind: every `sktb-*` network namespace and cgroup, and the
-/// processes inside them. Returns how many namespaces and cgroups were removed.
+/// processes inside them, except those of testbeds that are still up: this process's, and
+/// those whose owner (recorded under `/run/skewless-testbed`) is still running, so a cleanup in one
+/// test run never tears down another run's testbeds. Returns how many namespaces and cgroups
+/// were removed.
 #[must_use]
 pub fn clean_stale() -> (usize, usize) {
     let live: Vec<String> = LIVE.lock().map(|l| l.clone()).unwrap_or_default();
     let is_live = |name: &str| {
-        live.iter()
-            .any(|id| name.starts_with(&format!("{PREFIX}{id}")))
+        let Some(id) = name
+            .strip_prefix(PREFIX)
+            .and_then(|rest| rest.get(..ID_LEN))
+        else {
+            return false;
+        };
+        live.iter().any(|l| l == id) || owner_running(Path::new(OWNERS_DIR), id)
     };
     let mut netns = 0;
     for ns in list_netns()
@@ -75,6 +84,15 @@ pub fn clean_stale() -> (usize, usize) {
                 kill_cgroup_tree(&e.path());
                 remove_cgroup_tree(&e.path());
                 cgroups += 1;
+            }
+        }
+    }
+    // Owner records of testbeds whose owner is gone (their namespaces and cgroups went above).
+    if let Ok(entries) = fs::read_dir(OWNERS_DIR) {
+        for e in entries.flatten() {
+            let id = e.file_name().to_string_lossy().into_owned();
+            if !is_live(&format!("{PREFIX}{id}")) {
+                let _ = fs::remove_file(e.path());
             }
         }
     }
@@ -138,9 +156,25 @@ fn list_netns() -> Vec<String> {
 
 static LIVE: Mutex<Vec<String>> = Mutex::new(Vec::new());
 
+/// Where each live testbed's id names the process that owns it (a file per id holding the
+/// owner's PID): what lets [`clean_stale`] in one process leave another's testbeds alone.
+const OWNERS_DIR: &str = "/run/skewless-testbed";
+
+/// The length of a testbed id (see `builder::unique_id`).
+const ID_LEN: usize = 6;
+
 pub(crate) fn register(tb: &Testbed) {
     if let Ok(mut l) = LIVE.lock() {
         l.push(tb.id.clone());
+    }
+    let written = fs::create_dir_all(OWNERS_DIR).and_then(|()| {
+        fs::write(
+            Path::new(OWNERS_DIR).join(&tb.id),
+            std::process::id().to_string(),
+        )
+    });
+    if let Err(e) = written {
+        warn!(id = %tb.id, error = %e, "recording the testbed's owner; another run's cleanup may remove it");
     }
 }
 
@@ -148,6 +182,19 @@ fn unregister(id: &str) {
     if let Ok(mut l) = LIVE.lock() {
         l.retain(|i| i != id);
     }
+    let _ = fs::remove_file(Path::new(OWNERS_DIR).join(id));
+}
+
+/// Whether the process recorded in `owners` as the owner of testbed `id` is still running
+/// (and is not this process, whose own testbeds [`LIVE`] knows).
+fn owner_running(owners: &Path, id: &str) -> bool {
+    let Ok(pid) = fs::read_to_string(owners.join(id)) else {
+        return false;
+    };
+    let pid = pid.trim();
+    pid != std::process::id().to_string()
+        && !pid.is_empty()
+        && Path::new("/proc").join(pid).exists()
 }
 
 /// On Ctrl-C (or SIGTERM), removes every live testbed of this process before exiting, since
@@ -172,4 +219,41 @@ pub(crate) fn install_interrupt_handler() {
             debug!(error = %e, "interrupt handler not installed");
         }
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use std::fs;
+
+    use super::owner_running;
+
+    #[test]
+    fn a_testbed_is_another_runs_only_while_its_owner_runs() {
+        let owners = tempfile::tempdir().expect("temp dir");
+        // PID 1 always runs; a child that was waited for no longer does.
+        fs::write(owners.path().join("aaaaaa"), "1").unwrap();
+        let mut child = std::process::Command::new("true")
+            .spawn()
+            .expect("spawn true");
+        let gone = child.id();
+        child.wait().unwrap();
+        fs::write(owners.path().join("bbbbbb"), gone.to_string()).unwrap();
+        fs::write(owners.path().join("cccccc"), std::process::id().to_string()).unwrap();
+        assert!(
+            owner_running(owners.path(), "aaaaaa"),
+            "a running owner keeps its testbed"
+        );
+        assert!(
+            !owner_running(owners.path(), "bbbbbb"),
+            "an owner that exited leaves its testbed stale"
+        );
+        assert!(
+            !owner_running(owners.path(), "cccccc"),
+            "this process's own testbeds are judged by its live list, not the record"
+        );
+        assert!(
+            !owner_running(owners.path(), "dddddd"),
+            "a testbed without a record is stale"
+        );
+    }
 }
