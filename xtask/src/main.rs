@@ -430,7 +430,7 @@ pub(crate) fn cargo() -> Command {
 }
 
 /// Privileged tests whose bar the code does not meet yet on every run: left out of `cargo
-/// xtask test` by name, said so in its output and in README's Limits, and run on demand with
+/// xtask test` by name, said so in its output and in docs/limits.md, and run on demand with
 /// `cargo test -p skewless --test connection_mode -- --ignored NAME`. Never a way to hide a
 /// regression: an entry goes with an open or blocked issue, its measurement and its reason.
 const BARS_NOT_MET: &[(&str, &str)] = &[(
