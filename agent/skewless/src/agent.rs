@@ -9,7 +9,7 @@
 
 use std::{
     net::{Ipv4Addr, SocketAddr, SocketAddrV4},
-    path::PathBuf,
+    path::{Path, PathBuf},
     str::FromStr,
     sync::{Arc, Mutex},
     time::Duration,
@@ -124,7 +124,7 @@ impl FromStr for Redirect {
 
 pub async fn run(args: Args) -> Result<()> {
     let Args {
-        mut cgroups,
+        cgroups,
         pod_cgroup_root,
         services_file,
         kubernetes,
@@ -136,42 +136,9 @@ pub async fn run(args: Args) -> Result<()> {
         node_name,
         balancer_threads,
     } = args;
-    if let Some(root) = pod_cgroup_root {
-        cgroups.push(pods_parent(&root)?);
-    }
-    for cg in &cgroups {
-        // Before anything is loaded; `attach` checks it again.
-        skewless_datapath::ensure_child_cgroup(cg)?;
-    }
-    let mut datapath = Datapath::load()
-        .context("loading the eBPF programs (needs root or CAP_BPF+CAP_NET_ADMIN)")?;
-    for Redirect { service, target } in &redirects {
-        datapath.set_redirect(*service, *target)?;
-    }
-    // The hooks cover every pod, this agent's own included: its own connects (its Kubernetes
-    // client to the `kubernetes` VIP) must never be redirected to its own balancers.
-    match skewless_datapath::own_cgroup()
-        .and_then(|cg| datapath.exclude_cgroup(&cg).map(|id| (cg, id)))
-    {
-        Ok((cg, id)) => info!(cgroup = %cg.display(), id, "own cgroup excluded from redirects"),
-        Err(error) => tracing::warn!(
-            error = %error,
-            "own cgroup not excluded: an opted-in Service this agent itself uses would be redirected"
-        ),
-    }
-    for cg in &cgroups {
-        // Attachments stay for the agent's lifetime; they end with the process.
-        let _attachment = datapath.attach(cg)?;
-    }
-    datapath.beat().context("first heartbeat")?;
-    let datapath = Arc::new(Mutex::new(datapath));
-    let workers = Arc::new(
-        Workers::start(usize::from(balancer_threads), "skewless-dp")
-            .context("starting the data-plane worker threads")?,
-    );
-    tokio::spawn(
-        heartbeat(Arc::clone(&datapath), Arc::clone(&workers)).instrument(info_span!("heartbeat")),
-    );
+    let cgroups = attach_points(cgroups, pod_cgroup_root.as_deref())?;
+    let datapath = Arc::new(Mutex::new(load_datapath(&cgroups, &redirects)?));
+    let workers = start_workers(balancer_threads, &datapath)?;
     let model_metrics = skewless_model::Metrics::default();
     let metrics =
         skewless_admin::collector::Metrics::new(&model_metrics, env!("CARGO_PKG_VERSION"));
@@ -190,57 +157,15 @@ pub async fn run(args: Args) -> Result<()> {
         balancer_ip6,
         Arc::clone(&peers),
     )));
-
-    let mut model = None;
-    let snapshots = if let Some(path) = services_file {
-        let source = skewless_services_file::FileSource::new(
-            path.clone(),
-            Duration::from_secs(1),
-            model_metrics,
-        );
-        model = Some(admin::Readiness {
-            synced: source.synced(),
-            waiting_for: format!("waiting for a valid services file at {}", path.display()),
-        });
-        let snapshots = source.snapshots();
-        tokio::spawn(source.run().instrument(info_span!("services_file")));
-        Some(snapshots)
+    let source = if let Some(path) = services_file {
+        Some(file_source(path, model_metrics))
     } else if kubernetes {
-        let client = kube::Client::try_default()
-            .await
-            .context("building the Kubernetes client (in-cluster config or kubeconfig)")?;
-        let config = skewless_k8s::Config {
-            node_name: node_name.clone(),
-        };
-        let discovery = skewless_k8s::Discovery::new(client, config, model_metrics);
-        model = Some(admin::Readiness {
-            synced: discovery.synced(),
-            waiting_for: "waiting for the first full list of Services and EndpointSlices from \
-                          the Kubernetes API"
-                .to_owned(),
-        });
-        let mut node = discovery.node();
-        let peers = Arc::clone(&peers);
-        tokio::spawn(async move {
-            loop {
-                let mut cidrs = pod_cidrs.clone();
-                if let Some(info) = node.borrow_and_update().as_ref() {
-                    cidrs.extend(info.pod_cidrs.iter().filter_map(|c| c.parse::<Cidr>().ok()));
-                }
-                peers.set(cidrs);
-                if node.changed().await.is_err() {
-                    return;
-                }
-            }
-        });
-        let snapshots = discovery.snapshots();
-        tokio::spawn(discovery.run().instrument(info_span!("discovery")));
-        Some(snapshots)
+        Some(kubernetes_source(node_name.clone(), pod_cidrs, &peers, model_metrics).await?)
     } else {
         None
     };
     let observed = Arc::new(observer::Published::default());
-    if let Some(mut snapshots) = snapshots {
+    let model = source.map(|Source { snapshots, model }| {
         tokio::spawn(
             observer::run(
                 Arc::clone(&datapath),
@@ -249,39 +174,12 @@ pub async fn run(args: Args) -> Result<()> {
             )
             .instrument(info_span!("observer")),
         );
-        let reconciler = Arc::clone(&reconciler);
-        let mut synced = model.as_ref().map(|m| m.synced.clone());
         tokio::spawn(
-            async move {
-                // Fail open until the source has delivered a complete model: an unreadable
-                // file, an unreachable API server, or a Service listed before its
-                // EndpointSlices must never redirect anything (a balancer without endpoints
-                // would fail every call).
-                if let Some(synced) = synced.as_mut() {
-                    if !*synced.borrow_and_update() {
-                        info!("no model yet: nothing is redirected until the source delivers one");
-                    }
-                    while !*synced.borrow_and_update() {
-                        if synced.changed().await.is_err() {
-                            return;
-                        }
-                    }
-                    info!("model complete: reconciling");
-                }
-                loop {
-                    let snapshot = snapshots.borrow_and_update().clone();
-                    reconciler.lock().await.apply(&snapshot).await;
-                    // Also re-apply now and then, so a balancer that died is restarted even if
-                    // the Services do not change.
-                    tokio::select! {
-                        changed = snapshots.changed() => if changed.is_err() { return },
-                        () = tokio::time::sleep(Duration::from_secs(5)) => {}
-                    }
-                }
-            }
-            .instrument(info_span!("reconcile")),
+            reconcile(Arc::clone(&reconciler), snapshots, model.synced.clone())
+                .instrument(info_span!("reconcile")),
         );
-    }
+        model
+    });
 
     info!(node = %node_name, cgroups = cgroups.len(), redirects = redirects.len(), "agent ready");
     let state = Arc::new(admin::State::new(
@@ -299,16 +197,166 @@ pub async fn run(args: Args) -> Result<()> {
             .instrument(info_span!("window")),
     );
     let server = tokio::spawn(admin::serve(admin_addr, Arc::clone(&state)));
+    until_told_to_stop(server).await?;
+    reconciler.lock().await.shutdown().await;
+    // Returning drops the datapath, which closes every bpf_link: pods connect directly again.
+    // A SIGKILL has the same effect, because the kernel closes the links with the process.
+    Ok(())
+}
 
+/// The cgroups the hooks attach to: the `--cgroup` flags, and the kubelet's pod parent under
+/// `--pod-cgroup-root`; each checked to be a cgroup v2 directory below the hierarchy root.
+fn attach_points(
+    mut cgroups: Vec<PathBuf>,
+    pod_cgroup_root: Option<&Path>,
+) -> Result<Vec<PathBuf>> {
+    if let Some(root) = pod_cgroup_root {
+        cgroups.push(pods_parent(root)?);
+    }
+    for cg in &cgroups {
+        // Before anything is loaded; `attach` checks it again.
+        skewless_datapath::ensure_child_cgroup(cg)?;
+    }
+    Ok(cgroups)
+}
+
+/// Loads the eBPF programs, writes the raw `--redirect` entries, excludes the agent's own
+/// cgroup, attaches to `cgroups` and beats once, so the hooks redirect from the first connect.
+fn load_datapath(cgroups: &[PathBuf], redirects: &[Redirect]) -> Result<Datapath> {
+    let mut datapath = Datapath::load()
+        .context("loading the eBPF programs (needs root or CAP_BPF+CAP_NET_ADMIN)")?;
+    for Redirect { service, target } in redirects {
+        datapath.set_redirect(*service, *target)?;
+    }
+    // The hooks cover every pod, this agent's own included: its own connects (its Kubernetes
+    // client to the `kubernetes` VIP) must never be redirected to its own balancers.
+    match skewless_datapath::own_cgroup()
+        .and_then(|cg| datapath.exclude_cgroup(&cg).map(|id| (cg, id)))
+    {
+        Ok((cg, id)) => info!(cgroup = %cg.display(), id, "own cgroup excluded from redirects"),
+        Err(error) => tracing::warn!(
+            error = %error,
+            "own cgroup not excluded: an opted-in Service this agent itself uses would be redirected"
+        ),
+    }
+    for cg in cgroups {
+        // Attachments stay for the agent's lifetime; they end with the process.
+        let _attachment = datapath.attach(cg)?;
+    }
+    datapath.beat().context("first heartbeat")?;
+    Ok(datapath)
+}
+
+/// Starts the data-plane worker threads and the heartbeat that keeps the hooks redirecting
+/// only while they all run.
+fn start_workers(threads: u16, datapath: &Arc<Mutex<Datapath>>) -> Result<Arc<Workers>> {
+    let workers = Arc::new(
+        Workers::start(usize::from(threads), "skewless-dp")
+            .context("starting the data-plane worker threads")?,
+    );
+    tokio::spawn(
+        heartbeat(Arc::clone(datapath), Arc::clone(&workers)).instrument(info_span!("heartbeat")),
+    );
+    Ok(workers)
+}
+
+/// A model source: its snapshots, and whether it has delivered a complete model yet.
+struct Source {
+    snapshots: tokio::sync::watch::Receiver<skewless_model::Snapshot>,
+    model: admin::Readiness,
+}
+
+/// Services and endpoints from a file, re-read when it changes.
+fn file_source(path: PathBuf, model_metrics: skewless_model::Metrics) -> Source {
+    let source = skewless_services_file::FileSource::new(
+        path.clone(),
+        Duration::from_secs(1),
+        model_metrics,
+    );
+    let model = admin::Readiness {
+        synced: source.synced(),
+        waiting_for: format!("waiting for a valid services file at {}", path.display()),
+    };
+    let snapshots = source.snapshots();
+    tokio::spawn(source.run().instrument(info_span!("services_file")));
+    Source { snapshots, model }
+}
+
+/// Services and EndpointSlices from the Kubernetes API; the own Node's pod CIDRs join the
+/// `--pod-cidr` flags in `peers` whenever the Node changes.
+async fn kubernetes_source(
+    node_name: String,
+    pod_cidrs: Vec<Cidr>,
+    peers: &Arc<PeerFilter>,
+    model_metrics: skewless_model::Metrics,
+) -> Result<Source> {
+    let client = kube::Client::try_default()
+        .await
+        .context("building the Kubernetes client (in-cluster config or kubeconfig)")?;
+    let config = skewless_k8s::Config { node_name };
+    let discovery = skewless_k8s::Discovery::new(client, config, model_metrics);
+    let model = admin::Readiness {
+        synced: discovery.synced(),
+        waiting_for: "waiting for the first full list of Services and EndpointSlices from \
+                      the Kubernetes API"
+            .to_owned(),
+    };
+    let mut node = discovery.node();
+    let peers = Arc::clone(peers);
+    tokio::spawn(async move {
+        loop {
+            let mut cidrs = pod_cidrs.clone();
+            if let Some(info) = node.borrow_and_update().as_ref() {
+                cidrs.extend(info.pod_cidrs.iter().filter_map(|c| c.parse::<Cidr>().ok()));
+            }
+            peers.set(cidrs);
+            if node.changed().await.is_err() {
+                return;
+            }
+        }
+    });
+    let snapshots = discovery.snapshots();
+    tokio::spawn(discovery.run().instrument(info_span!("discovery")));
+    Ok(Source { snapshots, model })
+}
+
+/// Applies every snapshot to the reconciler, once the source has delivered a complete model,
+/// and again every 5 s so a balancer that died is restarted even if the Services do not change.
+async fn reconcile(
+    reconciler: Arc<tokio::sync::Mutex<Reconciler>>,
+    mut snapshots: tokio::sync::watch::Receiver<skewless_model::Snapshot>,
+    mut synced: tokio::sync::watch::Receiver<bool>,
+) {
+    // Fail open until the source has delivered a complete model: an unreadable file, an
+    // unreachable API server, or a Service listed before its EndpointSlices must never
+    // redirect anything (a balancer without endpoints would fail every call).
+    if !*synced.borrow_and_update() {
+        info!("no model yet: nothing is redirected until the source delivers one");
+    }
+    while !*synced.borrow_and_update() {
+        if synced.changed().await.is_err() {
+            return;
+        }
+    }
+    info!("model complete: reconciling");
+    loop {
+        let snapshot = snapshots.borrow_and_update().clone();
+        reconciler.lock().await.apply(&snapshot).await;
+        tokio::select! {
+            changed = snapshots.changed() => if changed.is_err() { return },
+            () = tokio::time::sleep(Duration::from_secs(5)) => {}
+        }
+    }
+}
+
+/// Waits for SIGTERM or Ctrl-C; an admin server that stops on its own is an error.
+async fn until_told_to_stop(server: tokio::task::JoinHandle<Result<()>>) -> Result<()> {
     let mut term = signal(SignalKind::terminate())?;
     tokio::select! {
         _ = term.recv() => info!("SIGTERM: removing redirects, draining balancers"),
         _ = tokio::signal::ctrl_c() => info!("interrupted: removing redirects, draining balancers"),
         res = server => res.context("admin server task")?.context("admin server")?,
     }
-    reconciler.lock().await.shutdown().await;
-    // Returning drops the datapath, which closes every bpf_link: pods connect directly again.
-    // A SIGKILL has the same effect, because the kernel closes the links with the process.
     Ok(())
 }
 
