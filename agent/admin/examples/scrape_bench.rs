@@ -124,6 +124,8 @@ fn main() {
         window.apply(&mut current);
         let applied = started.elapsed();
         let scrape = Scrape {
+            process: None,
+            workers: Vec::new(),
             model_ready: true,
             kernel: Kernel::default(),
             maps: vec![MapUsage {

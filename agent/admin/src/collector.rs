@@ -17,6 +17,7 @@ use prometheus_client::{
 use crate::{
     json::{EndpointStatus, Histogram, ObservedBackend, ObservedService, ServiceStatus},
     names::{self, Family},
+    process::Process,
 };
 
 /// The kernel hooks' counters, as exported (IPv4 and IPv6 summed), and the records of the
@@ -41,9 +42,24 @@ pub struct MapUsage {
     pub capacity: u64,
 }
 
+/// One data-plane worker thread's scheduler figures and stalls.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct WorkerUsage {
+    /// On a CPU so far, in seconds.
+    pub busy_seconds: f64,
+    /// Runnable but waiting for a CPU so far, in seconds.
+    pub cpu_wait_seconds: f64,
+    /// Stalls so far (see [`names::WORKER_STALLS`]).
+    pub stalls: u64,
+}
+
 /// Everything one scrape reports besides the model's counters.
 #[derive(Clone, Debug, Default)]
 pub struct Scrape {
+    /// The agent process's own figures; `None` where `/proc` cannot be read.
+    pub process: Option<Process>,
+    /// The data-plane workers, in worker order (the `worker` label is the index).
+    pub workers: Vec<WorkerUsage>,
     /// Whether the agent has its first complete model (see [`names::MODEL_READY`]).
     pub model_ready: bool,
     pub kernel: Kernel,
@@ -66,11 +82,17 @@ pub struct Metrics {
 }
 
 impl Metrics {
-    /// The registry with the model's counters registered under their [`names`], and the
-    /// agent's `version` for `skewless_build_info`.
+    /// The registry with the process families, the model's counters registered under their
+    /// [`names`], and the agent's `version` for `skewless_build_info`.
     #[must_use]
     pub fn new(model: &skewless_model::Metrics, version: &'static str) -> Self {
-        let mut registry = Registry::with_prefix(names::PREFIX);
+        let mut root = Registry::default();
+        let current = Arc::new(Mutex::new(Scrape::default()));
+        // The process families keep their standard names: outside the `skewless_` prefix.
+        root.register_collector(Box::new(ProcessCollector {
+            scrape: Arc::clone(&current),
+        }));
+        let registry = root.sub_registry_with_prefix(names::PREFIX);
         let rejected = names::SERVICE_CONFIG_REJECTED;
         registry.register(
             rejected.name,
@@ -89,13 +111,12 @@ impl Metrics {
             dropped.help_for_registry(),
             model.warning_events_dropped_counter(),
         );
-        let current = Arc::new(Mutex::new(Scrape::default()));
         registry.register_collector(Box::new(AgentCollector {
             scrape: Arc::clone(&current),
             version,
         }));
         Self {
-            registry,
+            registry: root,
             current,
             scraping: Mutex::new(()),
         }
@@ -120,6 +141,45 @@ impl Metrics {
     }
 }
 
+/// The `process_...` families (no prefix, no labels).
+#[derive(Debug)]
+struct ProcessCollector {
+    scrape: Arc<Mutex<Scrape>>,
+}
+
+impl Collector for ProcessCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let s = self
+            .scrape
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let Some(p) = s.process else {
+            return Ok(());
+        };
+        ConstCounter::new(p.cpu_seconds)
+            .encode(descriptor(&mut encoder, names::PROCESS_CPU_SECONDS)?)?;
+        let gauges = [
+            (names::PROCESS_OPEN_FDS, p.open_fds as f64),
+            (names::PROCESS_MAX_FDS, p.max_fds as f64),
+            (names::PROCESS_VIRTUAL_MEMORY, p.virtual_memory_bytes as f64),
+            (
+                names::PROCESS_VIRTUAL_MEMORY_MAX,
+                p.virtual_memory_max_bytes as f64,
+            ),
+            (
+                names::PROCESS_RESIDENT_MEMORY,
+                p.resident_memory_bytes as f64,
+            ),
+            (names::PROCESS_START_TIME, p.start_time_seconds),
+            (names::PROCESS_THREADS, p.threads as f64),
+        ];
+        for (f, v) in gauges {
+            ConstGauge::new(v).encode(descriptor(&mut encoder, f)?)?;
+        }
+        Ok(())
+    }
+}
+
 #[derive(Debug)]
 struct AgentCollector {
     scrape: Arc<Mutex<Scrape>>,
@@ -132,6 +192,8 @@ fn descriptor<'a>(
     f: Family,
 ) -> Result<MetricEncoder<'a>, std::fmt::Error> {
     let help = f.help();
+    // The registry adds its prefix: `skewless` for the agent's collector, none for the
+    // process families'.
     encoder.encode_descriptor(f.name, &help, None, f.kind.metric_type())
 }
 
@@ -468,6 +530,35 @@ impl Collector for AgentCollector {
             &mut encoder,
             names::OBSERVED_BACKEND_CONNECTIONS,
             observed_backends().map(|(l, b)| (l, count(b.open_connections))),
+        )?;
+
+        let workers: Vec<(String, WorkerUsage)> = s
+            .workers
+            .iter()
+            .enumerate()
+            .map(|(i, w)| (i.to_string(), *w))
+            .collect();
+        let worker = |i: &str| [("worker", i.to_owned())];
+        family(
+            &mut encoder,
+            names::WORKER_BUSY,
+            workers
+                .iter()
+                .map(|(i, w)| (worker(i), ConstCounter::new(w.busy_seconds))),
+        )?;
+        family(
+            &mut encoder,
+            names::WORKER_CPU_WAIT,
+            workers
+                .iter()
+                .map(|(i, w)| (worker(i), ConstCounter::new(w.cpu_wait_seconds))),
+        )?;
+        family(
+            &mut encoder,
+            names::WORKER_STALLS,
+            workers
+                .iter()
+                .map(|(i, w)| (worker(i), ConstCounter::new(w.stalls))),
         )
     }
 }
@@ -496,6 +587,24 @@ mod tests {
         connection_duration.counts[3] = 1;
         connection_duration.sum = 12.0;
         Scrape {
+            process: Some(Process {
+                cpu_seconds: 1.5,
+                open_fds: 12,
+                max_fds: 1024,
+                virtual_memory_bytes: 1 << 30,
+                virtual_memory_max_bytes: u64::MAX,
+                resident_memory_bytes: 20 << 20,
+                start_time_seconds: 1_764_700_000.25,
+                threads: 6,
+            }),
+            workers: vec![
+                WorkerUsage {
+                    busy_seconds: 2.5,
+                    cpu_wait_seconds: 0.125,
+                    stalls: 1,
+                },
+                WorkerUsage::default(),
+            ],
             model_ready: true,
             kernel: Kernel {
                 connect_seen: 7,
@@ -639,10 +748,7 @@ mod tests {
     fn every_listed_family_is_exported_and_nothing_else() {
         let text = Metrics::new(&model(), "1.2.3").encode(sample()).unwrap();
         let exported = families(&text, "# TYPE ");
-        let listed: Vec<String> = names::ALL
-            .iter()
-            .map(|f| format!("{}_{}", names::PREFIX, f.name))
-            .collect();
+        let listed: Vec<String> = names::ALL.iter().map(names::Family::full_name).collect();
         assert_eq!(
             exported, listed,
             "names::ALL must list what /metrics exports, in order"
@@ -679,6 +785,16 @@ mod tests {
             "skewless_unrotatable_connections{service=\"ns/conn\",vip=\"10.0.0.3:80\"} 1\n",
             "skewless_no_backend_connections_total{service=\"ns/conn\",vip=\"10.0.0.3:80\"} 4\n",
             "skewless_rotation_state{service=\"ns/conn\",vip=\"10.0.0.3:80\",state=\"waiting\"} 1\n",
+            // The process families under their standard names, in their base units.
+            "process_cpu_seconds_total 1.5\n",
+            "process_resident_memory_bytes 20971520.0\n",
+            "process_max_fds 1024.0\n",
+            "process_start_time_seconds 1764700000.25\n",
+            "process_threads 6.0\n",
+            "skewless_worker_busy_seconds_total{worker=\"0\"} 2.5\n",
+            "skewless_worker_cpu_wait_seconds_total{worker=\"0\"} 0.125\n",
+            "skewless_worker_stalls_total{worker=\"0\"} 1\n",
+            "skewless_worker_stalls_total{worker=\"1\"} 0\n",
         ] {
             assert!(text.contains(line), "{line} in {text}");
         }

@@ -6,6 +6,7 @@
 //!   `skewless status` (which reads it).
 //! - [`collector`]: turns one [`collector::Scrape`] (plain numbers gathered at scrape time from
 //!   the balancers, the kernel counters and the observer) into OpenMetrics families.
+//! - [`process`]: the agent process's own figures, parsed from `/proc` texts.
 //! - [`window`]: the recent window behind the balancer skew and per-backend p99 gauges.
 //! - [`render`]: the `skewless status` text.
 //! - [`monitoring`]: the dashboard, rules and PrometheusRule in `deploy/monitoring/`.
@@ -22,6 +23,7 @@ pub mod collector;
 pub mod json;
 pub mod monitoring;
 pub mod names;
+pub mod process;
 pub mod promql;
 pub mod render;
 pub mod window;

@@ -76,7 +76,7 @@ pub fn promtool_check_metrics(text: &str) -> std::io::Result<Vec<String>> {
     let misread: Vec<String> = names::ALL
         .iter()
         .filter(|f| f.kind == names::Kind::Counter)
-        .map(|f| format!("{}_{}_total no help text", names::PREFIX, f.name))
+        .map(|f| format!("{}_total no help text", f.full_name()))
         .collect();
     let report = [out.stdout, out.stderr].concat();
     Ok(String::from_utf8_lossy(&report)

@@ -1,18 +1,23 @@
 //! Every metric family the agent exports: the one place their names live.
 //!
-//! Names are given without the `skewless_` prefix ([`PREFIX`], added by the registry) and
-//! without the suffixes the encoder adds (`_total` for counters, `_bucket`/`_sum`/`_count`
-//! for histograms); [`Family::series`] gives the names as a scrape
-//! shows them. The dashboard lint and the rule tests check every name they reference against
-//! [`ALL`].
+//! Names are given without the `skewless_` prefix ([`PREFIX`], added by the registry; the
+//! standard process families, [`PROCESS`], have none and are named in full) and without the
+//! suffixes the encoder adds (`_total` for counters, `_bucket`/`_sum`/`_count` for histograms);
+//! [`Family::series`] gives the names as a scrape shows them. The dashboard lint and the rule
+//! tests check every name they reference against [`ALL`].
 //!
 //! Help texts are sentences without their final period: prometheus-client's
 //! `Registry::register` adds it, and the collector adds it the same way ([`Family::help`]).
 
 use prometheus_client::metrics::MetricType;
 
-/// The prefix of every exported name.
+/// The prefix of every exported name but the process families'.
 pub const PREFIX: &str = "skewless";
+
+/// The namespace of the process families: the names and meanings of Prometheus' own process
+/// collector (client_golang's, which every exporter shares), so the usual queries and alerts
+/// about a process's cost work unchanged.
+pub const PROCESS: &str = "process";
 
 /// A metric family's type, as the encoder writes it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -36,7 +41,10 @@ impl Kind {
 /// One exported metric family.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Family {
-    /// Without prefix and type suffix.
+    /// The namespace the name goes under: [`PREFIX`] or [`PROCESS`].
+    pub namespace: &'static str,
+    /// Without type suffix, and without the prefix for [`PREFIX`]'s families (what the
+    /// collector registers).
     pub name: &'static str,
     pub kind: Kind,
     /// The label names every sample carries, in order.
@@ -53,10 +61,32 @@ impl Family {
         help: &'static str,
     ) -> Self {
         Self {
+            namespace: PREFIX,
             name,
             kind,
             labels,
             help,
+        }
+    }
+
+    /// A standard process family (`process_...`).
+    const fn process(name: &'static str, kind: Kind, help: &'static str) -> Self {
+        Self {
+            namespace: PROCESS,
+            name,
+            kind,
+            labels: &[],
+            help,
+        }
+    }
+
+    /// The name without type suffix, prefix included (what `# TYPE` shows).
+    #[must_use]
+    pub fn full_name(&self) -> String {
+        if self.namespace == PREFIX {
+            format!("{PREFIX}_{}", self.name)
+        } else {
+            self.name.to_owned()
         }
     }
 
@@ -75,7 +105,7 @@ impl Family {
     /// The sample names a scrape shows for this family, prefix included.
     #[must_use]
     pub fn series(&self) -> Vec<String> {
-        let base = format!("{PREFIX}_{}", self.name);
+        let base = self.full_name();
         match self.kind {
             Kind::Counter => vec![format!("{base}_total")],
             Kind::Gauge => vec![base],
@@ -337,8 +367,78 @@ pub const WARNING_EVENTS_DROPPED: Family = Family::new(
     "Warning Events about rejected Service configs that were not posted because the queue to the API server was full (the rejection is still logged and counted)",
 );
 
+// The agent's process, as Prometheus' process collector names it (from /proc/self).
+pub const PROCESS_CPU_SECONDS: Family = Family::process(
+    "process_cpu_seconds",
+    Kind::Counter,
+    "Total user and system CPU time spent in seconds",
+);
+pub const PROCESS_OPEN_FDS: Family = Family::process(
+    "process_open_fds",
+    Kind::Gauge,
+    "Number of open file descriptors",
+);
+pub const PROCESS_MAX_FDS: Family = Family::process(
+    "process_max_fds",
+    Kind::Gauge,
+    "Maximum number of open file descriptors",
+);
+pub const PROCESS_VIRTUAL_MEMORY: Family = Family::process(
+    "process_virtual_memory_bytes",
+    Kind::Gauge,
+    "Virtual memory size in bytes",
+);
+pub const PROCESS_VIRTUAL_MEMORY_MAX: Family = Family::process(
+    "process_virtual_memory_max_bytes",
+    Kind::Gauge,
+    "Maximum amount of virtual memory available in bytes (-1: unlimited)",
+);
+pub const PROCESS_RESIDENT_MEMORY: Family = Family::process(
+    "process_resident_memory_bytes",
+    Kind::Gauge,
+    "Resident memory size in bytes",
+);
+pub const PROCESS_START_TIME: Family = Family::process(
+    "process_start_time_seconds",
+    Kind::Gauge,
+    "Start time of the process since unix epoch in seconds",
+);
+pub const PROCESS_THREADS: Family = Family::process(
+    "process_threads",
+    Kind::Gauge,
+    "Number of OS threads in the process",
+);
+
+// The data-plane workers (one label value per worker thread, at most 64).
+pub const WORKER_BUSY: Family = Family::new(
+    "worker_busy_seconds",
+    Kind::Counter,
+    &["worker"],
+    "Time a data-plane worker thread spent on a CPU, as the kernel's scheduler counted it",
+);
+pub const WORKER_CPU_WAIT: Family = Family::new(
+    "worker_cpu_wait_seconds",
+    Kind::Counter,
+    &["worker"],
+    "Time a data-plane worker thread was ready to run but waited for a CPU (run-queue delay): it grows when the node or the agent's CPU limit starves the data plane",
+);
+pub const WORKER_STALLS: Family = Family::new(
+    "worker_stalls",
+    Kind::Counter,
+    &["worker"],
+    "Times a data-plane worker ran no task for longer than 400 ms: the heartbeat paused and new connects failed open until it ran again (the log tells why: busy, starved or blocked)",
+);
+
 /// Every family, in the order a scrape shows them.
 pub const ALL: &[Family] = &[
+    PROCESS_CPU_SECONDS,
+    PROCESS_OPEN_FDS,
+    PROCESS_MAX_FDS,
+    PROCESS_VIRTUAL_MEMORY,
+    PROCESS_VIRTUAL_MEMORY_MAX,
+    PROCESS_RESIDENT_MEMORY,
+    PROCESS_START_TIME,
+    PROCESS_THREADS,
     SERVICE_CONFIG_REJECTED,
     SOURCE_ERRORS,
     WARNING_EVENTS_DROPPED,
@@ -378,6 +478,9 @@ pub const ALL: &[Family] = &[
     OBSERVED_BACKENDS_RECEIVING,
     OBSERVED_BACKEND_SHARE,
     OBSERVED_BACKEND_CONNECTIONS,
+    WORKER_BUSY,
+    WORKER_CPU_WAIT,
+    WORKER_STALLS,
 ];
 
 /// Every sample name a scrape can show, prefix and suffixes included.
@@ -394,7 +497,15 @@ mod tests {
     fn names_are_unique_and_follow_the_naming_guide() {
         let mut seen = std::collections::HashSet::new();
         for f in ALL {
-            assert!(seen.insert(f.name), "{} is listed twice", f.name);
+            assert!(seen.insert(f.full_name()), "{} is listed twice", f.name);
+            assert!(
+                f.namespace == PREFIX
+                    || (f.namespace == PROCESS
+                        && f.labels.is_empty()
+                        && f.name.starts_with("process_")),
+                "{}: skewless_, or an unlabelled standard process family",
+                f.name
+            );
             assert!(
                 f.name
                     .chars()

@@ -18,12 +18,15 @@ pub struct Identifier<'a> {
 }
 
 impl Identifier<'_> {
-    /// Whether it names a series the checks know of: a `skewless_` metric, a recorded series
-    /// (`level:metric:operations`) or `up`; never a function.
+    /// Whether it names a series the checks know of: a `skewless_` or `process_` metric, a
+    /// recorded series (`level:metric:operations`) or `up`; never a function.
     #[must_use]
     pub fn is_series(&self) -> bool {
         !self.call
-            && (self.name.starts_with("skewless_") || self.name.contains(':') || self.name == "up")
+            && (self.name.starts_with("skewless_")
+                || self.name.starts_with("process_")
+                || self.name.contains(':')
+                || self.name == "up")
     }
 }
 

@@ -6,9 +6,10 @@
 //! end-to-end test.
 
 use skewless_admin::{
-    collector::{Kernel, MapUsage, Metrics, Scrape},
+    collector::{Kernel, MapUsage, Metrics, Scrape, WorkerUsage},
     json::{EndpointStatus, Histogram, ObservedBackend, ObservedService, Rotation, ServiceStatus},
     monitoring,
+    process::Process,
 };
 
 #[test]
@@ -19,6 +20,21 @@ fn promtool_finds_nothing_but_its_openmetrics_counter_misreading() {
         sum: 1.5,
     };
     let scrape = Scrape {
+        process: Some(Process {
+            cpu_seconds: 0.5,
+            open_fds: 10,
+            max_fds: 1024,
+            virtual_memory_bytes: 1 << 28,
+            virtual_memory_max_bytes: u64::MAX,
+            resident_memory_bytes: 1 << 24,
+            start_time_seconds: 1_764_700_000.0,
+            threads: 4,
+        }),
+        workers: vec![WorkerUsage {
+            busy_seconds: 1.0,
+            cpu_wait_seconds: 0.1,
+            stalls: 0,
+        }],
         model_ready: true,
         kernel: Kernel::default(),
         maps: vec![MapUsage {

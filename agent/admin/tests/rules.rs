@@ -266,11 +266,12 @@ fn metrics_doc_table_lists_every_family() {
         .expect("docs/metrics.md has a Families section");
     let rows: BTreeSet<(String, String, String)> = section
         .lines()
-        .filter_map(|l| l.strip_prefix("| `skewless_"))
+        .filter_map(|l| l.strip_prefix("| `"))
+        .filter(|l| l.starts_with("skewless_") || l.starts_with("process_"))
         .map(|l| {
             let cells: Vec<&str> = l.split('|').map(str::trim).collect();
             (
-                format!("skewless_{}", cells[0].trim_end_matches('`')),
+                cells[0].trim_end_matches('`').to_owned(),
                 cells[1].to_owned(),
                 cells[2].to_owned(),
             )
@@ -279,7 +280,7 @@ fn metrics_doc_table_lists_every_family() {
     let expected: BTreeSet<(String, String, String)> = names::ALL
         .iter()
         .map(|f| {
-            let base = format!("{}_{}", names::PREFIX, f.name);
+            let base = f.full_name();
             let (name, kind) = match f.kind {
                 names::Kind::Counter => (format!("{base}_total"), "counter"),
                 names::Kind::Gauge => (base, "gauge"),

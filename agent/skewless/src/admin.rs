@@ -15,15 +15,64 @@ use http_body_util::Full;
 use hyper::{Request, Response, StatusCode, body::Bytes, service::service_fn};
 use hyper_util::rt::TokioIo;
 use skewless_admin::{
-    collector::{Kernel, MapUsage, Metrics, Scrape},
+    collector::{Kernel, MapUsage, Metrics, Scrape, WorkerUsage},
     json::{ObservedService, RedirectStatus, ServiceStatus, Status},
+    process::{ProcTexts, Process},
     window::{self, Window},
 };
 use skewless_datapath::{Counter, Counters, Datapath};
 use tokio::net::TcpListener;
 use tracing::{debug, warn};
 
-use crate::{observer::Published, peers::PeerFilter, reconcile::Reconciler};
+use crate::{observer::Published, peers::PeerFilter, reconcile::Reconciler, stall::StallCounts};
+
+/// What the worker families read: the workers' threads and the heartbeat's stall counts.
+pub struct WorkerFigures {
+    pub workers: Arc<skewless_balancer::Workers>,
+    pub stalls: Arc<StallCounts>,
+}
+
+impl WorkerFigures {
+    /// Each worker's scheduler times (zero while its thread is unknown) and stalls.
+    fn usage(&self) -> Vec<WorkerUsage> {
+        self.workers
+            .liveness()
+            .iter()
+            .enumerate()
+            .map(|(i, live)| {
+                let sample = live
+                    .tid
+                    .and_then(skewless_balancer::workers::ThreadSample::read);
+                WorkerUsage {
+                    busy_seconds: sample.map_or(0.0, |s| s.on_cpu.as_secs_f64()),
+                    cpu_wait_seconds: sample.map_or(0.0, |s| s.waiting.as_secs_f64()),
+                    stalls: self.stalls.get(i),
+                }
+            })
+            .collect()
+    }
+}
+
+/// This process's figures from `/proc`; `None` (and a debug line) where they cannot be read.
+fn process() -> Option<Process> {
+    let read = |path: &str| std::fs::read_to_string(path).ok();
+    let (stat, status, limits, system_stat) = (
+        read("/proc/self/stat")?,
+        read("/proc/self/status")?,
+        read("/proc/self/limits")?,
+        read("/proc/stat")?,
+    );
+    let open_fds = std::fs::read_dir("/proc/self/fd").ok()?.count() as u64;
+    Process::parse(&ProcTexts {
+        stat: &stat,
+        status: &status,
+        limits: &limits,
+        system_stat: &system_stat,
+        open_fds,
+    })
+    .inspect_err(|error| debug!(%error, "process figures"))
+    .ok()
+}
 
 /// Whether the agent has a model yet, and what it waits for until then (`/ready` says it).
 pub struct Readiness {
@@ -49,18 +98,34 @@ pub struct State {
     model: Option<Readiness>,
     /// The observer's latest per-Service reports and its figures of the connection map.
     observed: Arc<Published>,
+    workers: WorkerFigures,
+}
+
+/// Where the admin API's answers come from.
+pub struct Sources {
+    pub peers: Arc<PeerFilter>,
+    pub node: String,
+    pub datapath: Arc<Mutex<Datapath>>,
+    pub reconciler: Arc<tokio::sync::Mutex<Reconciler>>,
+    pub metrics: Metrics,
+    /// With a model source: whether it has delivered its first complete model.
+    pub model: Option<Readiness>,
+    pub observed: Arc<Published>,
+    pub workers: WorkerFigures,
 }
 
 impl State {
-    pub fn new(
-        peers: Arc<PeerFilter>,
-        node: String,
-        datapath: Arc<Mutex<Datapath>>,
-        reconciler: Arc<tokio::sync::Mutex<Reconciler>>,
-        metrics: Metrics,
-        model: Option<Readiness>,
-        observed: Arc<Published>,
-    ) -> Self {
+    pub fn new(sources: Sources) -> Self {
+        let Sources {
+            peers,
+            node,
+            datapath,
+            reconciler,
+            metrics,
+            model,
+            observed,
+            workers,
+        } = sources;
         Self {
             peers,
             node,
@@ -70,6 +135,7 @@ impl State {
             window: Mutex::new(Window::default()),
             model,
             observed,
+            workers,
         }
     }
 
@@ -238,6 +304,8 @@ async fn metrics_of(state: &State) -> Result<String> {
     let services = state.services().await;
     let (counters, _, maps) = kernel(state)?;
     let scrape = Scrape {
+        process: process(),
+        workers: state.workers.usage(),
         model_ready: state.model.as_ref().is_none_or(Readiness::ready),
         kernel: exported(&counters, &state.observed),
         maps,

@@ -25,6 +25,7 @@ use crate::{
     admin, observer,
     peers::{Cidr, PeerFilter},
     reconcile::{Reconciler, Redirector},
+    stall::StallCounts,
 };
 
 /// The node-local address the balancers listen on: a /32 on the node's `lo`, reachable from
@@ -138,7 +139,7 @@ pub async fn run(args: Args) -> Result<()> {
     } = args;
     let cgroups = attach_points(cgroups, pod_cgroup_root.as_deref())?;
     let datapath = Arc::new(Mutex::new(load_datapath(&cgroups, &redirects)?));
-    let workers = start_workers(balancer_threads, &datapath)?;
+    let (workers, stalls) = start_workers(balancer_threads, &datapath)?;
     let model_metrics = skewless_model::Metrics::default();
     let metrics =
         skewless_admin::collector::Metrics::new(&model_metrics, env!("CARGO_PKG_VERSION"));
@@ -182,15 +183,16 @@ pub async fn run(args: Args) -> Result<()> {
     });
 
     info!(node = %node_name, cgroups = cgroups.len(), redirects = redirects.len(), "agent ready");
-    let state = Arc::new(admin::State::new(
-        Arc::clone(&peers),
-        node_name,
-        Arc::clone(&datapath),
-        Arc::clone(&reconciler),
+    let state = Arc::new(admin::State::new(admin::Sources {
+        peers: Arc::clone(&peers),
+        node: node_name,
+        datapath: Arc::clone(&datapath),
+        reconciler: Arc::clone(&reconciler),
         metrics,
         model,
         observed,
-    ));
+        workers: admin::WorkerFigures { workers, stalls },
+    }));
     tokio::spawn(
         Arc::clone(&state)
             .follow_window()
@@ -249,15 +251,24 @@ fn load_datapath(cgroups: &[PathBuf], redirects: &[Redirect]) -> Result<Datapath
 
 /// Starts the data-plane worker threads and the heartbeat that keeps the hooks redirecting
 /// only while they all run.
-fn start_workers(threads: u16, datapath: &Arc<Mutex<Datapath>>) -> Result<Arc<Workers>> {
+fn start_workers(
+    threads: u16,
+    datapath: &Arc<Mutex<Datapath>>,
+) -> Result<(Arc<Workers>, Arc<StallCounts>)> {
     let workers = Arc::new(
         Workers::start(usize::from(threads), "skewless-dp")
             .context("starting the data-plane worker threads")?,
     );
+    let stalls = Arc::new(StallCounts::new(workers.len()));
     tokio::spawn(
-        heartbeat(Arc::clone(datapath), Arc::clone(&workers)).instrument(info_span!("heartbeat")),
+        heartbeat(
+            Arc::clone(datapath),
+            Arc::clone(&workers),
+            Arc::clone(&stalls),
+        )
+        .instrument(info_span!("heartbeat")),
     );
-    Ok(workers)
+    Ok((workers, stalls))
 }
 
 /// A model source: its snapshots, and whether it has delivered a complete model yet.
@@ -377,11 +388,15 @@ fn pods_parent(root: &std::path::Path) -> Result<PathBuf> {
 /// Tells the hooks the agent is alive, every 200 ms, while every data-plane worker runs its
 /// tasks: if a worker hangs, the control runtime hangs, or the process is stopped, the
 /// heartbeat goes stale and new connections go straight to the Service within a second.
-async fn heartbeat(datapath: Arc<Mutex<Datapath>>, workers: Arc<Workers>) {
+async fn heartbeat(
+    datapath: Arc<Mutex<Datapath>>,
+    workers: Arc<Workers>,
+    stalls: Arc<StallCounts>,
+) {
     const EVERY: Duration = Duration::from_millis(200);
     let mut tick = tokio::time::interval(EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut watch = crate::stall::StallWatch::default();
+    let mut watch = crate::stall::StallWatch::new(stalls);
     let mut last = tokio::time::Instant::now();
     loop {
         tick.tick().await;
