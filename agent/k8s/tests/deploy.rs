@@ -25,7 +25,7 @@ const AGENT_ARGS: [&str; 5] = [
     "--kubernetes",
     "--pod-cgroup-root=/run/skewless/cgroup",
     "--node-name=$(NODE_NAME)",
-    "--admin-addr=0.0.0.0:9990",
+    "--metrics-addr=0.0.0.0:9990",
 ];
 
 /// What the agent needs on top of its drains after SIGTERM: removing the redirects, exiting,
@@ -309,8 +309,8 @@ fn daemonset_is_a_least_privilege_host_network_agent() {
         .ports
         .iter()
         .flatten()
-        .find(|p| p.name.as_deref() == Some("admin"))
-        .expect("admin port");
+        .find(|p| p.name.as_deref() == Some("metrics"))
+        .expect("metrics port");
     assert_eq!(port.container_port, 9990);
     for (probe, path) in [(&c.readiness_probe, "/ready"), (&c.liveness_probe, "/live")] {
         let get = probe
@@ -318,7 +318,7 @@ fn daemonset_is_a_least_privilege_host_network_agent() {
             .and_then(|p| p.http_get.as_ref())
             .expect("http probe");
         assert_eq!(get.path.as_deref(), Some(path));
-        assert_eq!(serde_json::to_value(&get.port).unwrap(), "admin");
+        assert_eq!(serde_json::to_value(&get.port).unwrap(), "metrics");
     }
     let mounts: BTreeSet<&str> = c
         .volume_mounts
@@ -330,7 +330,7 @@ fn daemonset_is_a_least_privilege_host_network_agent() {
 }
 
 #[test]
-fn metrics_service_and_servicemonitor_select_the_agent_admin_port() {
+fn metrics_service_and_servicemonitor_select_the_agent_metrics_port() {
     let objects = base();
     let ds_labels = objects
         .iter()
@@ -355,7 +355,7 @@ fn metrics_service_and_servicemonitor_select_the_agent_admin_port() {
         );
     }
     let port = &spec.ports.as_ref().expect("ports")[0];
-    assert_eq!((port.name.as_deref(), port.port), (Some("admin"), 9990));
+    assert_eq!((port.name.as_deref(), port.port), (Some("metrics"), 9990));
 
     let monitoring = objects_of(&deploy_dir().join("monitoring"));
     let Object::ServiceMonitor(sm) = &monitoring[0] else {
@@ -370,7 +370,7 @@ fn metrics_service_and_servicemonitor_select_the_agent_admin_port() {
             "ServiceMonitor selects the Service by {k}"
         );
     }
-    assert_eq!(sm.data["spec"]["endpoints"][0]["port"], "admin");
+    assert_eq!(sm.data["spec"]["endpoints"][0]["port"], "metrics");
 }
 
 /// Renders with the real kustomize in kubectl (part of these machines' image; `cargo xtask

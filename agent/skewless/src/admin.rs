@@ -1,5 +1,10 @@
 //! The admin API server: `/live`, `/ready`, `/status` (JSON) and `/metrics` (OpenMetrics).
 //!
+//! Two kinds of listener ([`Scope`]): the public one (`--metrics-addr`, reachable from other
+//! hosts) answers only the probes and `/metrics`; the local one (`--admin-addr`, loopback by
+//! default) answers everything. What only the local listener serves is routed in one place,
+//! [`local_route`], so a new view of the node's state lands beside `/status`.
+//!
 //! This file routes requests and gathers the numbers each answer needs from the datapath,
 //! the reconciler and the observer; what the answers say (JSON types, metric families) is
 //! `skewless-admin`'s.
@@ -162,10 +167,48 @@ impl State {
     }
 }
 
-pub async fn serve(addr: SocketAddr, state: Arc<State>) -> Result<()> {
-    let listener = TcpListener::bind(addr)
-        .await
-        .with_context(|| format!("binding the admin API to {addr}"))?;
+/// What a listener of the admin API answers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Scope {
+    /// Reachable from other hosts (Prometheus, the kubelet): `/live`, `/ready`, `/metrics`.
+    Public,
+    /// This node only: everything, `/status` included.
+    Local,
+}
+
+/// How long a listener's address may stay taken before binding gives up: a predecessor agent
+/// (a rolling update) frees its admin addresses when it gets SIGTERM, but a listener of
+/// another program on the address is an error within this bound.
+const BIND_RETRY_FOR: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Binds an admin listener, waiting while the address is in use (a predecessor agent between
+/// its SIGTERM and its exit may still hold it).
+pub async fn bind(addr: SocketAddr, scope: Scope) -> Result<TcpListener> {
+    let started = tokio::time::Instant::now();
+    let mut warned = false;
+    loop {
+        match TcpListener::bind(addr).await {
+            Ok(listener) => return Ok(listener),
+            Err(e)
+                if e.kind() == std::io::ErrorKind::AddrInUse
+                    && started.elapsed() < BIND_RETRY_FOR =>
+            {
+                if !warned {
+                    warn!(%addr, ?scope, "admin address in use (a predecessor agent draining?); retrying");
+                    warned = true;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
+            Err(e) => {
+                return Err(e)
+                    .with_context(|| format!("binding the admin API ({scope:?}) to {addr}"));
+            }
+        }
+    }
+}
+
+/// Serves the admin API's `scope` on `listener` until the task is aborted.
+pub async fn serve(listener: TcpListener, scope: Scope, state: Arc<State>) -> Result<()> {
     loop {
         let (stream, peer) = match listener.accept().await {
             Ok(conn) => conn,
@@ -178,7 +221,7 @@ pub async fn serve(addr: SocketAddr, state: Arc<State>) -> Result<()> {
         tokio::spawn(async move {
             let svc = service_fn(move |req| {
                 let state = Arc::clone(&state);
-                async move { Ok::<_, Infallible>(route(&req, &state).await) }
+                async move { Ok::<_, Infallible>(route(&req, &state, scope).await) }
             });
             if let Err(e) = hyper::server::conn::http1::Builder::new()
                 .serve_connection(TokioIo::new(stream), svc)
@@ -190,29 +233,16 @@ pub async fn serve(addr: SocketAddr, state: Arc<State>) -> Result<()> {
     }
 }
 
-async fn route(req: &Request<hyper::body::Incoming>, state: &State) -> Response<Full<Bytes>> {
-    match req.uri().path() {
-        "/live" => text(StatusCode::OK, "ok\n"),
-        "/ready" => match &state.model {
-            Some(m) if !m.ready() => text(
-                StatusCode::SERVICE_UNAVAILABLE,
-                &format!(
-                    "no model yet: {}; nothing is redirected until then\n",
-                    m.waiting_for
-                ),
-            ),
-            _ => text(StatusCode::OK, "ok\n"),
-        },
-        "/status" => match status_of(state).await {
-            Ok(s) => Response::builder()
-                .header("content-type", "application/json")
-                .body(Full::new(Bytes::from(
-                    serde_json::to_vec_pretty(&s).unwrap_or_default(),
-                )))
-                .unwrap_or_default(),
-            Err(e) => text(StatusCode::INTERNAL_SERVER_ERROR, &format!("{e:#}\n")),
-        },
-        "/metrics" => match metrics_of(state).await {
+async fn route(
+    req: &Request<hyper::body::Incoming>,
+    state: &State,
+    scope: Scope,
+) -> Response<Full<Bytes>> {
+    let path = req.uri().path();
+    match (path, scope) {
+        ("/live", _) => text(StatusCode::OK, "ok\n"),
+        ("/ready", _) => ready(state),
+        ("/metrics", _) => match metrics_of(state).await {
             Ok(body) => Response::builder()
                 .header(
                     "content-type",
@@ -222,7 +252,42 @@ async fn route(req: &Request<hyper::body::Incoming>, state: &State) -> Response<
                 .unwrap_or_default(),
             Err(e) => text(StatusCode::INTERNAL_SERVER_ERROR, &format!("{e:#}\n")),
         },
+        (_, Scope::Local) => local_route(path, state).await,
+        (_, Scope::Public) => text(
+            StatusCode::NOT_FOUND,
+            "not found: this address serves /live, /ready and /metrics; the rest of the \
+             admin API is on the agent's local address (--admin-addr)\n",
+        ),
+    }
+}
+
+/// Everything only the local listener serves: `/status`, and any other view of the node's
+/// Services, VIPs and backends (they stay off the public listener).
+async fn local_route(path: &str, state: &State) -> Response<Full<Bytes>> {
+    match path {
+        "/status" => match status_of(state).await {
+            Ok(s) => Response::builder()
+                .header("content-type", "application/json")
+                .body(Full::new(Bytes::from(
+                    serde_json::to_vec_pretty(&s).unwrap_or_default(),
+                )))
+                .unwrap_or_default(),
+            Err(e) => text(StatusCode::INTERNAL_SERVER_ERROR, &format!("{e:#}\n")),
+        },
         _ => text(StatusCode::NOT_FOUND, "not found\n"),
+    }
+}
+
+fn ready(state: &State) -> Response<Full<Bytes>> {
+    match &state.model {
+        Some(m) if !m.ready() => text(
+            StatusCode::SERVICE_UNAVAILABLE,
+            &format!(
+                "no model yet: {}; nothing is redirected until then\n",
+                m.waiting_for
+            ),
+        ),
+        _ => text(StatusCode::OK, "ok\n"),
     }
 }
 

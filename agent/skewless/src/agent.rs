@@ -32,6 +32,9 @@ use crate::{
 /// the node's pods through their default route.
 pub const DEFAULT_BALANCER_IP: Ipv4Addr = Ipv4Addr::new(169, 254, 77, 1);
 
+/// The local admin API's address (`skewless status` asks it by default).
+pub const DEFAULT_ADMIN_ADDR: &str = "127.0.0.1:9991";
+
 #[derive(clap::Args, Debug)]
 pub struct Args {
     /// Pod cgroup (cgroup v2 directory) to attach the socket hooks to. Repeatable. Never the
@@ -75,9 +78,15 @@ pub struct Args {
     /// balanced traffic needs more than one core.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64), env = "SKEWLESS_BALANCER_THREADS")]
     balancer_threads: u16,
-    /// Address of the admin API (/live, /ready, /status, /metrics).
-    #[arg(long, default_value = "127.0.0.1:9990", env = "SKEWLESS_ADMIN_ADDR")]
+    /// Address of the whole admin API (/status, /metrics, /live, /ready), `skewless status`
+    /// asks it. Local by default: /status lists every Service, VIP and backend of the node,
+    /// so keep it on loopback; other hosts get metrics and probes from `--metrics-addr`.
+    #[arg(long, default_value = DEFAULT_ADMIN_ADDR, env = "SKEWLESS_ADMIN_ADDR")]
     admin_addr: SocketAddr,
+    /// Address for other hosts: /metrics, /live and /ready only (the DaemonSet serves
+    /// Prometheus and the kubelet's probes on 0.0.0.0:9990). Unset: no such listener.
+    #[arg(long, env = "SKEWLESS_METRICS_ADDR")]
+    metrics_addr: Option<SocketAddr>,
     /// This node's name (from the downward API in the DaemonSet).
     #[arg(long, env = "NODE_NAME", default_value = "local")]
     node_name: String,
@@ -134,6 +143,7 @@ pub async fn run(args: Args) -> Result<()> {
         pod_cidrs,
         redirects,
         admin_addr,
+        metrics_addr,
         node_name,
         balancer_threads,
     } = args;
@@ -198,8 +208,11 @@ pub async fn run(args: Args) -> Result<()> {
             .follow_window()
             .instrument(info_span!("window")),
     );
-    let server = tokio::spawn(admin::serve(admin_addr, Arc::clone(&state)));
-    until_told_to_stop(server).await?;
+    let mut servers = serve_admin(admin_addr, metrics_addr, &state).await?;
+    until_told_to_stop(&mut servers).await?;
+    // Free the admin addresses first: a successor agent (a rolling update) binds them while
+    // this one drains.
+    servers.abort_all();
     reconciler.lock().await.shutdown().await;
     // Returning drops the datapath, which closes every bpf_link: pods connect directly again.
     // A SIGKILL has the same effect, because the kernel closes the links with the process.
@@ -360,13 +373,40 @@ async fn reconcile(
     }
 }
 
+/// Binds the local admin listener and, with `--metrics-addr`, the public one, and serves them.
+async fn serve_admin(
+    admin_addr: SocketAddr,
+    metrics_addr: Option<SocketAddr>,
+    state: &Arc<admin::State>,
+) -> Result<tokio::task::JoinSet<Result<()>>> {
+    if !admin_addr.ip().is_loopback() {
+        tracing::warn!(
+            %admin_addr,
+            "the admin API is not on loopback: /status (every Service, VIP and backend of this \
+             node) answers whoever reaches it"
+        );
+    }
+    let mut servers = tokio::task::JoinSet::new();
+    for (addr, scope) in std::iter::once((admin_addr, admin::Scope::Local))
+        .chain(metrics_addr.map(|a| (a, admin::Scope::Public)))
+    {
+        let listener = admin::bind(addr, scope).await?;
+        info!(%addr, ?scope, "admin API listening");
+        servers.spawn(
+            admin::serve(listener, scope, Arc::clone(state))
+                .instrument(info_span!("admin", ?scope)),
+        );
+    }
+    Ok(servers)
+}
+
 /// Waits for SIGTERM or Ctrl-C; an admin server that stops on its own is an error.
-async fn until_told_to_stop(server: tokio::task::JoinHandle<Result<()>>) -> Result<()> {
+async fn until_told_to_stop(servers: &mut tokio::task::JoinSet<Result<()>>) -> Result<()> {
     let mut term = signal(SignalKind::terminate())?;
     tokio::select! {
         _ = term.recv() => info!("SIGTERM: removing redirects, draining balancers"),
         _ = tokio::signal::ctrl_c() => info!("interrupted: removing redirects, draining balancers"),
-        res = server => res.context("admin server task")?.context("admin server")?,
+        Some(res) = servers.join_next() => res.context("admin server task")?.context("admin server")?,
     }
     Ok(())
 }

@@ -11,8 +11,8 @@ use tokio::net::TcpStream;
 
 #[derive(clap::Args, Debug)]
 pub struct StatusArgs {
-    /// The agent's admin address.
-    #[arg(long, default_value = "127.0.0.1:9990", env = "SKEWLESS_ADMIN_ADDR")]
+    /// The agent's local admin address (its `--admin-addr`).
+    #[arg(long, default_value = crate::agent::DEFAULT_ADMIN_ADDR, env = "SKEWLESS_ADMIN_ADDR")]
     admin_addr: SocketAddr,
     /// Print the raw JSON (one reading, no rates).
     #[arg(long)]

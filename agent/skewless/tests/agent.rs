@@ -748,3 +748,94 @@ fn rolling_upgrade_under_grpc_load_fails_no_call() {
         "the new agent's balancer must carry a client that connects after the upgrade: {status}"
     );
 }
+
+/// `GET url` with the testbed's HTTP client from `place`: the body, or the client's stderr
+/// (an HTTP error status or a refused connection, as Python's urllib words it).
+fn http_get(tb: &skewless_testbed::Testbed, place: Place<'_>, url: &str) -> Got {
+    let mut cmd = tb
+        .command(
+            place,
+            &["python3", skewless_testbed::scripts::HTTP_GET, url],
+        )
+        .expect("the HTTP client's command");
+    let out = cmd.output().expect("the HTTP client runs");
+    if out.status.success() {
+        Got::Body(String::from_utf8_lossy(&out.stdout).into_owned())
+    } else {
+        Got::Failed(String::from_utf8_lossy(&out.stderr).into_owned())
+    }
+}
+
+/// What [`http_get`] got.
+#[derive(Debug)]
+enum Got {
+    Body(String),
+    /// The HTTP client's error: a status (`HTTP Error 404`) or a connection error.
+    Failed(String),
+}
+
+impl Got {
+    fn failed_with(&self, what: &str) -> bool {
+        matches!(self, Got::Failed(e) if e.contains(what))
+    }
+}
+
+#[test]
+#[ignore = "privileged: needs root and the real kernel; run with `cargo xtask test`"]
+fn status_is_local_by_default_while_metrics_and_probes_answer_other_hosts() {
+    let vip = SocketAddrV4::new(std::net::Ipv4Addr::new(198, 19, 0, 34), 50051);
+    let (mut tb, _gen_dir) = echo_bed(vip, &ECHO_PODS[..1]);
+    let services = TempPath::new(format!("skewless-test-services-{}.yaml", tb.id()));
+    write_services(&services, &tb, vip, "request", &ECHO_PODS[..1]);
+    let file = services.display().to_string();
+    // As the DaemonSet runs it: the public listener on every address, the local one left at
+    // its default.
+    let argv = [
+        env!("CARGO_BIN_EXE_skewless"),
+        "agent",
+        "--services-file",
+        &file,
+        "--metrics-addr",
+        "0.0.0.0:9990",
+    ];
+    tb.spawn(Place::Node(0), &argv).unwrap();
+    let local: SocketAddrV4 = "127.0.0.1:9991".parse().unwrap();
+    tb.wait_for_tcp(Place::Node(0), local, Duration::from_secs(10))
+        .expect("agent serves its local admin API");
+    let node = tb.node(0).fabric_ip;
+    wait_until("the Service is redirected", || {
+        status_json_at(&tb, "127.0.0.1:9991")["services"]
+            .as_array()
+            .is_some_and(|s| s.len() == 1)
+    });
+
+    // Another host's view: the client pod's network namespace, reaching the node's address.
+    let other = Place::Pod("client");
+    for path in ["/metrics", "/live", "/ready"] {
+        let got = http_get(&tb, other, &format!("http://{node}:9990{path}"));
+        assert!(
+            matches!(&got, Got::Body(b) if path != "/metrics" || b.contains("skewless_")),
+            "{path} must answer other hosts: {got:?}"
+        );
+    }
+    let status = http_get(&tb, other, &format!("http://{node}:9990/status"));
+    assert!(
+        status.failed_with("404"),
+        "/status must not be served on the public listener: {status:?}"
+    );
+    let local_from_outside = http_get(&tb, other, &format!("http://{node}:9991/status"));
+    assert!(
+        local_from_outside.failed_with("refused"),
+        "the local admin listener must not be reachable from another namespace: \
+         {local_from_outside:?}"
+    );
+    // On the node itself, `skewless status` (its default address) works.
+    let text = tb
+        .run(Place::Node(0), &[env!("CARGO_BIN_EXE_skewless"), "status"])
+        .expect("skewless status runs with its default address");
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(
+        text.contains(&vip.to_string()),
+        "skewless status on the node lists the Service: {text}"
+    );
+}
