@@ -3,13 +3,11 @@
 //! torn down). A peer gets one token bucket per kind; a frame header of that kind spends a
 //! token, and a peer that empties a bucket is flooding.
 //!
-//! Shared by both modes: request mode's [`crate::flood`] follows the client's byte stream for
+//! Shared by both modes: request mode's [`crate::request::flood`] follows the client's byte stream for
 //! the frame headers and spends here; connection mode's relay spends here from the frame
 //! headers it reads anyway. The budgets are far above what a gRPC client sends (grpc-go's BDP
 //! and keepalive PINGs, one SETTINGS per connection, one RST_STREAM per cancelled call), the
 //! approach of Envoy's and nginx's HTTP/2 flood limits.
-
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use skewless_frame::{Head, Kind};
 use tokio::time::Instant;
@@ -60,25 +58,6 @@ pub enum Flood {
     Settings,
     #[error("RST_STREAM flood")]
     RstStream,
-}
-
-/// Client connections cut off for a flood, by kind.
-#[derive(Debug, Default)]
-pub(crate) struct FloodCounters {
-    pub(crate) ping: AtomicU64,
-    pub(crate) settings: AtomicU64,
-    pub(crate) rst_stream: AtomicU64,
-}
-
-impl FloodCounters {
-    pub(crate) fn count(&self, flood: Flood) {
-        let cell = match flood {
-            Flood::Ping => &self.ping,
-            Flood::Settings => &self.settings,
-            Flood::RstStream => &self.rst_stream,
-        };
-        cell.fetch_add(1, Ordering::Relaxed);
-    }
 }
 
 #[derive(Debug)]

@@ -296,6 +296,42 @@ impl Ejection {
     }
 }
 
+/// Where an endpoint stands in the rotation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EndpointState {
+    /// No usable connection yet (connecting or reconnecting).
+    Connecting,
+    /// Its grpc.health.v1 Watch says NOT_SERVING (or the watch failed): no requests.
+    NotServing,
+    /// In rotation.
+    Active,
+    /// Too slow compared to its peers: only probe requests.
+    Degraded,
+    /// Failed repeatedly, or its connection died (an unanswered PING): no requests until its
+    /// ejection time is over and it has answered a PING or a new connection.
+    Ejected,
+}
+
+impl EndpointState {
+    /// The state's name as `/status` and `skewless status` show it.
+    #[must_use]
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EndpointState::Connecting => "Connecting",
+            EndpointState::NotServing => "NotServing",
+            EndpointState::Active => "Active",
+            EndpointState::Degraded => "Degraded",
+            EndpointState::Ejected => "Ejected",
+        }
+    }
+}
+
+impl std::fmt::Display for EndpointState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -377,6 +413,23 @@ mod tests {
             e.record_failure(t0, 1, backoff, false, false),
             None,
             "not ejected when the mode does not allow it"
+        );
+    }
+
+    #[test]
+    fn endpoint_states_keep_the_names_status_readers_know() {
+        let states = [
+            EndpointState::Connecting,
+            EndpointState::NotServing,
+            EndpointState::Active,
+            EndpointState::Degraded,
+            EndpointState::Ejected,
+        ];
+        let names: Vec<String> = states.iter().map(ToString::to_string).collect();
+        assert_eq!(
+            names,
+            ["Connecting", "NotServing", "Active", "Degraded", "Ejected"],
+            "/status values are a contract with `skewless status`, tests and dashboards"
         );
     }
 }

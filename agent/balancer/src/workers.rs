@@ -31,7 +31,7 @@ use tracing::Instrument as _;
 use crate::server::{self, NewConnection};
 
 mod threads;
-use crate::{Balancer, BalancerError};
+use crate::BalancerError;
 pub use threads::{StallCause, StallTimes, ThreadSample, blocked_in};
 
 /// How often every worker proves it still runs its tasks (see [`Workers::stalled`]).
@@ -108,7 +108,7 @@ impl Workers {
     }
 
     /// The runtimes' handles, one per worker: spawn a worker's tasks with
-    /// [`Handle::spawn`], and construct a [`Balancer`] inside
+    /// [`Handle::spawn`], and construct a balancer (e.g. a [`crate::Balancer`]) inside
     /// [`Handle::enter`] so its own tasks land on that worker too.
     pub fn handles(&self) -> impl ExactSizeIterator<Item = &Handle> {
         self.workers.iter().map(|w| &w.handle)
@@ -186,7 +186,7 @@ impl Drop for Workers {
 
 /// One Service port served by every worker: see [`Workers::serve`].
 #[derive(Debug)]
-pub struct Served<B = Balancer> {
+pub struct Served<B> {
     /// The address all the workers' listeners share.
     pub addr: SocketAddr,
     /// One balancer per worker (for stats and reconfiguration).

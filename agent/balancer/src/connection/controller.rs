@@ -22,11 +22,11 @@ use super::policy::{
 };
 use super::stats::{BackendStats, ConnectionStats, RotationCounts};
 use super::window::Window;
+use crate::connection::relay::RotateReason;
 use crate::endpoint::Endpoint;
+use crate::endpoints::EndpointState;
 use crate::endpoints::{EndpointId, EndpointSet};
 use crate::metrics::{RotationReason, ServiceMetrics};
-use crate::relay::RotateReason;
-use crate::stats::EndpointState;
 
 /// Ticks over which a connection's request rate is measured.
 const RATE_TICKS: usize = 10;
@@ -47,7 +47,7 @@ pub(crate) trait Relayed: Send + Sync {
     fn rotate(&self, reason: RotateReason);
 }
 
-impl Relayed for crate::relay::RelayHandle {
+impl Relayed for crate::connection::relay::RelayHandle {
     fn requests(&self) -> u64 {
         self.stats().requests()
     }
@@ -57,7 +57,7 @@ impl Relayed for crate::relay::RelayHandle {
     }
 
     fn rotate(&self, reason: RotateReason) {
-        crate::relay::RelayHandle::rotate(self, reason);
+        crate::connection::relay::RelayHandle::rotate(self, reason);
     }
 }
 
@@ -73,7 +73,7 @@ pub(crate) struct Backend {
     /// Connect failures since it was added.
     connect_failures: u64,
     /// Its active health check, when one runs (aborted with the backend).
-    pub(crate) health: Option<crate::pool::AbortOnDrop>,
+    pub(crate) health: Option<crate::upstream::AbortOnDrop>,
 }
 
 impl Backend {
@@ -189,7 +189,7 @@ impl Controller {
         &mut self,
         endpoints: &[Endpoint],
         checking: bool,
-        mut health: impl FnMut(EndpointId, &Endpoint) -> Option<crate::pool::AbortOnDrop>,
+        mut health: impl FnMut(EndpointId, &Endpoint) -> Option<crate::upstream::AbortOnDrop>,
     ) -> (Vec<EndpointId>, Vec<Rotation>) {
         let ticks = self.window_ticks;
         let mut added = Vec::new();

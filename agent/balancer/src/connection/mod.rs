@@ -1,5 +1,5 @@
 //! Connection mode: every redirected client connection is relayed 1:1 to one backend (the
-//! frame-level relay, [`crate::relay`]), placed by load, and rotated with a graceful two-phase
+//! frame-level relay, [`crate::connection::relay`]), placed by load, and rotated with a graceful two-phase
 //! GOAWAY when the Service's connections are pinned unevenly, so the client reconnects and is
 //! placed again.
 //!
@@ -25,6 +25,7 @@
 pub mod config;
 mod controller;
 pub mod policy;
+pub mod relay;
 pub mod stats;
 mod window;
 
@@ -47,11 +48,11 @@ pub use stats::{BackendStats, ConnectionStats, RotationCounts};
 use crate::endpoint::Endpoint;
 use crate::endpoints::EndpointId;
 use crate::metrics::{ServiceMetrics, ServiceSnapshot};
-use crate::pool::{self, AbortOnDrop};
-use crate::relay::{self, RelayHandle, RelaySettings, RotateReason};
 use crate::server::{NewConnection, Stop, StopReason};
+use crate::upstream::{self, AbortOnDrop};
 use controller::{Controller, Placement, Rotation};
 use policy::ConnId;
+use relay::{RelayHandle, RelaySettings, RotateReason};
 
 /// The connection-mode balancer of one Service (see the module docs). Cheap to clone: every
 /// clone is the same balancer, so `Workers::serve(addr, || balancer.clone(), ..)` serves one
@@ -476,8 +477,14 @@ async fn health_task(shared: Weak<Shared>, id: EndpointId, addr: SocketAddr, ser
             return;
         };
         // The default TCP backstop; the connect itself ends with a PING the server answers.
-        match pool::connect(addr, timeout, &crate::LivenessConfig::default()).await {
-            Ok(pool::Connected {
+        match upstream::connect(
+            addr,
+            timeout,
+            &crate::upstream::liveness::LivenessConfig::default(),
+        )
+        .await
+        {
+            Ok(upstream::Connected {
                 sender,
                 mut ended,
                 go_away,
@@ -492,7 +499,12 @@ async fn health_task(shared: Weak<Shared>, id: EndpointId, addr: SocketAddr, ser
                         }
                     }
                 };
-                let watch = crate::health::watch(report, sender, addr.to_string(), service.clone());
+                let watch = crate::upstream::health::watch(
+                    report,
+                    sender,
+                    addr.to_string(),
+                    service.clone(),
+                );
                 tokio::pin!(watch);
                 tokio::select! {
                     // Only when the server has no health service: it serves for good.

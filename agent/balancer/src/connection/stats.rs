@@ -4,9 +4,9 @@
 use std::net::SocketAddr;
 
 use super::policy::PolicyState;
+use crate::connection::relay::RotateReason;
+use crate::endpoints::EndpointState;
 use crate::metrics::RotationReason;
-use crate::relay::RotateReason;
-use crate::stats::EndpointState;
 
 /// Rotations started since the balancer started, by reason.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

@@ -11,13 +11,14 @@ use bytes::Bytes;
 use tokio::net::TcpStream;
 use tokio::sync::watch;
 
-use crate::config::Config;
-use crate::flood::{FloodLimits, Guard};
 use crate::metrics::ClientErrorReason;
-use crate::pool::{self, Pool};
-use crate::proxy;
+use crate::request::config::Config;
+use crate::request::flood::{FloodLimits, Guard};
+use crate::request::pool::Pool;
+use crate::request::proxy;
 use crate::server::{Lifecycle, NewConnection, Stop};
 use crate::socket::{Close, Tapped};
+use crate::upstream;
 
 /// Most streams one client connection may have open at once. A pinned client sends all its
 /// calls over one connection, so this is its concurrency; what it can make the balancer buffer
@@ -70,12 +71,12 @@ async fn serve(pool: Arc<Pool>, stream: TcpStream, mut stop: Stop<Config>) {
     let preface_deadline = tokio::time::Instant::now() + HANDSHAKE_TIMEOUT;
     let (preface_done, mut preface_in) = tokio::sync::oneshot::channel();
     let handshake = h2::server::Builder::new()
-        // Fixed windows; see `pool::STREAM_WINDOW`.
-        .initial_window_size(pool::STREAM_WINDOW)
-        .initial_connection_window_size(pool::CONNECTION_WINDOW)
+        // Fixed windows; see `upstream::STREAM_WINDOW`.
+        .initial_window_size(upstream::STREAM_WINDOW)
+        .initial_connection_window_size(upstream::CONNECTION_WINDOW)
         .max_concurrent_streams(MAX_CLIENT_STREAMS)
-        .max_header_list_size(pool::MAX_HEADER_LIST)
-        .max_send_buffer_size(pool::MAX_SEND_BUFFER)
+        .max_header_list_size(upstream::MAX_HEADER_LIST)
+        .max_send_buffer_size(upstream::MAX_SEND_BUFFER)
         .max_local_error_reset_streams(Some(MAX_LOCAL_ERROR_RESETS))
         .handshake::<_, Bytes>(Tapped::new(
             stream,

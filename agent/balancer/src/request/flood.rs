@@ -6,7 +6,7 @@
 //! streams capped by `max_pending_accept_reset_streams` and `max_local_error_reset_streams`),
 //! but not how many it processes: a client that reads its PONGs can keep a core busy answering
 //! them for as long as it likes. So the client's byte stream is followed frame by frame (the
-//! frame headers only, as [`crate::io`] does for upstreams; decoding stays h2's) and each kind
+//! frame headers only, as [`crate::upstream::io`] does for upstreams; decoding stays h2's) and each kind
 //! spends from its own token bucket ([`crate::budget`]); a client that empties one is cut off (its connection
 //! ends as h2 sees a read error) and counted. The budgets are far above what a gRPC client
 //! sends (grpc-go's BDP and keepalive PINGs, one SETTINGS per connection, one RST_STREAM per
@@ -14,12 +14,13 @@
 
 use std::io;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use skewless_frame::{Follower, Kind};
 use tokio::{sync::oneshot, time::Instant};
 
 use crate::budget::FrameBudgets;
-pub(crate) use crate::budget::{Flood, FloodCounters, FloodLimits};
+pub(crate) use crate::budget::{Flood, FloodLimits};
 use crate::socket::ReadTap;
 
 /// The per-connection state: where the frame boundaries are, and the buckets.
@@ -72,6 +73,25 @@ impl FloodGuard {
             *tripped = budgets.spend(&head, now);
         });
         *tripped
+    }
+}
+
+/// Client connections cut off for a flood, by kind.
+#[derive(Debug, Default)]
+pub(crate) struct FloodCounters {
+    pub(crate) ping: AtomicU64,
+    pub(crate) settings: AtomicU64,
+    pub(crate) rst_stream: AtomicU64,
+}
+
+impl FloodCounters {
+    pub(crate) fn count(&self, flood: Flood) {
+        let cell = match flood {
+            Flood::Ping => &self.ping,
+            Flood::Settings => &self.settings,
+            Flood::RstStream => &self.rst_stream,
+        };
+        cell.fetch_add(1, Ordering::Relaxed);
     }
 }
 

@@ -48,10 +48,10 @@ use std::time::Duration;
 use rand::Rng;
 use tokio::time::Instant;
 
-use crate::config::PickerConfig;
 use crate::endpoints::{EndpointId, EndpointSet, Entry};
 use crate::metrics::HistogramSnapshot;
-use crate::stats::{EndpointState, EndpointStats};
+use crate::request::config::PickerConfig;
+use crate::request::stats::{EndpointState, EndpointStats};
 
 /// The result of a pick.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

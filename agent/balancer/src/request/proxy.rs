@@ -21,12 +21,32 @@ use http::{HeaderMap, Request, Response, StatusCode, Uri};
 use tokio::time::Instant;
 
 use crate::endpoints::EndpointId;
-use crate::error::ForwardError;
 use crate::grpc::{self, Code};
 use crate::metrics::{FailureReason, ServiceMetrics};
-use crate::picker::Outcome;
-use crate::pool::{Lease, Pool};
-use crate::stats::Counters;
+use crate::request::picker::Outcome;
+use crate::request::pool::{Lease, Pool};
+use crate::request::stats::Counters;
+
+/// Why a request could not be forwarded; becomes a gRPC status for the client.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum ForwardError {
+    /// The Service has no endpoints at all.
+    #[error("no endpoints")]
+    NoEndpoints,
+    /// There are endpoints but none became ready in time.
+    #[error("no endpoint is ready")]
+    NoReadyEndpoint,
+    /// The caller's budget ran out before the upstream answered.
+    #[error("deadline exceeded in the balancer")]
+    DeadlineExceeded,
+    /// The upstream failed the request after it was sent.
+    #[error("upstream request failed")]
+    Upstream(#[source] h2::Error),
+    /// The client reset its stream (or its connection broke) before the reply: nobody to
+    /// answer.
+    #[error("client went away")]
+    ClientGone,
+}
 
 /// Largest request body prefix kept for a replay: a larger body turns the copy off (no
 /// buffering of whole messages) and cannot be retried. A response arriving also turns it off.

@@ -4,8 +4,8 @@
 
 use std::time::Duration;
 
-pub use crate::liveness::LivenessConfig;
-pub use crate::retry_budget::RetryBudgetConfig;
+pub use crate::request::retry_budget::RetryBudgetConfig;
+pub use crate::upstream::liveness::LivenessConfig;
 
 /// Configuration of one Service's balancer.
 #[derive(Debug, Clone)]

@@ -2,44 +2,9 @@
 
 use std::net::SocketAddr;
 
+pub use crate::endpoints::EndpointState;
 use crate::metrics::HistogramSnapshot;
 use std::time::Duration;
-
-/// Where an endpoint stands in the rotation.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum EndpointState {
-    /// No usable connection yet (connecting or reconnecting).
-    Connecting,
-    /// Its grpc.health.v1 Watch says NOT_SERVING (or the watch failed): no requests.
-    NotServing,
-    /// In rotation.
-    Active,
-    /// Too slow compared to its peers: only probe requests.
-    Degraded,
-    /// Failed repeatedly, or its connection died (an unanswered PING): no requests until its
-    /// ejection time is over and it has answered a PING or a new connection.
-    Ejected,
-}
-
-impl EndpointState {
-    /// The state's name as `/status` and `skewless status` show it.
-    #[must_use]
-    pub fn as_str(self) -> &'static str {
-        match self {
-            EndpointState::Connecting => "Connecting",
-            EndpointState::NotServing => "NotServing",
-            EndpointState::Active => "Active",
-            EndpointState::Degraded => "Degraded",
-            EndpointState::Ejected => "Ejected",
-        }
-    }
-}
-
-impl std::fmt::Display for EndpointState {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
 
 /// Counters of one endpoint since it was added.
 #[derive(Debug, Clone, PartialEq)]
@@ -156,7 +121,7 @@ pub(crate) struct Counters {
     pub(crate) upstream_failures: std::sync::atomic::AtomicU64,
     pub(crate) local_deadline_exceeded: std::sync::atomic::AtomicU64,
     /// Client connections cut off for a flood (shared with each connection's guard).
-    pub(crate) floods: std::sync::Arc<crate::flood::FloodCounters>,
+    pub(crate) floods: std::sync::Arc<crate::request::flood::FloodCounters>,
 }
 
 impl Counters {
@@ -203,23 +168,6 @@ mod tests {
                 sum: 0.0,
             },
         }
-    }
-
-    #[test]
-    fn endpoint_states_keep_the_names_status_readers_know() {
-        let states = [
-            EndpointState::Connecting,
-            EndpointState::NotServing,
-            EndpointState::Active,
-            EndpointState::Degraded,
-            EndpointState::Ejected,
-        ];
-        let names: Vec<String> = states.iter().map(ToString::to_string).collect();
-        assert_eq!(
-            names,
-            ["Connecting", "NotServing", "Active", "Degraded", "Ejected"],
-            "/status values are a contract with `skewless status`, tests and dashboards"
-        );
     }
 
     #[test]
