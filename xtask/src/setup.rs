@@ -287,14 +287,14 @@ pub fn node_dir() -> PathBuf {
     venv().with_file_name("node")
 }
 
-/// The npm packages of the grpc-js client, exactly as xtask/node/package-lock.json pins them
+/// The npm packages of the grpc-js client, exactly as testing/node/package-lock.json pins them
 /// (and their dependencies with them). The check reads these versions back from the installed
 /// packages.
 pub const NODE_PACKAGES: &[(&str, &str)] =
     &[("@grpc/grpc-js", "1.14.7"), ("@grpc/proto-loader", "0.8.1")];
 
 fn node_manifest_dir() -> PathBuf {
-    crate::workspace_root().join("xtask/node")
+    crate::workspace_root().join("testing/node")
 }
 
 fn missing_node_clients() -> Option<String> {

@@ -1,5 +1,5 @@
-//! The small socket peers run inside pods: real programs in `xtask/py/`, sharing
-//! `xtask/py/peerlib.py` (the listener, address formatting, exact reads). Python is used
+//! The small socket peers run inside pods: real programs in `testing/py/`, sharing
+//! `testing/py/peerlib.py` (the listener, address formatting, exact reads). Python is used
 //! because it is on every machine and starts in milliseconds; each script is a real socket
 //! peer, not a mock.
 //!

@@ -1,6 +1,6 @@
 //! The one result every echo client prints (grpcio, grpc-js and tonic alike), as a type.
 //!
-//! `xtask/py/echo_client.py --json` and `xtask/node/echo_client.js` write these field names;
+//! `testing/py/echo_client.py --json` and `testing/node/echo_client.js` write these field names;
 //! the tonic client serializes this type directly. The harness parses every client's output
 //! into [`ClientResult`] with serde, so a field a client forgot is a parse error, not a zero.
 

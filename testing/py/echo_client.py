@@ -17,7 +17,7 @@ every 50 ms). --bidi-ms: one bidi stream that long (a message every 50 ms, each 
 the client half-closes, and every message sent must have been answered).
 --keepalive-ms: the client's own keepalive PINGs at that interval.
 
-Output: with --json one JSON object (the ClientResult of xtask/clients, the same for the
+Output: with --json one JSON object (the ClientResult of testing/clients, the same for the
 grpcio, grpc-js and tonic clients); otherwise one summary line,
 ok=K p50=MS p99=MS pods=pod:count,... errors=CODE:count,... (the demo's format). With --log
 every unary call is written as "<start, seconds since the epoch> <OK or status code>".

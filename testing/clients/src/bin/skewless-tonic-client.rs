@@ -1,5 +1,5 @@
 //! `skewless-tonic-client`: the tonic echo client of the real-client tests. Same flags and
-//! same JSON result as `xtask/py/echo_client.py --json` and `xtask/node/echo_client.js`.
+//! same JSON result as `testing/py/echo_client.py --json` and `testing/node/echo_client.js`.
 
 use std::time::Duration;
 

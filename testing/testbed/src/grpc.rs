@@ -20,10 +20,10 @@ fn workspace_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
-/// Path of a script in `xtask/py`.
+/// Path of a script in `testing/py`.
 #[must_use]
 pub fn script(name: &str) -> PathBuf {
-    workspace_root().join("xtask/py").join(name)
+    workspace_root().join("testing/py").join(name)
 }
 
 /// Generates the Python stubs of the echo proto into `target/py-gen` and returns that

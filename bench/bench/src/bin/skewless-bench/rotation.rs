@@ -3,7 +3,7 @@
 //! tallies ([`skewless_bench::convergence`]).
 //!
 //! Per target: skewless-proxy starts with pods 0-1 and `--endpoints-from-stdin`; the clients
-//! (`xtask/py/rotation_client.py`, one HTTP/2 connection per channel) call for
+//! (`testing/py/rotation_client.py`, one HTTP/2 connection per channel) call for
 //! `--convergence-before` seconds, then the benchmark writes the 10-pod set to the proxy's
 //! standard input (the scale-up, timed at that write) and the clients go on for
 //! `--convergence-after` seconds. Request mode spreads on the next calls; connection mode has

@@ -1,5 +1,5 @@
 // Echo gRPC client (@grpc/grpc-js) for the real-client tests: the same flags and the same JSON
-// result (xtask/clients' ClientResult) as xtask/py/echo_client.py.
+// result (testing/clients' ClientResult) as testing/py/echo_client.py.
 //
 // Usage: node echo_client.js --proto DIR --target HOST:PORT [--calls N] [--concurrency C]
 //            [--duration S] [--timeout S] [--channels K] [--payload BYTES] [--delay-ms MS]

@@ -1,12 +1,12 @@
 // Echo gRPC server (@grpc/grpc-js) with the same four methods and replies as
-// xtask/py/echo_server.py and skewless-echo: every reply names this server.
+// testing/py/echo_server.py and skewless-echo: every reply names this server.
 //
 // Usage: node echo_server.js --proto DIR --name NAME --port PORT [--max-connection-age-ms MS]
 //
 // With --max-connection-age-ms each connection gets grpc-js's max-age GOAWAY once it is that
 // old (±10% jitter, `grpc.max_connection_age_ms`), with 30 s for its calls to finish
 // (`grpc.max_connection_age_grace_ms`): a server rotating its own connections, for the
-// max-age baseline (xtask/py/max_age_baseline.py). Modules come from NODE_PATH (`cargo xtask
+// max-age baseline (testing/py/max_age_baseline.py). Modules come from NODE_PATH (`cargo xtask
 // setup` installs them into ~/.cache/skewless/node). Listens on 127.0.0.1 only.
 'use strict';
 

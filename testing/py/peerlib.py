@@ -1,7 +1,7 @@
 """Shared pieces of the small socket peers that run inside testbed pods.
 
 Each peer in this directory is a real socket program (never a mock), started as
-`python3 xtask/py/<peer>.py ARGS...` in a pod's or node's namespace; Python starts in
+`python3 testing/py/<peer>.py ARGS...` in a pod's or node's namespace; Python starts in
 milliseconds and is on every machine. Python puts this directory first on `sys.path`, so
 `import peerlib` finds this file.
 """

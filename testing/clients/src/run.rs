@@ -179,7 +179,9 @@ impl Harness {
             ],
             ClientKind::GrpcJs => vec![
                 "node".into(),
-                root.join("xtask/node/echo_client.js").display().to_string(),
+                root.join("testing/node/echo_client.js")
+                    .display()
+                    .to_string(),
                 "--proto".into(),
                 root.join("proto").display().to_string(),
             ],

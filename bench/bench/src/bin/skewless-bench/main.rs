@@ -779,7 +779,7 @@ fn convergence(bench: &Bench) -> anyhow::Result<()> {
     let doc = std::fs::read_to_string(path).unwrap_or_default();
     let section = format!(
         "{CONVERGENCE}\n\n\
-         Run of {date} (`{cmd}`): {ch} pick_first grpcio channels (`xtask/py/rotation_client.py`, \
+         Run of {date} (`{cmd}`): {ch} pick_first grpcio channels (`testing/py/rotation_client.py`, \
          each one HTTP/2 connection, {conc} calls in flight on each) through skewless-proxy \
          ({t} workers) with pods 0-1 as its endpoints; after {before} s the benchmark sends \
          it the set of pods 0-9 (the seed-001 scale-up, timed at that moment) and the clients \

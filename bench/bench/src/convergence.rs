@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 
 use serde::Deserialize;
 
-/// What `xtask/py/rotation_client.py` prints: per bucket of `bucket_ms` from `start`
+/// What `testing/py/rotation_client.py` prints: per bucket of `bucket_ms` from `start`
 /// (seconds since the epoch), the calls each pod answered.
 #[derive(Debug, Clone, Deserialize)]
 pub struct ClientTally {

@@ -7,11 +7,11 @@ Usage: max_age_baseline.py --gen DIR --server KIND[,KIND...] [--runs N] [--durat
 
 KIND is the server, all on 127.0.0.1, each rotating every connection at --max-age-ms
 (default 1000, ±10% jitter): `grpcio` (grpc-core, `grpc.max_connection_age_ms` with a 30 s
-grace; xtask/py/echo_server.py), `grpc-js` (the same options; xtask/node/echo_server.js),
+grace; testing/py/echo_server.py), `grpc-js` (the same options; testing/node/echo_server.js),
 `tonic` (`skewless-echo --max-connection-age-ms`, tonic's max age over hyper/h2), `skewless`
 (`skewless-proxy --mode connection --max-connection-age`, the relay of connection mode, in
 front of a `skewless-echo` that never rotates). Several KINDs run interleaved, run by run.
-Each run starts the server, runs xtask/py/echo_client.py against it with the load of
+Each run starts the server, runs testing/py/echo_client.py against it with the load of
 `connection_mode_rotation_every_second_fails_no_grpcio_call` (agent/skewless/tests: 200 unary
 calls in flight, each held 250 ms by the server, 10 s deadlines; up to 1,000 4 MiB calls one
 after another; a 5 s server stream and a 5 s bidi stream; for --duration seconds, default
@@ -68,7 +68,7 @@ def server_argvs(args, server, port):
                   "--name", "grpcio-server", "--port", str(port), "--host", "127.0.0.1",
                   "--max-workers", "256", "--max-connection-age-ms", age], port)]
     if server == "grpc-js":
-        return [(["node", os.path.join(ROOT, "xtask/node/echo_server.js"), "--proto",
+        return [(["node", os.path.join(ROOT, "testing/node/echo_server.js"), "--proto",
                   args.proto, "--name", "grpc-js-server", "--port", str(port),
                   "--max-connection-age-ms", age], port)]
     if server == "tonic":
