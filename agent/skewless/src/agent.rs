@@ -8,7 +8,7 @@
 //! redirects go first, then the balancers drain.
 
 use std::{
-    net::{Ipv4Addr, SocketAddr, SocketAddrV4},
+    net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4},
     path::{Path, PathBuf},
     str::FromStr,
     sync::{Arc, Mutex},
@@ -22,7 +22,9 @@ use tokio::signal::unix::{SignalKind, signal};
 use tracing::{Instrument as _, info, info_span};
 
 use crate::{
-    admin, observer,
+    admin,
+    node::BalancerAddresses,
+    observer,
     peers::{Cidr, PeerFilter},
     reconcile::{Reconciler, Redirector},
     stall::StallCounts,
@@ -55,11 +57,12 @@ pub struct Args {
     /// kubeconfig), with watches. `/ready` answers 503 until the first full list is in.
     #[arg(long, conflicts_with = "services_file")]
     kubernetes: bool,
-    /// Node-local IPv4 address the balancers listen on (must exist on the node, e.g. on lo).
+    /// Node-local IPv4 address the balancers listen on. Added to `lo` (label `lo:skewless`)
+    /// when no interface has it, and removed at exit by the last agent using it.
     #[arg(long, default_value_t = DEFAULT_BALANCER_IP, env = "SKEWLESS_BALANCER_IP")]
     balancer_ip: Ipv4Addr,
-    /// Node-local IPv6 address for the balancers of IPv6 ClusterIPs (must exist on the node,
-    /// e.g. on lo). Without it, IPv6 ClusterIPs are not redirected.
+    /// Node-local IPv6 address for the balancers of IPv6 ClusterIPs, added to `lo` when no
+    /// interface has it. Without it, IPv6 ClusterIPs are not redirected.
     #[arg(long, env = "SKEWLESS_BALANCER_IP6")]
     balancer_ip6: Option<std::net::Ipv6Addr>,
     /// Network whose peers may use the balancers: this node's pod CIDR(s). Repeatable. With
@@ -149,6 +152,12 @@ pub async fn run(args: Args) -> Result<()> {
     } = args;
     let cgroups = attach_points(cgroups, pod_cgroup_root.as_deref())?;
     let datapath = Arc::new(Mutex::new(load_datapath(&cgroups, &redirects)?));
+    let addresses = Arc::new(BalancerAddresses::new(
+        std::iter::once(IpAddr::V4(balancer_ip))
+            .chain(balancer_ip6.map(IpAddr::V6))
+            .collect(),
+    ));
+    addresses.ensure().await;
     let (workers, stalls) = start_workers(balancer_threads, &datapath)?;
     let model_metrics = skewless_model::Metrics::default();
     let metrics =
@@ -186,8 +195,13 @@ pub async fn run(args: Args) -> Result<()> {
             .instrument(info_span!("observer")),
         );
         tokio::spawn(
-            reconcile(Arc::clone(&reconciler), snapshots, model.synced.clone())
-                .instrument(info_span!("reconcile")),
+            reconcile(
+                Arc::clone(&reconciler),
+                Arc::clone(&addresses),
+                snapshots,
+                model.synced.clone(),
+            )
+            .instrument(info_span!("reconcile")),
         );
         model
     });
@@ -214,6 +228,8 @@ pub async fn run(args: Args) -> Result<()> {
     // this one drains.
     servers.abort_all();
     reconciler.lock().await.shutdown().await;
+    // Drained: the address goes unless a successor claims it.
+    addresses.release().await;
     // Returning drops the datapath, which closes every bpf_link: pods connect directly again.
     // A SIGKILL has the same effect, because the kernel closes the links with the process.
     Ok(())
@@ -348,6 +364,7 @@ async fn kubernetes_source(
 /// and again every 5 s so a balancer that died is restarted even if the Services do not change.
 async fn reconcile(
     reconciler: Arc<tokio::sync::Mutex<Reconciler>>,
+    addresses: Arc<BalancerAddresses>,
     mut snapshots: tokio::sync::watch::Receiver<skewless_model::Snapshot>,
     mut synced: tokio::sync::watch::Receiver<bool>,
 ) {
@@ -365,6 +382,8 @@ async fn reconcile(
     info!("model complete: reconciling");
     loop {
         let snapshot = snapshots.borrow_and_update().clone();
+        // The listeners need the balancer address: claimed late, or added back if removed.
+        addresses.ensure().await;
         reconciler.lock().await.apply(&snapshot).await;
         tokio::select! {
             changed = snapshots.changed() => if changed.is_err() { return },

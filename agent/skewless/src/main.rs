@@ -11,6 +11,7 @@
 
 mod admin;
 mod agent;
+mod node;
 mod observer;
 mod peers;
 mod reconcile;

@@ -7,9 +7,9 @@ use std::{net::SocketAddrV4, path::Path, time::Duration};
 
 use skewless_testbed::{Place, fixtures::IdentBed};
 use testbed_agent::{
-    ADMIN, ECHO_PODS, TempPath, echo_bed, metric, services_in_status, spawn_file_agent,
-    spawn_long_client, status_json, status_json_at, status_text, wait_until, write_services,
-    write_services_full, write_services_ips,
+    ADMIN, ECHO_PODS, TempPath, echo_bed, echo_bed_with, metric, services_in_status,
+    spawn_file_agent, spawn_long_client, status_json, status_json_at, status_text, wait_until,
+    write_services, write_services_full, write_services_ips,
 };
 
 /// Starts the agent in the node with a raw redirect of the IdentBed VIP to its balancer
@@ -837,5 +837,104 @@ fn status_is_local_by_default_while_metrics_and_probes_answer_other_hosts() {
     assert!(
         text.contains(&vip.to_string()),
         "skewless status on the node lists the Service: {text}"
+    );
+}
+
+/// The balancer address on the node's `lo`, as `ip -o addr` shows it (with its label), if
+/// present.
+fn balancer_address_line(tb: &skewless_testbed::Testbed) -> Option<String> {
+    let out = tb
+        .run(
+            Place::Node(0),
+            &["ip", "-o", "-4", "addr", "show", "dev", "lo"],
+        )
+        .expect("ip addr runs in the node");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .find(|l| l.contains(&format!(" {}/32 ", skewless_testbed::BALANCER_IP)))
+        .map(str::to_owned)
+}
+
+#[test]
+#[ignore = "privileged: needs root and the real kernel; run with `cargo xtask test`"]
+fn agent_adds_a_missing_balancer_address_and_the_last_agent_to_exit_removes_it() {
+    use skewless_testbed::grpc;
+    let vip = SocketAddrV4::new(std::net::Ipv4Addr::new(198, 19, 0, 35), 50051);
+    let (mut tb, gen_dir) = echo_bed_with(
+        vip,
+        &ECHO_PODS,
+        skewless_testbed::Builder::without_balancer_address,
+    );
+    assert_eq!(
+        balancer_address_line(&tb),
+        None,
+        "the node starts without the address"
+    );
+    let services = TempPath::new(format!("skewless-test-services-{}.yaml", tb.id()));
+    write_services(&services, &tb, vip, "request", &ECHO_PODS);
+    let first = spawn_file_agent(&mut tb, &services);
+    wait_until("the agent redirects the Service", || {
+        services_in_status(&tb) == 1
+    });
+    let line = balancer_address_line(&tb).expect("the agent adds its balancer address");
+    assert!(
+        line.contains("lo:skewless"),
+        "labelled as the agent's own: {line}"
+    );
+    let target = vip.to_string();
+    let balanced = grpc::run_client(&tb, &gen_dir, Place::Pod("client"), &target, 200, 4).unwrap();
+    assert_eq!(balanced.ok, 200, "every call succeeds: {balanced:?}");
+    assert_eq!(
+        balanced.pods.len(),
+        4,
+        "the pick_first client reaches every pod through the balancer: {balanced:?}"
+    );
+
+    // A rolling update: a second agent starts, then the first exits. The address stays,
+    // because the second one uses it.
+    let second_admin = "127.0.0.1:9992";
+    let cgroup = tb.pod("client").unwrap().cgroup.display().to_string();
+    let file = services.display().to_string();
+    let second = tb
+        .spawn(
+            Place::Node(0),
+            &[
+                env!("CARGO_BIN_EXE_skewless"),
+                "agent",
+                "--services-file",
+                &file,
+                "--cgroup",
+                &cgroup,
+                "--admin-addr",
+                second_admin,
+            ],
+        )
+        .unwrap();
+    wait_until("the second agent redirects the Service", || {
+        status_json_at(&tb, second_admin)["services"]
+            .as_array()
+            .is_some_and(|s| s.len() == 1)
+    });
+    assert!(
+        tb.terminate(first, Duration::from_secs(20)),
+        "the first agent exits on SIGTERM"
+    );
+    assert!(
+        balancer_address_line(&tb).is_some(),
+        "the first agent must leave the address its successor uses"
+    );
+    let after = grpc::run_client(&tb, &gen_dir, Place::Pod("client"), &target, 100, 4).unwrap();
+    assert_eq!(after.ok, 100, "the successor serves: {after:?}");
+    assert_eq!(after.pods.len(), 4, "and balances: {after:?}");
+
+    // The last agent removes what an agent made.
+    assert!(
+        tb.terminate(second, Duration::from_secs(20)),
+        "the second agent exits on SIGTERM"
+    );
+    assert_eq!(
+        balancer_address_line(&tb),
+        None,
+        "the last agent to exit removes the address"
     );
 }

@@ -23,9 +23,27 @@ pub struct Builder {
     nodes: usize,
     pods: Vec<(String, usize)>,
     services: Vec<Service>,
+    without_balancer_address: bool,
+    pod_cgroup_parent: Option<String>,
 }
 
 impl Builder {
+    /// Leaves the balancer address off the nodes' `lo` (the agent adds it itself).
+    #[must_use]
+    pub fn without_balancer_address(mut self) -> Self {
+        self.without_balancer_address = true;
+        self
+    }
+
+    /// Puts every pod's cgroup below `parent` (a relative path, e.g. kind's
+    /// `kubelet.slice/kubelet-kubepods.slice`) in the testbed's cgroup directory, as a
+    /// kubelet's layout has it; by default pods are directly in it.
+    #[must_use]
+    pub fn pod_cgroup_parent(mut self, parent: &str) -> Self {
+        self.pod_cgroup_parent = Some(parent.to_owned());
+        self
+    }
+
     /// Number of node namespaces (at least 1).
     #[must_use]
     pub fn nodes(mut self, n: usize) -> Self {
@@ -112,7 +130,12 @@ impl Builder {
         };
         cleanup::register(&tb);
         // Drop cleans up whatever exists if any step fails.
-        tb.create(nodes, &self.pods)?;
+        tb.create(
+            nodes,
+            &self.pods,
+            !self.without_balancer_address,
+            self.pod_cgroup_parent.as_deref(),
+        )?;
         for svc in self.services {
             tb.services.insert(svc.name.clone(), svc);
         }
@@ -122,8 +145,19 @@ impl Builder {
 }
 
 impl Testbed {
-    fn create(&mut self, nodes: usize, pods: &[(String, usize)]) -> Result<()> {
+    fn create(
+        &mut self,
+        nodes: usize,
+        pods: &[(String, usize)],
+        balancer_address: bool,
+        pod_cgroup_parent: Option<&str>,
+    ) -> Result<()> {
         mkdir(&self.cgroup_root)?;
+        let mut pods_cgroup = self.cgroup_root.clone();
+        for part in pod_cgroup_parent.iter().flat_map(|p| p.split('/')) {
+            pods_cgroup.push(part);
+            mkdir(&pods_cgroup)?;
+        }
         let fabric = format!("{PREFIX}{}-fabric", self.id);
         add_netns(&fabric)?;
         self.fabric = Some(fabric.clone());
@@ -158,16 +192,18 @@ impl Testbed {
             ])?;
             add_addr6(&netns, &format!("{fabric_ip6}/64"), "fabric")?;
             ip(&["-n", &netns, "link", "set", "fabric", "up"])?;
-            ip(&[
-                "-n",
-                &netns,
-                "addr",
-                "add",
-                &format!("{BALANCER_IP}/32"),
-                "dev",
-                "lo",
-            ])?;
-            add_addr6(&netns, &format!("{BALANCER_IP6}/128"), "lo")?;
+            if balancer_address {
+                ip(&[
+                    "-n",
+                    &netns,
+                    "addr",
+                    "add",
+                    &format!("{BALANCER_IP}/32"),
+                    "dev",
+                    "lo",
+                ])?;
+                add_addr6(&netns, &format!("{BALANCER_IP6}/128"), "lo")?;
+            }
             sysctl(&netns, "net.ipv4.ip_forward", "1")?;
             sysctl(&netns, "net.ipv6.conf.all.forwarding", "1")?;
         }
@@ -180,7 +216,7 @@ impl Testbed {
             let host_veth = format!("sk{}p{i}", self.id);
             let (gw, pod_ip) = (addr::pod_ip(subnet, true), addr::pod_ip(subnet, false));
             let (gw6, pod_ip6) = (addr::pod_ip6(subnet, true), addr::pod_ip6(subnet, false));
-            let cgroup = self.cgroup_root.join(name);
+            let cgroup = pods_cgroup.join(name);
             mkdir(&cgroup)?;
             self.pods.insert(
                 name.clone(),

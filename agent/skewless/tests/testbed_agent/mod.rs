@@ -153,8 +153,17 @@ pub fn echo_bed(
     vip: SocketAddrV4,
     pods: &[&str],
 ) -> (skewless_testbed::Testbed, std::path::PathBuf) {
+    echo_bed_with(vip, pods, |b| b)
+}
+
+/// [`echo_bed`] with more of the testbed's options (`shape` gets the builder).
+pub fn echo_bed_with(
+    vip: SocketAddrV4,
+    pods: &[&str],
+    shape: impl FnOnce(skewless_testbed::Builder) -> skewless_testbed::Builder,
+) -> (skewless_testbed::Testbed, std::path::PathBuf) {
     use skewless_testbed::{Testbed, grpc};
-    let mut b = Testbed::builder().nodes(1).pod("client", 0);
+    let mut b = shape(Testbed::builder()).nodes(1).pod("client", 0);
     for p in pods {
         b = b.pod(p, 0);
     }

@@ -1,0 +1,322 @@
+//! The node plumbing the agent makes itself: its balancer address.
+//!
+//! The balancers listen on a node-local address (`--balancer-ip`, a /32 on `lo`). The agent
+//! adds it when no interface of the node has it, labelled `lo:skewless` so it can tell its own
+//! from one an operator configured, and holds a claim on it while it runs: a UDP socket bound
+//! to the address's [`CLAIM_PORT`] with `SO_REUSEPORT`, which every agent on the node shares.
+//!
+//! Invariants:
+//! - An address is removed only by the last agent that claims it, and only when an agent made
+//!   it (the label; for IPv6, which has no labels, only when this process added it). Releasing
+//!   first binds the claim port without `SO_REUSEPORT`: the kernel refuses that while any
+//!   other agent holds its claim, and while this agent holds the port no new agent can claim
+//!   it, so a successor starting during a rolling update never loses its address.
+//! - A claimed address that disappears (removed by hand, or by a predecessor between a
+//!   successor's add and claim) is added again by [`BalancerAddress::repair`], which the
+//!   reconcile loop calls before every pass.
+
+use std::{
+    net::{IpAddr, SocketAddr, UdpSocket},
+    time::Duration,
+};
+
+use futures::TryStreamExt as _;
+use netlink_packet_route::address::{AddressAttribute, AddressMessage};
+use tracing::{info, warn};
+
+/// The label of an IPv4 balancer address the agent added (`ip addr` shows it).
+pub const LABEL: &str = "lo:skewless";
+
+/// The UDP port of the balancer address that running agents bind as their claim (the
+/// discard port: nothing is ever sent there, and nothing read).
+pub const CLAIM_PORT: u16 = 9;
+
+/// How long starting agents wait for a predecessor that is releasing the address.
+const CLAIM_RETRY_FOR: Duration = Duration::from_secs(10);
+
+/// Why the balancer address cannot be set up or released.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("opening a route netlink socket")]
+    Socket(#[source] std::io::Error),
+    #[error("netlink: {what}")]
+    Netlink {
+        what: String,
+        #[source]
+        source: rtnetlink::Error,
+    },
+    #[error("the node has no loopback interface `lo`")]
+    NoLoopback,
+    #[error("claiming {addr} (a UDP socket every agent on the node binds while it runs)")]
+    Claim {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// One balancer address and this agent's claim on it.
+struct Claimed {
+    ip: IpAddr,
+    /// This process added it (IPv6 addresses have no label to tell later).
+    added: bool,
+    claim: UdpSocket,
+}
+
+/// The balancer addresses this agent claims; release them with [`BalancerAddress::release`].
+pub struct BalancerAddress {
+    netlink: Netlink,
+    claimed: Vec<Claimed>,
+}
+
+impl BalancerAddress {
+    /// Makes sure every one of `ips` is an address of the node, adding the missing ones to
+    /// `lo` as /32 (/128), and claims them.
+    ///
+    /// # Errors
+    /// When netlink refuses (no CAP_NET_ADMIN) or a claim cannot be bound within 10 s.
+    pub async fn ensure(ips: &[IpAddr]) -> Result<Self, Error> {
+        let (connection, handle, _) = rtnetlink::new_connection().map_err(Error::Socket)?;
+        tokio::spawn(connection);
+        let lo = loopback_index(&handle).await?;
+        let mut this = Self {
+            netlink: Netlink { handle, lo },
+            claimed: Vec::new(),
+        };
+        for &ip in ips {
+            let claimed = this.claim(ip).await?;
+            this.claimed.push(claimed);
+        }
+        Ok(this)
+    }
+
+    async fn claim(&self, ip: IpAddr) -> Result<Claimed, Error> {
+        let started = tokio::time::Instant::now();
+        let mut added = false;
+        loop {
+            if self.find(ip).await?.is_empty() {
+                self.add(ip).await?;
+                info!(%ip, label = LABEL, "balancer address added to lo");
+                added = true;
+            }
+            let addr = SocketAddr::new(ip, CLAIM_PORT);
+            match bind_claim(addr, true) {
+                Ok(claim) => return Ok(Claimed { ip, added, claim }),
+                // A predecessor is releasing it (it holds the port alone for a moment), or
+                // removed it between our check and our bind: look again.
+                Err(e)
+                    if matches!(
+                        e.raw_os_error(),
+                        Some(libc::EADDRINUSE | libc::EADDRNOTAVAIL)
+                    ) && started.elapsed() < CLAIM_RETRY_FOR =>
+                {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                Err(source) => return Err(Error::Claim { addr, source }),
+            }
+        }
+    }
+
+    /// Adds back any claimed address that is no longer on the node.
+    pub async fn repair(&self) {
+        for c in &self.claimed {
+            match self.find(c.ip).await {
+                Ok(found) if found.is_empty() => match self.add(c.ip).await {
+                    Ok(()) => {
+                        warn!(ip = %c.ip, "balancer address was removed from the node; added it again")
+                    }
+                    Err(error) => {
+                        warn!(ip = %c.ip, error = %error, "balancer address is gone and cannot be added")
+                    }
+                },
+                Ok(_) => {}
+                Err(error) => {
+                    warn!(ip = %c.ip, error = %error, "cannot check the balancer address")
+                }
+            }
+        }
+    }
+
+    /// Gives up the claims; removes each address that an agent made and no other agent
+    /// claims. Call it once the balancers are drained.
+    pub async fn release(self) {
+        let Self { netlink, claimed } = self;
+        for Claimed { ip, added, claim } in claimed {
+            drop(claim);
+            let addr = SocketAddr::new(ip, CLAIM_PORT);
+            // Alone on the port, or another agent still holds its claim; holding it alone
+            // keeps a new agent from claiming until the address is gone.
+            let _exclusive = match bind_claim(addr, false) {
+                Ok(sock) => sock,
+                Err(e) if e.raw_os_error() == Some(libc::EADDRINUSE) => {
+                    info!(%ip, "balancer address kept: another agent on the node uses it");
+                    continue;
+                }
+                Err(error) => {
+                    warn!(%ip, %error, "balancer address kept: cannot tell whether another agent uses it");
+                    continue;
+                }
+            };
+            match netlink.remove_ours(ip, added).await {
+                Ok(true) => info!(%ip, "balancer address removed from lo"),
+                Ok(false) => info!(%ip, "balancer address kept: not made by an agent"),
+                Err(error) => warn!(%ip, error = %error, "cannot remove the balancer address"),
+            }
+        }
+    }
+
+    async fn find(&self, ip: IpAddr) -> Result<Vec<AddressMessage>, Error> {
+        Netlink::find_on(&self.netlink.handle, ip).await
+    }
+
+    async fn add(&self, ip: IpAddr) -> Result<(), Error> {
+        let mut req = self
+            .netlink
+            .handle
+            .address()
+            .add(self.netlink.lo, ip, host_prefix(ip));
+        if ip.is_ipv4() {
+            req.message_mut()
+                .attributes
+                .push(AddressAttribute::Label(LABEL.to_owned()));
+        }
+        match req.execute().await {
+            Ok(()) => Ok(()),
+            // Added by another agent since we looked.
+            Err(rtnetlink::Error::NetlinkError(e))
+                if e.to_io().raw_os_error() == Some(libc::EEXIST) =>
+            {
+                Ok(())
+            }
+            Err(source) => Err(Error::Netlink {
+                what: format!("adding {ip}/{} to lo", host_prefix(ip)),
+                source,
+            }),
+        }
+    }
+}
+
+/// A route netlink handle and the index of `lo`.
+struct Netlink {
+    handle: rtnetlink::Handle,
+    lo: u32,
+}
+
+impl Netlink {
+    /// Every address message of `ip`, on any interface.
+    async fn find_on(handle: &rtnetlink::Handle, ip: IpAddr) -> Result<Vec<AddressMessage>, Error> {
+        handle
+            .address()
+            .get()
+            .set_address_filter(ip)
+            .execute()
+            .try_collect()
+            .await
+            .map_err(|source| Error::Netlink {
+                what: format!("listing the node's addresses for {ip}"),
+                source,
+            })
+    }
+
+    /// Removes `ip` from `lo` if an agent made it: the label for IPv4, `added` (by this
+    /// process) for IPv6. Whether it was removed.
+    async fn remove_ours(&self, ip: IpAddr, added: bool) -> Result<bool, Error> {
+        let mut removed = false;
+        for msg in Self::find_on(&self.handle, ip).await? {
+            let labelled = msg
+                .attributes
+                .iter()
+                .any(|a| matches!(a, AddressAttribute::Label(l) if l == LABEL));
+            let ours = msg.header.index == self.lo && if ip.is_ipv4() { labelled } else { added };
+            if !ours {
+                continue;
+            }
+            self.handle
+                .address()
+                .del(msg)
+                .execute()
+                .await
+                .map_err(|source| Error::Netlink {
+                    what: format!("removing {ip} from lo"),
+                    source,
+                })?;
+            removed = true;
+        }
+        Ok(removed)
+    }
+}
+
+fn host_prefix(ip: IpAddr) -> u8 {
+    if ip.is_ipv4() { 32 } else { 128 }
+}
+
+async fn loopback_index(handle: &rtnetlink::Handle) -> Result<u32, Error> {
+    let links: Vec<_> = handle
+        .link()
+        .get()
+        .match_name("lo".to_owned())
+        .execute()
+        .try_collect()
+        .await
+        .map_err(|source| Error::Netlink {
+            what: "looking up lo".to_owned(),
+            source,
+        })?;
+    links
+        .first()
+        .map(|l| l.header.index)
+        .ok_or(Error::NoLoopback)
+}
+
+/// A UDP socket on the claim port of a balancer address; `shared` sets `SO_REUSEPORT`.
+fn bind_claim(addr: SocketAddr, shared: bool) -> std::io::Result<UdpSocket> {
+    let socket = socket2::Socket::new(
+        socket2::Domain::for_address(addr),
+        socket2::Type::DGRAM,
+        Some(socket2::Protocol::UDP),
+    )?;
+    socket.set_reuse_port(shared)?;
+    socket.bind(&addr.into())?;
+    Ok(socket.into())
+}
+
+/// The balancer addresses of the agent's flags, claimed once they can be: what the agent and
+/// its reconcile loop share.
+pub struct BalancerAddresses {
+    ips: Vec<IpAddr>,
+    claimed: tokio::sync::Mutex<Option<BalancerAddress>>,
+}
+
+impl BalancerAddresses {
+    pub fn new(ips: Vec<IpAddr>) -> Self {
+        Self {
+            ips,
+            claimed: tokio::sync::Mutex::new(None),
+        }
+    }
+
+    /// Claims the addresses (adding the missing ones), or, once claimed, adds back any that
+    /// was removed. A failure is logged and tried again on the next call; meanwhile the
+    /// balancers cannot bind, and their Services show as not served.
+    pub async fn ensure(&self) {
+        let mut claimed = self.claimed.lock().await;
+        match claimed.as_ref() {
+            Some(address) => address.repair().await,
+            None => match BalancerAddress::ensure(&self.ips).await {
+                Ok(address) => *claimed = Some(address),
+                Err(error) => tracing::error!(
+                    ips = ?self.ips,
+                    error = %format!("{error:#}"),
+                    "cannot set up the balancer address; Services cannot be served until it exists"
+                ),
+            },
+        }
+    }
+
+    /// Gives the addresses up (see [`BalancerAddress::release`]).
+    pub async fn release(&self) {
+        if let Some(address) = self.claimed.lock().await.take() {
+            address.release().await;
+        }
+    }
+}
