@@ -326,7 +326,16 @@ fn daemonset_is_a_least_privilege_host_network_agent() {
         .flatten()
         .map(|m| m.mount_path.as_str())
         .collect();
-    assert!(mounts.contains("/run/skewless/cgroup") && mounts.contains("/sys/fs/bpf"));
+    assert_eq!(
+        mounts,
+        BTreeSet::from(["/run/skewless/cgroup", "/tmp"]),
+        "only the mounts the agent uses: no bpffs (nothing is pinned)"
+    );
+    assert_eq!(
+        sc.seccomp_profile.as_ref().map(|p| p.type_.as_str()),
+        Some("Unconfined"),
+        "seccomp pinned: runtimes' defaults differ on bpf(2) (deploy/README.md)"
+    );
 }
 
 #[test]

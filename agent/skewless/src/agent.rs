@@ -44,9 +44,11 @@ pub struct Args {
     #[arg(long = "cgroup", value_name = "DIR")]
     cgroups: Vec<PathBuf>,
     /// Host cgroup v2 hierarchy (the DaemonSet mounts it at /run/skewless/cgroup): the hooks
-    /// attach to the kubelet's pod parent cgroup below it (`kubepods.slice` with the systemd
-    /// driver, `kubepods` with cgroupfs), which covers every pod on the node, present and
-    /// future. Never to the hierarchy root.
+    /// attach to the kubelet's pod parent cgroup found below it (`kubepods.slice` with the
+    /// systemd driver, `kubepods` with cgroupfs, kind's `kubelet.slice/kubelet-kubepods.slice`,
+    /// or the same under a custom kubelet cgroup root, up to 3 levels down), which covers
+    /// every pod on the node, present and future. Never the hierarchy root. Elsewhere: name
+    /// the pod parent with `--cgroup`.
     #[arg(long, value_name = "DIR")]
     pod_cgroup_root: Option<PathBuf>,
     /// Services and endpoints from a YAML file (see agent/services-file/examples/services.yaml),
@@ -242,7 +244,7 @@ fn attach_points(
     pod_cgroup_root: Option<&Path>,
 ) -> Result<Vec<PathBuf>> {
     if let Some(root) = pod_cgroup_root {
-        cgroups.push(pods_parent(root)?);
+        cgroups.push(crate::node::pods_parent(root)?);
     }
     for cg in &cgroups {
         // Before anything is loaded; `attach` checks it again.
@@ -254,8 +256,13 @@ fn attach_points(
 /// Loads the eBPF programs, writes the raw `--redirect` entries, excludes the agent's own
 /// cgroup, attaches to `cgroups` and beats once, so the hooks redirect from the first connect.
 fn load_datapath(cgroups: &[PathBuf], redirects: &[Redirect]) -> Result<Datapath> {
-    let mut datapath = Datapath::load()
-        .context("loading the eBPF programs (needs root or CAP_BPF+CAP_NET_ADMIN)")?;
+    let mut datapath = Datapath::load().map_err(|error| {
+        let context = crate::privileges::load_failure_context(
+            crate::privileges::is_eperm(&error),
+            crate::privileges::Privileges::of_this_process(),
+        );
+        anyhow::Error::new(error).context(context)
+    })?;
     for Redirect { service, target } in redirects {
         datapath.set_redirect(*service, *target)?;
     }
@@ -430,20 +437,6 @@ async fn until_told_to_stop(servers: &mut tokio::task::JoinSet<Result<()>>) -> R
     Ok(())
 }
 
-/// The kubelet's parent cgroup of all pods under the host's cgroup v2 root.
-fn pods_parent(root: &std::path::Path) -> Result<PathBuf> {
-    ["kubepods.slice", "kubepods"]
-        .iter()
-        .map(|name| root.join(name))
-        .find(|dir| dir.join("cgroup.procs").is_file())
-        .with_context(|| {
-            format!(
-                "no kubepods.slice or kubepods cgroup under {}",
-                root.display()
-            )
-        })
-}
-
 /// Tells the hooks the agent is alive, every 200 ms, while every data-plane worker runs its
 /// tasks: if a worker hangs, the control runtime hangs, or the process is stopped, the
 /// heartbeat goes stale and new connections go straight to the Service within a second.
@@ -496,22 +489,6 @@ async fn heartbeat(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn pods_parent_prefers_the_systemd_slice_and_errors_without_one() {
-        let root = std::env::temp_dir().join(format!("skewless-cg-test-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&root);
-        assert!(
-            pods_parent(&root).is_err(),
-            "no kubepods cgroup must be an error"
-        );
-        for name in ["kubepods", "kubepods.slice"] {
-            std::fs::create_dir_all(root.join(name)).unwrap();
-            std::fs::write(root.join(name).join("cgroup.procs"), b"").unwrap();
-        }
-        assert_eq!(pods_parent(&root).unwrap(), root.join("kubepods.slice"));
-        std::fs::remove_dir_all(&root).unwrap();
-    }
 
     #[test]
     fn redirect_flag_parses_and_rejects_garbage() {

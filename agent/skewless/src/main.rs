@@ -14,6 +14,7 @@ mod agent;
 mod node;
 mod observer;
 mod peers;
+mod privileges;
 mod reconcile;
 mod report;
 mod stall;

@@ -1,4 +1,5 @@
-//! The node plumbing the agent makes itself: its balancer address.
+//! The node plumbing the agent makes itself or finds: its balancer address, and the
+//! kubelet's pod parent cgroup ([`pods_parent`]).
 //!
 //! The balancers listen on a node-local address (`--balancer-ip`, a /32 on `lo`). The agent
 //! adds it when no interface of the node has it, labelled `lo:skewless` so it can tell its own
@@ -17,6 +18,7 @@
 
 use std::{
     net::{IpAddr, SocketAddr, UdpSocket},
+    path::{Path, PathBuf},
     time::Duration,
 };
 
@@ -318,5 +320,213 @@ impl BalancerAddresses {
         if let Some(address) = self.claimed.lock().await.take() {
             address.release().await;
         }
+    }
+}
+
+/// Why no pod parent cgroup was found under the cgroup root.
+#[derive(Debug, thiserror::Error)]
+pub enum CgroupError {
+    #[error(
+        "{root} is not a cgroup directory (no cgroup.procs): mount the host's cgroup v2 hierarchy there"
+    )]
+    NotCgroup { root: PathBuf },
+    #[error(
+        "{root} is a cgroup v1 hierarchy: skewless needs cgroup v2 (the unified hierarchy; \
+         kernel >= 5.8, e.g. systemd.unified_cgroup_hierarchy=1){hint}"
+    )]
+    V1 { root: PathBuf, hint: String },
+    #[error(
+        "no kubelet pod cgroup ({}) within {MAX_DEPTH} levels of {root}: pass the kubelet's pod \
+         parent with --cgroup=DIR (with a custom kubelet --cgroup-root it is below that)",
+        POD_PARENT_NAMES.join(", ")
+    )]
+    NotFound { root: PathBuf },
+    #[error(
+        "several kubelet pod cgroups under {root}: {}; pass the one this node's kubelet uses \
+         with --cgroup=DIR",
+        found.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
+    )]
+    Ambiguous { root: PathBuf, found: Vec<PathBuf> },
+}
+
+/// The names of the kubelet's pod parent cgroup: systemd driver, cgroupfs driver; a systemd
+/// slice under a custom root (kind's `kubelet.slice/kubelet-kubepods.slice`) ends like
+/// [`POD_PARENT_SUFFIX`].
+const POD_PARENT_NAMES: [&str; 3] = ["kubepods.slice", "kubepods", "*-kubepods.slice"];
+const POD_PARENT_SUFFIX: &str = "-kubepods.slice";
+
+/// How deep below the cgroup root the pod parent is looked for (kind: 2; a cgroupfs custom
+/// root `/a/b`: 3).
+const MAX_DEPTH: usize = 3;
+
+/// The kubelet's parent cgroup of all pods under the host's cgroup v2 root: the shallowest
+/// cgroup named like [`POD_PARENT_NAMES`], at most [`MAX_DEPTH`] levels down.
+///
+/// # Errors
+/// When `root` is not a cgroup v2 hierarchy (naming cgroup v2, and the unified mount of a
+/// hybrid node), when nothing is found, or when two candidates are equally shallow.
+pub fn pods_parent(root: &Path) -> Result<PathBuf, CgroupError> {
+    let is_cgroup = |d: &Path| d.join("cgroup.procs").is_file();
+    if !is_cgroup(root) {
+        return Err(CgroupError::NotCgroup {
+            root: root.to_owned(),
+        });
+    }
+    // Only cgroup v2 has cgroup.controllers, at every level.
+    if !root.join("cgroup.controllers").is_file() {
+        let unified = root.join("unified");
+        let hint = if unified.join("cgroup.controllers").is_file() {
+            format!(
+                "; this is a hybrid node whose v2 hierarchy is {} (mount that instead)",
+                unified.display()
+            )
+        } else {
+            String::new()
+        };
+        return Err(CgroupError::V1 {
+            root: root.to_owned(),
+            hint,
+        });
+    }
+    let is_pod_parent = |name: &str| {
+        name == "kubepods.slice" || name == "kubepods" || name.ends_with(POD_PARENT_SUFFIX)
+    };
+    let mut level = vec![root.to_owned()];
+    for _ in 0..MAX_DEPTH {
+        let mut found = Vec::new();
+        let mut next = Vec::new();
+        for dir in &level {
+            let Ok(entries) = std::fs::read_dir(dir) else {
+                continue;
+            };
+            let mut children: Vec<PathBuf> = entries
+                .flatten()
+                .map(|e| e.path())
+                .filter(|p| is_cgroup(p))
+                .collect();
+            children.sort();
+            for child in children {
+                let name = child
+                    .file_name()
+                    .and_then(|n| n.to_str())
+                    .unwrap_or_default();
+                if is_pod_parent(name) {
+                    found.push(child);
+                } else {
+                    next.push(child);
+                }
+            }
+        }
+        match found.len() {
+            0 => level = next,
+            1 => return Ok(found.remove(0)),
+            _ => {
+                return Err(CgroupError::Ambiguous {
+                    root: root.to_owned(),
+                    found,
+                });
+            }
+        }
+    }
+    Err(CgroupError::NotFound {
+        root: root.to_owned(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A fake cgroup v2 tree: every directory gets cgroup.procs (and cgroup.controllers when
+    /// `v2`).
+    fn tree(dirs: &[&str], v2: bool) -> tempfile::TempDir {
+        let tmp = tempfile::tempdir().unwrap();
+        let mark = |d: &Path| {
+            std::fs::create_dir_all(d).unwrap();
+            std::fs::write(d.join("cgroup.procs"), b"").unwrap();
+            if v2 {
+                std::fs::write(d.join("cgroup.controllers"), b"").unwrap();
+            }
+        };
+        mark(tmp.path());
+        for dir in dirs {
+            let mut path = tmp.path().to_owned();
+            for part in dir.split('/') {
+                path.push(part);
+                mark(&path);
+            }
+        }
+        tmp
+    }
+
+    #[test]
+    fn the_layouts_of_both_drivers_kind_and_custom_roots_are_found() {
+        for (dirs, want) in [
+            (
+                &[
+                    "system.slice/sshd.service",
+                    "kubepods.slice/kubepods-besteffort.slice",
+                ][..],
+                "kubepods.slice",
+            ),
+            (&["kubepods/burstable", "system.slice"][..], "kubepods"),
+            (
+                &[
+                    "kubelet.slice/kubelet-kubepods.slice/kubelet-kubepods-pod1.slice",
+                    "init.scope",
+                ][..],
+                "kubelet.slice/kubelet-kubepods.slice",
+            ),
+            (
+                &["custom/root/kubepods/besteffort"][..],
+                "custom/root/kubepods",
+            ),
+            (
+                &["custom.slice/custom-kubepods.slice"][..],
+                "custom.slice/custom-kubepods.slice",
+            ),
+        ] {
+            let tmp = tree(dirs, true);
+            assert_eq!(
+                pods_parent(tmp.path()).unwrap(),
+                tmp.path().join(want),
+                "{dirs:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_shallowest_pod_parent_wins_and_a_tie_is_an_error() {
+        let tmp = tree(&["kubepods.slice", "a/b/kubepods"], true);
+        assert_eq!(
+            pods_parent(tmp.path()).unwrap(),
+            tmp.path().join("kubepods.slice")
+        );
+        let tmp = tree(&["kubepods.slice", "kubepods"], true);
+        let err = pods_parent(tmp.path()).unwrap_err().to_string();
+        assert!(err.contains("several") && err.contains("--cgroup"), "{err}");
+    }
+
+    #[test]
+    fn missing_cgroup_v2_and_missing_pods_say_what_to_do() {
+        let v1 = tree(&["kubepods"], false);
+        let err = pods_parent(v1.path()).unwrap_err().to_string();
+        assert!(
+            err.contains("cgroup v1") && err.contains("needs cgroup v2"),
+            "{err}"
+        );
+        let hybrid = tree(&["unified"], false);
+        std::fs::write(hybrid.path().join("unified/cgroup.controllers"), b"").unwrap();
+        let err = pods_parent(hybrid.path()).unwrap_err().to_string();
+        assert!(err.contains("hybrid") && err.contains("unified"), "{err}");
+        let empty = tree(&["system.slice/a.service/b"], true);
+        let err = pods_parent(empty.path()).unwrap_err().to_string();
+        assert!(
+            err.contains("no kubelet pod cgroup") && err.contains("--cgroup="),
+            "{err}"
+        );
+        let none = tempfile::tempdir().unwrap();
+        let err = pods_parent(none.path()).unwrap_err().to_string();
+        assert!(err.contains("not a cgroup directory"), "{err}");
     }
 }

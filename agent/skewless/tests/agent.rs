@@ -938,3 +938,57 @@ fn agent_adds_a_missing_balancer_address_and_the_last_agent_to_exit_removes_it()
         "the last agent to exit removes the address"
     );
 }
+
+#[test]
+#[ignore = "privileged: needs root and the real kernel; run with `cargo xtask test`"]
+fn agent_finds_kinds_pod_cgroup_layout_under_the_cgroup_root_and_balances() {
+    use skewless_testbed::grpc;
+    let vip = SocketAddrV4::new(std::net::Ipv4Addr::new(198, 19, 0, 36), 50051);
+    // kind's kubelet: pods below kubelet.slice/kubelet-kubepods.slice, beside other slices.
+    let (mut tb, gen_dir) = echo_bed_with(vip, &ECHO_PODS, |b| {
+        b.pod_cgroup_parent("kubelet.slice/kubelet-kubepods.slice")
+    });
+    std::fs::create_dir(tb.cgroup_root().join("system.slice")).expect("a sibling slice");
+    let services = TempPath::new(format!("skewless-test-services-{}.yaml", tb.id()));
+    write_services(&services, &tb, vip, "request", &ECHO_PODS);
+    let root = tb.cgroup_root().display().to_string();
+    let file = services.display().to_string();
+    tb.spawn(
+        Place::Node(0),
+        &[
+            env!("CARGO_BIN_EXE_skewless"),
+            "agent",
+            "--services-file",
+            &file,
+            "--pod-cgroup-root",
+            &root,
+            "--admin-addr",
+            ADMIN,
+        ],
+    )
+    .unwrap();
+    tb.wait_for_tcp(
+        Place::Node(0),
+        ADMIN.parse::<SocketAddrV4>().unwrap(),
+        Duration::from_secs(10),
+    )
+    .expect("the agent starts: it found the pod parent cgroup");
+    wait_until("the agent redirects the Service", || {
+        services_in_status(&tb) == 1
+    });
+    let balanced = grpc::run_client(
+        &tb,
+        &gen_dir,
+        Place::Pod("client"),
+        &vip.to_string(),
+        200,
+        4,
+    )
+    .unwrap();
+    assert_eq!(balanced.ok, 200, "{balanced:?}");
+    assert_eq!(
+        balanced.pods.len(),
+        4,
+        "the hooks attached at kind's pod parent must balance the pod's client: {balanced:?}"
+    );
+}
