@@ -14,8 +14,9 @@ use anyhow::{Context as _, Result, bail, ensure};
 /// Debian packages: the eBPF toolchain (rustc-web with its prebuilt `core` for
 /// bpfel-unknown-none, and its clippy for linting the programs), the network tools the testbed
 /// drives, the peers the benchmark compares against, valgrind and perf for the benchmark's
-/// load-independent counts per call (`--instructions`), and Prometheus (server and promtool)
-/// for the rule tests and the scrape tests.
+/// load-independent counts per call (`--instructions`), Prometheus (server and promtool)
+/// for the rule tests and the scrape tests, and Chromium for the status page's browser test
+/// (headless, driven over the DevTools protocol on a pipe).
 const DEBIAN_PACKAGES: &[&str] = &[
     "rustc-web",
     "cargo-web",
@@ -31,6 +32,7 @@ const DEBIAN_PACKAGES: &[&str] = &[
     "valgrind",
     "linux-perf",
     "prometheus",
+    "chromium",
 ];
 
 /// bpf-linker version that links objects from Debian's rustc-web (see EBPF-TOOLCHAIN.md).

@@ -55,6 +55,8 @@ fn services(n: usize, backends: usize, round: u64) -> Vec<ServiceStatus> {
                         upstream_connections: 1,
                         latency: histogram(LATENCY_BOUNDS, seed),
                         recent_p99: None,
+                        recent_per_sec: None,
+                        recent_share: None,
                     }
                 })
                 .collect(),
@@ -91,6 +93,7 @@ fn services(n: usize, backends: usize, round: u64) -> Vec<ServiceStatus> {
             connection_bounds: CONNECTION_BOUNDS.to_vec(),
             connection_duration: histogram(CONNECTION_BOUNDS, s as u64),
             balancer_skew: None,
+            recent: None,
             connection: None,
         })
         .collect()
@@ -113,15 +116,15 @@ fn main() {
     let model = skewless_model::Metrics::default();
     let metrics = Metrics::new(&model, "bench");
     let mut window = Window::default();
-    window.rotate(&services(n, b, 0));
-    window.rotate(&services(n, b, 1));
+    window.rotate(&services(n, b, 0), Duration::from_secs(0));
+    window.rotate(&services(n, b, 1), Duration::from_secs(30));
     let mut times: Vec<Duration> = Vec::new();
     let mut text = String::new();
     for round in 0..rounds {
         // Gathering the balancers' numbers is not timed; what the scrape does with them is.
         let mut current = services(n, b, 2 + round as u64);
         let started = Instant::now();
-        window.apply(&mut current);
+        window.apply(&mut current, Duration::from_secs(45));
         let applied = started.elapsed();
         let scrape = Scrape {
             process: None,

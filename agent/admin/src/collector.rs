@@ -43,7 +43,7 @@ pub struct MapUsage {
 }
 
 /// One data-plane worker thread's scheduler figures and stalls.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct WorkerUsage {
     /// On a CPU so far, in seconds.
     pub busy_seconds: f64,
@@ -636,6 +636,8 @@ mod tests {
                         upstream_connections: 1,
                         latency: latency.clone(),
                         recent_p99: Some(0.2),
+                        recent_per_sec: None,
+                        recent_share: None,
                     }],
                     latency_bounds: LATENCY_BOUNDS.to_vec(),
                     latency,
@@ -658,6 +660,7 @@ mod tests {
                     connection_duration,
                     balancer_skew: Some(1.0),
                     connection: None,
+                    recent: None,
                 },
                 connection_mode(),
             ],

@@ -17,6 +17,48 @@ pub struct Status {
     pub services: Vec<ServiceStatus>,
     /// Services not balanced by skewless: where their connections are pinned.
     pub observed: Vec<ObservedService>,
+    /// The agent itself: its health and cost.
+    #[serde(default)]
+    pub agent: AgentStatus,
+}
+
+/// The agent's health and cost: the same numbers `/metrics` exports for them.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct AgentStatus {
+    pub version: String,
+    /// Whether it has its first complete model (nothing is redirected before).
+    pub model_ready: bool,
+    /// Its process's figures; `None` where `/proc` cannot be read.
+    pub process: Option<crate::process::Process>,
+    /// The data-plane workers, in worker order.
+    pub workers: Vec<crate::collector::WorkerUsage>,
+    /// Connects to redirected Services sent direct because the heartbeat was stale (fail
+    /// open), since the start.
+    pub stale_heartbeat: u64,
+    /// How full the eBPF maps are.
+    pub maps: Vec<MapStatus>,
+}
+
+/// How full one eBPF map is.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MapStatus {
+    pub map: String,
+    pub entries: u64,
+    pub capacity: u64,
+}
+
+/// A Service port's calls over the agent's recent window ([`crate::window`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct RecentCalls {
+    /// How long the window is, in seconds (30 to 60, less right after the start).
+    pub seconds: f64,
+    pub calls_per_sec: f64,
+    /// Calls that did not fail / calls; `None` without calls.
+    pub success: Option<f64>,
+    /// Percentiles of the calls' durations, in seconds; `None` without calls.
+    pub p50: Option<f64>,
+    pub p99: Option<f64>,
 }
 
 /// One eBPF redirect entry: a Service address and where its connects go.
@@ -76,6 +118,9 @@ pub struct ServiceStatus {
     /// endpoint's `upstream_connections` are the client connections relayed to it.
     #[serde(default)]
     pub connection: Option<ConnectionStatus>,
+    /// Its calls over the agent's recent window; `None` before the window's first reading.
+    #[serde(default)]
+    pub recent: Option<RecentCalls>,
 }
 
 /// A connection-mode Service port: how even its connections are and what rotation does.
@@ -131,6 +176,13 @@ pub struct EndpointStatus {
     /// 99th percentile of its request durations over the agent's recent window, in seconds.
     #[serde(default)]
     pub recent_p99: Option<f64>,
+    /// Its requests per second over the agent's recent window.
+    #[serde(default)]
+    pub recent_per_sec: Option<f64>,
+    /// Its share of the Service's requests over the agent's recent window (the fair share is
+    /// 1 / ready endpoints); `None` without recent requests.
+    #[serde(default)]
+    pub recent_share: Option<f64>,
 }
 
 /// Per-bucket counts (not cumulative); one more count than bounds, the last for +Inf.

@@ -9,6 +9,7 @@
 //! - [`process`]: the agent process's own figures, parsed from `/proc` texts.
 //! - [`window`]: the recent window behind the balancer skew and per-backend p99 gauges.
 //! - [`render`]: the `skewless status` text.
+//! - [`page`]: the status page on the admin port (`/ui`), from the same document.
 //! - [`monitoring`]: the dashboard, rules and PrometheusRule in `deploy/monitoring/`.
 //! - [`promql`]: the identifiers of a query, for the checks that its series are exported.
 //!
@@ -23,6 +24,7 @@ pub mod collector;
 pub mod json;
 pub mod monitoring;
 pub mod names;
+pub mod page;
 pub mod process;
 pub mod promql;
 pub mod render;

@@ -9,7 +9,7 @@
 const USER_HZ: f64 = 100.0;
 
 /// One reading of the process (see [`crate::names`]'s `PROCESS_*` families).
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Process {
     /// User and system CPU time so far.
     pub cpu_seconds: f64,

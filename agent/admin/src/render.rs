@@ -315,6 +315,7 @@ mod tests {
                 ..ServiceStatus::default()
             }],
             observed: Vec::new(),
+            agent: crate::json::AgentStatus::default(),
         }
     }
 
@@ -391,6 +392,7 @@ mod tests {
             connect_redirected: 0,
             refused_peers: 0,
             observed: Vec::new(),
+            agent: crate::json::AgentStatus::default(),
         }
     }
 

@@ -1,4 +1,5 @@
-//! The admin API server: `/live`, `/ready`, `/status` (JSON) and `/metrics` (OpenMetrics).
+//! The admin API server: `/live`, `/ready`, `/status` (JSON), the status page `/ui` (HTML
+//! from the same document) and `/metrics` (OpenMetrics).
 //!
 //! Two kinds of listener ([`Scope`]): the public one (`--metrics-addr`, reachable from other
 //! hosts) answers only the probes and `/metrics`; the local one (`--admin-addr`, loopback by
@@ -21,7 +22,8 @@ use hyper::{Request, Response, StatusCode, body::Bytes, service::service_fn};
 use hyper_util::rt::TokioIo;
 use skewless_admin::{
     collector::{Kernel, MapUsage, Metrics, Scrape, WorkerUsage},
-    json::{ObservedService, RedirectStatus, ServiceStatus, Status},
+    json::{AgentStatus, MapStatus, ObservedService, RedirectStatus, ServiceStatus, Status},
+    page,
     process::{ProcTexts, Process},
     window::{self, Window},
 };
@@ -99,6 +101,8 @@ pub struct State {
     metrics: Metrics,
     /// The balancers' numbers of the last 30 to 60 s, for the gauges that need a window.
     window: Mutex<Window>,
+    /// The window's clock: its readings are taken at times since this.
+    started: tokio::time::Instant,
     /// With a model source: whether it has delivered its first complete model.
     model: Option<Readiness>,
     /// The observer's latest per-Service reports and its figures of the connection map.
@@ -138,6 +142,7 @@ impl State {
             reconciler,
             metrics,
             window: Mutex::new(Window::default()),
+            started: tokio::time::Instant::now(),
             model,
             observed,
             workers,
@@ -152,7 +157,7 @@ impl State {
             tick.tick().await;
             let services = self.reconciler.lock().await.status();
             if let Ok(mut w) = self.window.lock() {
-                w.rotate(&services);
+                w.rotate(&services, self.started.elapsed());
             }
         }
     }
@@ -161,7 +166,7 @@ impl State {
     async fn services(&self) -> Vec<ServiceStatus> {
         let mut services = self.reconciler.lock().await.status();
         if let Ok(w) = self.window.lock() {
-            w.apply(&mut services);
+            w.apply(&mut services, self.started.elapsed());
         }
         services
     }
@@ -261,8 +266,9 @@ async fn route(
     }
 }
 
-/// Everything only the local listener serves: `/status`, and any other view of the node's
-/// Services, VIPs and backends (they stay off the public listener).
+/// Everything only the local listener serves: `/status`, the status page (`/ui`) drawn from
+/// it, and any other view of the node's Services, VIPs and backends (they stay off the public
+/// listener).
 async fn local_route(path: &str, state: &State) -> Response<Full<Bytes>> {
     match path {
         "/status" => match status_of(state).await {
@@ -274,6 +280,18 @@ async fn local_route(path: &str, state: &State) -> Response<Full<Bytes>> {
                 .unwrap_or_default(),
             Err(e) => text(StatusCode::INTERNAL_SERVER_ERROR, &format!("{e:#}\n")),
         },
+        // The status page: beside `/status`, from the same document.
+        "/ui" | "/ui/" => match status_of(state).await {
+            Ok(s) => page_response("text/html; charset=utf-8", page::page(&s)),
+            Err(e) => text(StatusCode::INTERNAL_SERVER_ERROR, &format!("{e:#}\n")),
+        },
+        "/ui/fragment" => match status_of(state).await {
+            Ok(s) => page_response("text/html; charset=utf-8", page::fragment(&s)),
+            Err(e) => text(StatusCode::INTERNAL_SERVER_ERROR, &format!("{e:#}\n")),
+        },
+        "/ui/style.css" => page_response("text/css; charset=utf-8", page::STYLE.to_owned()),
+        "/ui/app.js" => page_response("text/javascript; charset=utf-8", page::SCRIPT.to_owned()),
+        "/ui/icon.svg" => page_response("image/svg+xml", page::ICON.to_owned()),
         _ => text(StatusCode::NOT_FOUND, "not found\n"),
     }
 }
@@ -341,9 +359,28 @@ fn exported(c: &Counters, observer: &Published) -> Kernel {
     }
 }
 
+/// The agent's health and cost: what `/status` says of it, and what `/metrics` exports.
+fn agent_of(state: &State, kernel: &Kernel, maps: &[MapUsage]) -> AgentStatus {
+    AgentStatus {
+        version: env!("CARGO_PKG_VERSION").to_owned(),
+        model_ready: state.model.as_ref().is_none_or(Readiness::ready),
+        process: process(),
+        workers: state.workers.usage(),
+        stale_heartbeat: kernel.stale_heartbeat,
+        maps: maps
+            .iter()
+            .map(|m| MapStatus {
+                map: m.map.to_owned(),
+                entries: m.entries,
+                capacity: m.capacity,
+            })
+            .collect(),
+    }
+}
+
 async fn status_of(state: &State) -> Result<Status> {
     let services = state.services().await;
-    let (counters, redirects, _) = kernel(state)?;
+    let (counters, redirects, maps) = kernel(state)?;
     let k = exported(&counters, &state.observed);
     Ok(Status {
         node: state.node.clone(),
@@ -353,6 +390,7 @@ async fn status_of(state: &State) -> Result<Status> {
         refused_peers: state.peers.refused(),
         services,
         observed: observed_of(state),
+        agent: agent_of(state, &k, &maps),
     })
 }
 
@@ -368,17 +406,32 @@ fn observed_of(state: &State) -> Vec<ObservedService> {
 async fn metrics_of(state: &State) -> Result<String> {
     let services = state.services().await;
     let (counters, _, maps) = kernel(state)?;
+    let kernel = exported(&counters, &state.observed);
+    let agent = agent_of(state, &kernel, &maps);
     let scrape = Scrape {
-        process: process(),
-        workers: state.workers.usage(),
-        model_ready: state.model.as_ref().is_none_or(Readiness::ready),
-        kernel: exported(&counters, &state.observed),
+        process: agent.process,
+        workers: agent.workers,
+        model_ready: agent.model_ready,
+        kernel,
         maps,
         refused_peers: state.peers.refused(),
         services,
         observed: observed_of(state),
     };
     Ok(state.metrics.encode(scrape)?)
+}
+
+/// A status-page response: its policy (nothing but this origin's own files), no sniffing,
+/// no caching (the figures are live), no referrer.
+fn page_response(content_type: &str, body: String) -> Response<Full<Bytes>> {
+    Response::builder()
+        .header("content-type", content_type)
+        .header("content-security-policy", page::CONTENT_SECURITY_POLICY)
+        .header("x-content-type-options", "nosniff")
+        .header("cache-control", "no-store")
+        .header("referrer-policy", "no-referrer")
+        .body(Full::new(Bytes::from(body)))
+        .unwrap_or_default()
 }
 
 fn text(status: StatusCode, body: &str) -> Response<Full<Bytes>> {

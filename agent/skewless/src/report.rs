@@ -89,6 +89,7 @@ pub fn service_status(port: Port<'_>) -> ServiceStatus {
         // Filled from the agent's recent window when /status or /metrics is served.
         balancer_skew: None,
         connection: None,
+        recent: None,
     }
 }
 
@@ -159,6 +160,7 @@ pub fn connection_status(
             as_even_as_possible,
             no_backend,
         }),
+        recent: None,
     }
 }
 
@@ -246,6 +248,8 @@ fn backend_status(b: BackendStats) -> EndpointStatus {
         upstream_connections: connections as u64,
         latency: Histogram::empty(LATENCY_BOUNDS),
         recent_p99: None,
+        recent_per_sec: None,
+        recent_share: None,
     }
 }
 
@@ -277,6 +281,8 @@ fn endpoint_status(e: EndpointStats) -> EndpointStatus {
         latency: histogram(latency_histogram),
         // Filled from the agent's recent window.
         recent_p99: None,
+        recent_per_sec: None,
+        recent_share: None,
     }
 }
 

@@ -10,10 +10,10 @@ use std::{
     time::Duration,
 };
 
-use skewless_testbed::{FileService, Place, Testbed, grpc, scripts};
+use skewless_testbed::{Place, Testbed, grpc, scripts};
 use testbed_agent::{
-    ADMIN, ECHO_PODS, TempPath, echo_bed, services_in_status, spawn_file_agent, status_json,
-    wait_until, write_services,
+    ADMIN, ECHO_PODS, TempPath, ThreeModes, echo_bed, services_in_status, spawn_file_agent,
+    status_json, wait_until, write_services,
 };
 
 /// The agent's `/metrics` text, read inside the node.
@@ -259,100 +259,19 @@ fn metric_names(expr: &str) -> Vec<String> {
         .collect()
 }
 
-/// The services file of the end-to-end test: `echo` balanced (request mode) at `balanced`,
-/// `obs` observed at `observed` and `conn` in connection mode at `relayed`, over the same
-/// pods, and `bad` with an invalid annotation (so the rejection counter has a series).
-fn write_three_services(
-    path: &std::path::Path,
-    tb: &Testbed,
-    balanced: SocketAddrV4,
-    observed: SocketAddrV4,
-    relayed: SocketAddrV4,
-) {
-    let mut yaml = String::from("services:\n");
-    for (name, vip, mode) in [
-        ("echo", balanced, "request"),
-        ("obs", observed, "observe"),
-        ("conn", relayed, "connection"),
-    ] {
-        yaml.push_str(
-            &tb.services_entry(&FileService {
-                name,
-                cluster_ips: &[vip.ip().to_string()],
-                port: vip.port(),
-                mode,
-                pods: &ECHO_PODS,
-                ipv6_endpoints: false,
-            })
-            .unwrap(),
-        );
-    }
-    yaml.push_str(
-        "  - name: bad\n    clusterIPs: [\"198.19.0.99\"]\n    mode: request\n    annotations:\n      skewless.io/hold-time: soon\n    ports:\n      - port: 80\n        targetPort: 80\n",
-    );
-    let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, yaml).unwrap();
-    std::fs::rename(&tmp, path).unwrap();
-}
-
 #[test]
 #[ignore = "privileged: needs root and the real kernel; run with `cargo xtask test`"]
 fn a_real_prometheus_scrapes_the_agent_and_every_dashboard_query_and_rule_returns_data() {
     use skewless_admin::monitoring;
-    let balanced = SocketAddrV4::new(Ipv4Addr::new(198, 19, 0, 42), 50051);
-    let observed = SocketAddrV4::new(Ipv4Addr::new(198, 19, 0, 43), 50051);
-    let relayed = SocketAddrV4::new(Ipv4Addr::new(198, 19, 0, 44), 50051);
-    let mut b = Testbed::builder().nodes(1).pod("client", 0);
-    for p in ECHO_PODS {
-        b = b.pod(p, 0);
-    }
-    let mut tb = b
-        .service(
-            "echo",
-            *balanced.ip(),
-            balanced.port(),
-            balanced.port(),
-            &ECHO_PODS,
-        )
-        .service(
-            "obs",
-            *observed.ip(),
-            observed.port(),
-            observed.port(),
-            &ECHO_PODS,
-        )
-        .service(
-            "conn",
-            *relayed.ip(),
-            relayed.port(),
-            relayed.port(),
-            &ECHO_PODS,
-        )
-        .build()
-        .expect("testbed builds (needs root)");
-    let gen_dir = grpc::generate_stubs().expect("python stubs (run `cargo xtask setup`)");
-    // The last pod answers 20 ms late: the balancer sends it probes only, which the panels
-    // show (its share below the fair line, the balancer's skew at 4/3).
-    for (i, p) in ECHO_PODS.iter().enumerate() {
-        let delay = if i == ECHO_PODS.len() - 1 { 20 } else { 0 };
-        grpc::spawn_echo_server(&mut tb, &gen_dir, p, balanced.port(), delay).unwrap();
-    }
-    for p in ECHO_PODS {
-        let ip = tb.pod(p).unwrap().ip;
-        tb.wait_for_tcp(
-            Place::Node(0),
-            SocketAddrV4::new(ip, balanced.port()),
-            Duration::from_secs(20),
-        )
-        .unwrap();
-    }
-    let services = TempPath::new(format!("skewless-test-services-{}.yaml", tb.id()));
-    write_three_services(&services, &tb, balanced, observed, relayed);
-    let traffic_from = std::time::SystemTime::now();
-    spawn_file_agent(&mut tb, &services);
-    wait_until("the agent redirects the balanced Services", || {
-        services_in_status(&tb) == 2
-    });
+    let ThreeModes {
+        mut tb,
+        gen_dir,
+        services,
+        balanced,
+        observed,
+        relayed,
+        traffic_from,
+    } = ThreeModes::start();
     let prometheus = Prometheus::start(&mut tb);
 
     // Pinned pick_first clients: one to each Service (one connection each, calls until the

@@ -35,6 +35,10 @@ pub const DOWNLOAD: &str = script!("download.py");
 pub const TCP_CHECK: &str = script!("tcp_check.py");
 /// `HTTP_GET URL`: prints the body of a GET.
 pub const HTTP_GET: &str = script!("http_get.py");
+/// `BROWSER URL OUT_JSON [--no-js] [--wait-refresh] [--screenshot PNG]`: loads URL in
+/// headless Chromium (DevTools protocol on a pipe) and writes the page's `data-field` figures,
+/// every request it made, console and log errors; optionally a screenshot.
+pub const BROWSER: &str = script!("browser.py");
 /// `RAW_PEER HOST PORT KIND`: a broken client (`http1`, `bad-frame`, `oversized`, `garbage`);
 /// prints how and when the server closed: `<fin|reset|open> <seconds> <bytes received>`.
 pub const RAW_PEER: &str = script!("raw_peer.py");
@@ -61,6 +65,7 @@ mod tests {
             super::HTTP_GET,
             super::RAW_PEER,
             super::HOLD_CONNS,
+            super::BROWSER,
         ] {
             let path = std::path::Path::new(path);
             assert!(path.is_file(), "{} must exist", path.display());
