@@ -49,6 +49,8 @@
 //! its [`relay`].
 #![forbid(unsafe_code)]
 
+mod label;
+
 mod budget;
 pub mod connection;
 pub mod endpoint;

@@ -11,6 +11,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::Duration;
 
+use crate::label::label_enum;
+
 /// Upper bounds (seconds) of the request duration buckets: 0.5 ms to 10 s, with the usual SLO
 /// points (2.5 ms, 25 ms, 250 ms, 2.5 s) as bounds, so an SLO threshold is a bucket.
 pub const LATENCY_BOUNDS: &[f64] = &[
@@ -115,124 +117,58 @@ impl HistogramSnapshot {
     }
 }
 
-/// Why a call failed: a bounded set (a metric label).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FailureReason {
-    /// Answered UNAVAILABLE without a transport fault: no ready endpoint, or the backend
-    /// itself answered UNAVAILABLE (or an HTTP 5xx).
-    Unavailable,
-    /// The caller's deadline ran out in the balancer.
-    Deadline,
-    /// The backend reset the stream, or it ended abnormally after it was sent.
-    Reset,
-    /// The upstream connection failed under the call.
-    Connect,
-    /// The backend refused the stream and no retry was left.
-    Refused,
-}
-
-/// Why a client connection was told to go away (a GOAWAY); a bounded set (a metric label).
-/// Request mode rotates for `MaxAge` and `Drain`; connection mode for all of them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RotationReason {
-    /// Its backend holds more than its share (connection mode).
-    Skew,
-    /// Its backend left the endpoint set (connection mode).
-    BackendRemoved,
-    /// Its backend's health check says NOT_SERVING (connection mode).
-    NotServing,
-    /// It reached its max connection age.
-    MaxAge,
-    /// The balancer is draining (opt-out, agent shutdown).
-    Drain,
-}
-
-impl RotationReason {
-    /// Every reason, in label order.
-    pub const ALL: [Self; 5] = [
-        Self::Skew,
-        Self::BackendRemoved,
-        Self::NotServing,
-        Self::MaxAge,
-        Self::Drain,
-    ];
-
-    /// The label value.
-    #[must_use]
-    pub fn label(self) -> &'static str {
-        match self {
-            Self::Skew => "skew",
-            Self::BackendRemoved => "backend_removed",
-            Self::NotServing => "not_serving",
-            Self::MaxAge => "max_age",
-            Self::Drain => "drain",
-        }
+label_enum! {
+    /// Why a call failed: a bounded set (a metric label).
+    pub enum FailureReason {
+        /// Answered UNAVAILABLE without a transport fault: no ready endpoint, or the backend
+        /// itself answered UNAVAILABLE (or an HTTP 5xx).
+        Unavailable => "unavailable",
+        /// The caller's deadline ran out in the balancer.
+        Deadline => "deadline",
+        /// The backend reset the stream, or it ended abnormally after it was sent.
+        Reset => "reset",
+        /// The upstream connection failed under the call.
+        Connect => "connect",
+        /// The backend refused the stream and no retry was left.
+        Refused => "refused",
     }
 }
 
-/// Why the balancer closed a client connection for what the client sent, or failed to send:
-/// a bounded set (a metric label). See docs/balancer.md and docs/connection-mode.md.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ClientErrorReason {
-    /// No HTTP/2 connection preface and SETTINGS within the handshake timeout.
-    NoPreface,
-    /// Not HTTP/2, or a malformed or oversized frame.
-    Malformed,
-    /// More PINGs than the balancer answers (or relays).
-    PingFlood,
-    /// More SETTINGS than the balancer applies (or relays).
-    SettingsFlood,
-    /// More RST_STREAMs than the balancer processes (rapid reset).
-    RstStreamFlood,
-    /// More open streams than the balancer tracks on one connection.
-    TooManyStreams,
-}
-
-impl ClientErrorReason {
-    /// Every reason, in label order.
-    pub const ALL: [Self; 6] = [
-        Self::NoPreface,
-        Self::Malformed,
-        Self::PingFlood,
-        Self::SettingsFlood,
-        Self::RstStreamFlood,
-        Self::TooManyStreams,
-    ];
-
-    /// The label value.
-    #[must_use]
-    pub fn label(self) -> &'static str {
-        match self {
-            Self::NoPreface => "no_preface",
-            Self::Malformed => "malformed",
-            Self::PingFlood => "ping_flood",
-            Self::SettingsFlood => "settings_flood",
-            Self::RstStreamFlood => "rst_stream_flood",
-            Self::TooManyStreams => "too_many_streams",
-        }
+label_enum! {
+    /// Why a client connection is rotated (told to go away with a GOAWAY), in both modes: a
+    /// bounded set (a metric label). The server's lifecycle stops a connection for `MaxAge` and
+    /// `Drain` (see [`crate::server::Stop`]); connection mode's controller also for `Skew`,
+    /// `BackendRemoved` and `NotServing`.
+    pub enum RotationReason {
+        /// Its backend holds more than its share (connection mode).
+        Skew => "skew",
+        /// Its backend left the endpoint set (connection mode).
+        BackendRemoved => "backend_removed",
+        /// Its backend's health check says NOT_SERVING (connection mode).
+        NotServing => "not_serving",
+        /// It reached its max connection age.
+        MaxAge => "max_age",
+        /// The balancer is draining (opt-out, agent shutdown).
+        Drain => "drain",
     }
 }
 
-impl FailureReason {
-    /// Every reason, in label order.
-    pub const ALL: [Self; 5] = [
-        Self::Unavailable,
-        Self::Deadline,
-        Self::Reset,
-        Self::Connect,
-        Self::Refused,
-    ];
-
-    /// The label value.
-    #[must_use]
-    pub fn label(self) -> &'static str {
-        match self {
-            Self::Unavailable => "unavailable",
-            Self::Deadline => "deadline",
-            Self::Reset => "reset",
-            Self::Connect => "connect",
-            Self::Refused => "refused",
-        }
+label_enum! {
+    /// Why the balancer closed a client connection for what the client sent, or failed to
+    /// send: a bounded set (a metric label). See docs/balancer.md and docs/connection-mode.md.
+    pub enum ClientErrorReason {
+        /// No HTTP/2 connection preface and SETTINGS within the handshake timeout.
+        NoPreface => "no_preface",
+        /// Not HTTP/2, or a malformed or oversized frame.
+        Malformed => "malformed",
+        /// More PINGs than the balancer answers (or relays).
+        PingFlood => "ping_flood",
+        /// More SETTINGS than the balancer applies (or relays).
+        SettingsFlood => "settings_flood",
+        /// More RST_STREAMs than the balancer processes (rapid reset).
+        RstStreamFlood => "rst_stream_flood",
+        /// More open streams than the balancer tracks on one connection.
+        TooManyStreams => "too_many_streams",
     }
 }
 
@@ -249,7 +185,7 @@ pub struct EndpointMetrics {
 pub struct ServiceMetrics {
     /// Every call, from the client's request headers to the end of the response.
     pub latency: LatencyHistogram,
-    failures: [AtomicU64; 5],
+    failures: [AtomicU64; FailureReason::ALL.len()],
     rotations: [AtomicU64; RotationReason::ALL.len()],
     client_connections: AtomicU64,
     /// Lifetimes of the client connections that closed.
@@ -262,7 +198,7 @@ pub struct ServiceMetrics {
 pub struct ServiceSnapshot {
     pub latency: HistogramSnapshot,
     /// By [`FailureReason::ALL`].
-    pub failures: [u64; 5],
+    pub failures: [u64; FailureReason::ALL.len()],
     /// By [`RotationReason::ALL`].
     pub rotations: [u64; RotationReason::ALL.len()],
     pub client_connections: u64,
@@ -292,29 +228,17 @@ impl ServiceSnapshot {
 impl ServiceMetrics {
     /// Counts a failed call.
     pub fn failed(&self, reason: FailureReason) {
-        let i = FailureReason::ALL
-            .iter()
-            .position(|r| *r == reason)
-            .unwrap_or(0);
-        self.failures[i].fetch_add(1, Relaxed);
+        self.failures[reason.index()].fetch_add(1, Relaxed);
     }
 
     /// Counts a GOAWAY sent to a client connection.
     pub fn rotated(&self, reason: RotationReason) {
-        let i = RotationReason::ALL
-            .iter()
-            .position(|r| *r == reason)
-            .unwrap_or(0);
-        self.rotations[i].fetch_add(1, Relaxed);
+        self.rotations[reason.index()].fetch_add(1, Relaxed);
     }
 
     /// Counts a client connection closed for what the client sent (or failed to send).
     pub fn client_error(&self, reason: ClientErrorReason) {
-        let i = ClientErrorReason::ALL
-            .iter()
-            .position(|r| *r == reason)
-            .unwrap_or(0);
-        self.client_errors[i].fetch_add(1, Relaxed);
+        self.client_errors[reason.index()].fetch_add(1, Relaxed);
     }
 
     /// A client connection opened; the guard counts it closed (and its lifetime) on drop.
@@ -465,6 +389,44 @@ mod tests {
         drop(untold);
         assert_eq!(bucket(&m.snapshot(), 0.1), 1, "70 ms, up to the drop");
         assert_eq!(m.snapshot().latency.count(), 2);
+    }
+
+    #[test]
+    fn label_sets_list_every_value_once_in_index_order_with_the_dashboards_labels() {
+        for (i, r) in RotationReason::ALL.iter().enumerate() {
+            assert_eq!(r.index(), i);
+        }
+        for (i, r) in FailureReason::ALL.iter().enumerate() {
+            assert_eq!(r.index(), i);
+        }
+        for (i, r) in ClientErrorReason::ALL.iter().enumerate() {
+            assert_eq!(r.index(), i);
+        }
+        let labels = |all: &[&'static str]| all.to_vec();
+        assert_eq!(
+            labels(&RotationReason::ALL.map(RotationReason::label)),
+            ["skew", "backend_removed", "not_serving", "max_age", "drain"],
+            "label values are a contract with the dashboards and alerts"
+        );
+        assert_eq!(
+            labels(&FailureReason::ALL.map(FailureReason::label)),
+            ["unavailable", "deadline", "reset", "connect", "refused"]
+        );
+        assert_eq!(
+            labels(&ClientErrorReason::ALL.map(ClientErrorReason::label)),
+            [
+                "no_preface",
+                "malformed",
+                "ping_flood",
+                "settings_flood",
+                "rst_stream_flood",
+                "too_many_streams"
+            ]
+        );
+        assert_eq!(
+            RotationReason::BackendRemoved.to_string(),
+            "backend_removed"
+        );
     }
 
     #[test]

@@ -31,14 +31,10 @@ pub trait Lifecycle {
     fn drain_grace(&self) -> Duration;
 }
 
-/// Why a client connection is asked to wind down.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum StopReason {
-    /// The server is shutting down (opt-out, agent drain).
-    Drain,
-    /// The connection reached its max age.
-    MaxAge,
-}
+/// Why a client connection is asked to wind down: [`RotationReason::Drain`] (the server is
+/// shutting down: opt-out, agent drain) or [`RotationReason::MaxAge`] (the connection reached
+/// its max age). The lifecycle's reasons are rotation reasons: one type, counted as it is.
+pub type StopReason = RotationReason;
 
 /// Makes the handler of every client connection a server accepts (see the module docs).
 pub trait NewConnection {
@@ -95,13 +91,10 @@ impl<C: Lifecycle> Stop<C> {
     /// [`Stop::drained`]), or from the change for a max age set or changed while the
     /// connection is open. Poll the same future for the life of the connection: it arms its
     /// timers once per configuration, not once per poll.
-    pub async fn stopped(&mut self) -> StopReason {
+    pub async fn stopped(&mut self) -> RotationReason {
         let reason = self.wait().await;
         if let Some(m) = &self.metrics {
-            m.rotated(match reason {
-                StopReason::Drain => RotationReason::Drain,
-                StopReason::MaxAge => RotationReason::MaxAge,
-            });
+            m.rotated(reason);
         }
         reason
     }
@@ -112,17 +105,17 @@ impl<C: Lifecycle> Stop<C> {
     /// connection the client is still opening is no rotation: the client sees its connect
     /// fail (grpc-js then fails its calls "No connection established" until it reconnects),
     /// where a max age must wind a connection down with a GOAWAY.
-    pub async fn drained(&mut self) -> StopReason {
+    pub async fn drained(&mut self) -> RotationReason {
         // A dropped sender (the server is gone) stops the connection as a drain does.
         let _ = self.drain.wait_for(|d| *d).await;
         tracing::debug!("draining client connection");
         if let Some(m) = &self.metrics {
             m.rotated(RotationReason::Drain);
         }
-        StopReason::Drain
+        RotationReason::Drain
     }
 
-    async fn wait(&mut self) -> StopReason {
+    async fn wait(&mut self) -> RotationReason {
         let jitter = self.jitter;
         let mut since = tokio::time::Instant::now();
         let mut max_age = self.config.borrow_and_update().max_connection_age();
@@ -139,11 +132,11 @@ impl<C: Lifecycle> Stop<C> {
             tokio::select! {
                 _ = draining => {
                     tracing::debug!("draining client connection");
-                    return StopReason::Drain;
+                    return RotationReason::Drain;
                 }
                 () = aged => {
                     tracing::debug!("client connection reached its max age");
-                    return StopReason::MaxAge;
+                    return RotationReason::MaxAge;
                 }
                 res = changed, if following_config => following_config = res.is_ok(),
             }
@@ -273,7 +266,7 @@ mod tests {
             () = tokio::time::sleep(Duration::from_secs(5)) => {}
         }
         config_tx.send_replace(Arc::new(Ages(Some(Duration::from_secs(20)))));
-        assert_eq!(stopped.await, StopReason::MaxAge);
+        assert_eq!(stopped.await, RotationReason::MaxAge);
         let elapsed = t0.elapsed();
         let due = Duration::from_secs(5) + Duration::from_secs(22);
         assert!(
@@ -294,6 +287,6 @@ mod tests {
             () = tokio::time::sleep(Duration::from_secs(3600)) => {}
         }
         drain_tx.send_replace(true);
-        assert_eq!(stopped.await, StopReason::Drain);
+        assert_eq!(stopped.await, RotationReason::Drain);
     }
 }

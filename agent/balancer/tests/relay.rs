@@ -6,9 +6,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::BytesMut;
-use skewless_balancer::metrics::{FailureReason, LATENCY_BOUNDS, ServiceMetrics};
+use skewless_balancer::metrics::{FailureReason, LATENCY_BOUNDS, RotationReason, ServiceMetrics};
 use skewless_balancer::relay::{
-    Flood, ProtocolError, RelayEnd, RelayError, RelayHandle, RelaySettings, RotateReason, relay,
+    Flood, ProtocolError, RelayEnd, RelayError, RelayHandle, RelaySettings, relay,
 };
 use skewless_frame::{
     ErrorCode, FrameError, Frames, GoAway, Head, Kind, MAX_MAX_FRAME_SIZE, MAX_STREAM_ID, PREFACE,
@@ -300,7 +300,7 @@ async fn settle_until_the_final_go_away(client: &mut Peer) -> u32 {
 }
 
 /// Starts a rotation and answers its first step: GOAWAY(2^31-1), our PING, its ACK.
-async fn rotate_and_ack(b: &mut Bed, reason: RotateReason) {
+async fn rotate_and_ack(b: &mut Bed, reason: RotationReason) {
     b.handle.rotate(reason);
     assert_eq!(b.client.expect_go_away().await, MAX_STREAM_ID);
     let ours = b.client.expect_ping().await;
@@ -309,7 +309,7 @@ async fn rotate_and_ack(b: &mut Bed, reason: RotateReason) {
 
 /// The backend answers streams 1 and 3; both reach the client, then FIN both ways (the
 /// backend got nothing more: no GOAWAY, none of our ACKs) and the rotation's end.
-async fn finish_1_and_3(mut b: Bed, reason: RotateReason) {
+async fn finish_1_and_3(mut b: Bed, reason: RotationReason) {
     b.backend.send(&response(1)).await;
     b.backend.send(&response(3)).await;
     expect_response(&mut b.client, 1).await;
@@ -334,7 +334,7 @@ fn stream_3() -> Vec<u8> {
 async fn rotation_is_goaway_max_and_ping_then_settings_and_a_quiet_ping_then_the_final_goaway_then_fin()
  {
     let mut b = open_bed(RelaySettings::default()).await;
-    b.handle.rotate(RotateReason::Skew);
+    b.handle.rotate(RotationReason::Skew);
     assert_eq!(
         b.client.expect_go_away().await,
         MAX_STREAM_ID,
@@ -342,7 +342,7 @@ async fn rotation_is_goaway_max_and_ping_then_settings_and_a_quiet_ping_then_the
     );
     let ours = b.client.expect_ping().await;
     assert!(!ours.ack);
-    assert_eq!(b.handle.stats().rotating(), Some(RotateReason::Skew));
+    assert_eq!(b.handle.stats().rotating(), Some(RotationReason::Skew));
     b.client.send(&ping(true, ours.opaque)).await;
     // Stream 1 is ended by the client: it has nothing left to send, so the relay checks that
     // nothing it created is still unwritten: an empty SETTINGS (its ACK comes in a write that
@@ -368,7 +368,7 @@ async fn rotation_is_goaway_max_and_ping_then_settings_and_a_quiet_ping_then_the
     b.backend.expect_eof().await;
     assert_eq!(b.handle.stats().open_streams(), 0);
     let end = b.task.await.expect("task").expect("clean end");
-    assert_eq!(end, RelayEnd::Rotated(RotateReason::Skew));
+    assert_eq!(end, RelayEnd::Rotated(RotationReason::Skew));
 }
 
 /// Issue 13's wire sequence with a stream opened between the two GOAWAYs: GOAWAY(2^31-1) and
@@ -379,7 +379,7 @@ async fn rotation_is_goaway_max_and_ping_then_settings_and_a_quiet_ping_then_the
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_stream_opened_between_the_goaways_is_relayed_named_by_the_final_one_and_finished() {
     let mut b = open_bed(RelaySettings::default()).await;
-    b.handle.rotate(RotateReason::Skew);
+    b.handle.rotate(RotationReason::Skew);
     assert_eq!(b.client.expect_go_away().await, MAX_STREAM_ID);
     let ours = b.client.expect_ping().await;
     assert_eq!(
@@ -414,7 +414,7 @@ async fn a_stream_opened_between_the_goaways_is_relayed_named_by_the_final_one_a
     // Then FIN both ways; the backend never got anything after the two requests (no GOAWAY,
     // not our PING's ACK).
     let end = b.ends_cleanly().await;
-    assert_eq!(end, RelayEnd::Rotated(RotateReason::Skew));
+    assert_eq!(end, RelayEnd::Rotated(RotationReason::Skew));
 }
 
 /// The opaque data of the relay's quiesce PING (a lazy client's rotation starts with it).
@@ -476,14 +476,14 @@ async fn open_grpc_js_bed(settings: RelaySettings) -> Bed {
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_grpc_js_rotation_holds_the_backends_frames_behind_a_ping_until_its_ack() {
     let mut b = open_grpc_js_bed(RelaySettings::default()).await;
-    b.handle.rotate(RotateReason::MaxAge);
+    b.handle.rotate(RotationReason::MaxAge);
     let hold = b.client.expect_ping().await;
     assert_eq!(
         (hold.ack, hold.opaque),
         (false, QUIESCE_PING),
         "a grpc-js rotation starts with the quiesce PING, no GOAWAY yet"
     );
-    assert_eq!(b.handle.stats().rotating(), Some(RotateReason::MaxAge));
+    assert_eq!(b.handle.stats().rotating(), Some(RotationReason::MaxAge));
     // The backend answers stream 1: held until the ACK, so it cannot start another call.
     b.backend.send(&response(1)).await;
     b.client.expect_silence().await;
@@ -511,7 +511,7 @@ async fn a_grpc_js_rotation_holds_the_backends_frames_behind_a_ping_until_its_ac
     b.backend.expect_eof().await;
     assert_eq!(b.handle.stats().refused(), 0);
     let end = b.task.await.expect("task").expect("clean end");
-    assert_eq!(end, RelayEnd::Rotated(RotateReason::MaxAge));
+    assert_eq!(end, RelayEnd::Rotated(RotationReason::MaxAge));
 }
 
 /// A client whose user-agent is not known yet (here: no request so far) may be a lazy one:
@@ -523,7 +523,7 @@ async fn a_client_whose_user_agent_is_not_known_is_quiesced_too() {
     b.backend.send(&empty_settings()).await;
     b.client.expect(Kind::Settings).await;
     assert!(!b.handle.stats().user_agent_known());
-    b.handle.rotate(RotateReason::Drain);
+    b.handle.rotate(RotationReason::Drain);
     assert_eq!(b.client.expect_ping().await.opaque, QUIESCE_PING);
     b.client.send(&ping(true, QUIESCE_PING)).await;
     assert_eq!(b.client.expect_go_away().await, MAX_STREAM_ID);
@@ -534,7 +534,7 @@ async fn a_client_whose_user_agent_is_not_known_is_quiesced_too() {
 async fn a_quiesce_without_an_ack_ends_after_a_second_with_the_first_goaway() {
     let mut b = open_grpc_js_bed(RelaySettings::default()).await;
     let started = Instant::now();
-    b.handle.rotate(RotateReason::Skew);
+    b.handle.rotate(RotationReason::Skew);
     assert_eq!(b.client.expect_ping().await.opaque, QUIESCE_PING);
     b.backend.send(&response(1)).await;
     // The client never answers: after the quiesce timeout the rotation goes on as for any client.
@@ -550,7 +550,7 @@ async fn a_quiesce_without_an_ack_ends_after_a_second_with_the_first_goaway() {
     b.client.send(&ping(true, ours.opaque)).await;
     assert_eq!(settle_until_the_final_go_away(&mut b.client).await, 1);
     let end = b.ends_cleanly().await;
-    assert_eq!(end, RelayEnd::Rotated(RotateReason::Skew));
+    assert_eq!(end, RelayEnd::Rotated(RotationReason::Skew));
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
@@ -560,7 +560,7 @@ async fn a_stream_the_client_writes_after_its_ping_ack_is_relayed_and_under_the_
     // read. The final GOAWAY must not be below it (the client would fail or retry a call it
     // had sent: grpc-core fails one larger than its 256 KiB retry buffer).
     let mut b = open_bed(RelaySettings::default()).await;
-    b.handle.rotate(RotateReason::MaxAge);
+    b.handle.rotate(RotationReason::MaxAge);
     b.client.expect_go_away().await;
     let ours = b.client.expect_ping().await;
     b.client.send(&ping(true, ours.opaque)).await;
@@ -593,7 +593,7 @@ async fn a_stream_the_client_writes_after_its_ping_ack_is_relayed_and_under_the_
     expect_response(&mut b.client, 1).await;
     expect_response(&mut b.client, 3).await;
     let end = b.ends_cleanly().await;
-    assert_eq!(end, RelayEnd::Rotated(RotateReason::MaxAge));
+    assert_eq!(end, RelayEnd::Rotated(RotationReason::MaxAge));
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
@@ -601,7 +601,7 @@ async fn a_stream_the_client_writes_after_the_settings_ack_is_still_under_the_fi
     // A stream that comes between the SETTINGS ACK and the quiet PING's ACK (a client that
     // writes them apart): the check starts over and the final GOAWAY covers it.
     let mut b = open_bed(RelaySettings::default()).await;
-    rotate_and_ack(&mut b, RotateReason::MaxAge).await;
+    rotate_and_ack(&mut b, RotationReason::MaxAge).await;
     b.client.expect(Kind::Settings).await;
     b.client.send(&settings_ack()).await;
     let quiet = b.client.expect_ping().await;
@@ -620,7 +620,7 @@ async fn a_stream_the_client_writes_after_the_settings_ack_is_still_under_the_fi
         "the final GOAWAY covers every stream the client sent"
     );
     assert_eq!(b.handle.stats().refused(), 0);
-    finish_1_and_3(b, RotateReason::MaxAge).await;
+    finish_1_and_3(b, RotationReason::MaxAge).await;
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
@@ -631,7 +631,7 @@ async fn a_stream_grpc_core_queues_behind_its_ping_acks_is_under_the_final_goawa
     // unwritten; only a write without an ACK (the SETTINGS ACK's) carries it. A final GOAWAY
     // before that names 1 and fails the call (a 4 MiB one, beyond the 256 KiB retry buffer).
     let mut b = open_bed(RelaySettings::default()).await;
-    rotate_and_ack(&mut b, RotateReason::MaxAge).await;
+    rotate_and_ack(&mut b, RotationReason::MaxAge).await;
     assert_eq!(
         settle_as_grpc_core(&mut b.client, stream_3()).await,
         3,
@@ -641,7 +641,7 @@ async fn a_stream_grpc_core_queues_behind_its_ping_acks_is_under_the_final_goawa
     assert_eq!(h.stream_id, 3, "stream 3 is relayed to the backend");
     b.backend.expect(Kind::Data).await;
     assert_eq!(b.handle.stats().refused(), 0);
-    finish_1_and_3(b, RotateReason::MaxAge).await;
+    finish_1_and_3(b, RotationReason::MaxAge).await;
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
@@ -650,7 +650,7 @@ async fn a_settings_ack_written_with_a_ping_ack_proves_nothing_and_the_check_sta
     // both ACKs in one write, cut to the ACKs, and stream 3 stays queued. That SETTINGS ACK
     // must not count: the relay asks again.
     let mut b = open_bed(RelaySettings::default()).await;
-    b.handle.rotate(RotateReason::MaxAge);
+    b.handle.rotate(RotationReason::MaxAge);
     b.client.expect_go_away().await;
     let ours = b.client.expect_ping().await;
     b.backend.send(&ping(false, *b"backend!")).await;
@@ -676,7 +676,7 @@ async fn the_relays_settings_ack_is_swallowed_and_the_backends_are_forwarded_in_
     // the order it read them. Its first ACK is the backend's (forwarded at once), the second
     // ours (swallowed: an unsolicited ACK is a connection error for the backend).
     let mut b = open_bed(RelaySettings::default()).await;
-    b.handle.rotate(RotateReason::MaxAge);
+    b.handle.rotate(RotationReason::MaxAge);
     b.client.expect_go_away().await;
     let ours = b.client.expect_ping().await;
     b.backend.send(&empty_settings()).await;
@@ -711,7 +711,7 @@ async fn the_final_goaway_waits_for_the_client_to_end_its_streams_at_most_half_t
     b.client.send(&headers(3, flags::END_HEADERS)).await;
     b.backend.expect(Kind::Headers).await;
     let started = Instant::now();
-    b.handle.rotate(RotateReason::Skew);
+    b.handle.rotate(RotationReason::Skew);
     b.client.expect_go_away().await;
     let ours = b.client.expect_ping().await;
     b.client.send(&ping(true, ours.opaque)).await;
@@ -736,7 +736,7 @@ async fn the_final_goaway_waits_for_the_client_to_end_its_streams_at_most_half_t
     b.client.send(&headers(3, flags::END_HEADERS)).await;
     b.backend.expect(Kind::Headers).await;
     let started = Instant::now();
-    b.handle.rotate(RotateReason::Skew);
+    b.handle.rotate(RotationReason::Skew);
     b.client.expect_go_away().await;
     let ours = b.client.expect_ping().await;
     b.client.send(&ping(true, ours.opaque)).await;
@@ -766,7 +766,7 @@ async fn other_pings_and_acks_pass_through_both_ways_even_during_a_rotation() {
     b.client.send(&ping(true, *b"servping")).await;
     assert!(b.backend.expect_ping().await.ack);
 
-    b.handle.rotate(RotateReason::MaxAge);
+    b.handle.rotate(RotationReason::MaxAge);
     b.client.expect_go_away().await;
     let ours = b.client.expect_ping().await;
     // A keepalive PING interleaved with the rotation, answered by the backend.
@@ -795,7 +795,7 @@ async fn without_an_ack_the_final_goaway_follows_the_ping_timeout_at_most_half_t
         };
         let mut b = open_bed(settings).await;
         let started = Instant::now();
-        b.handle.rotate(RotateReason::Skew);
+        b.handle.rotate(RotationReason::Skew);
         b.client.expect_go_away().await;
         b.client.expect_ping().await;
         // The client never answers.
@@ -812,7 +812,7 @@ async fn without_an_ack_the_final_goaway_follows_the_ping_timeout_at_most_half_t
         let end = b.ends_cleanly().await;
         assert_eq!(
             end,
-            RelayEnd::Rotated(RotateReason::Skew),
+            RelayEnd::Rotated(RotationReason::Skew),
             "the stream finished, nothing was reset"
         );
     }
@@ -821,7 +821,7 @@ async fn without_an_ack_the_final_goaway_follows_the_ping_timeout_at_most_half_t
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn streams_opened_after_the_final_goaway_are_refused_keeping_hpack_and_windows_in_step() {
     let mut b = open_bed(RelaySettings::default()).await;
-    b.handle.rotate(RotateReason::Skew);
+    b.handle.rotate(RotationReason::Skew);
     b.client.expect_go_away().await;
     let ours = b.client.expect_ping().await;
     b.client.send(&ping(true, ours.opaque)).await;
@@ -873,7 +873,7 @@ async fn streams_opened_after_the_final_goaway_are_refused_keeping_hpack_and_win
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn backend_goaways_are_forwarded_and_no_goaway_to_the_client_ever_raises_the_last_id() {
     let mut b = open_bed(RelaySettings::default()).await;
-    b.handle.rotate(RotateReason::Skew);
+    b.handle.rotate(RotationReason::Skew);
     assert_eq!(b.client.expect_go_away().await, MAX_STREAM_ID);
     let ours = b.client.expect_ping().await;
     // The backend's own max connection age, mid-rotation.
@@ -900,7 +900,7 @@ async fn nothing_is_injected_inside_a_header_block() {
     // Response headers split over HEADERS and CONTINUATION.
     b.backend.send(&headers(1, 0)).await;
     b.client.expect(Kind::Headers).await;
-    b.handle.rotate(RotateReason::Skew);
+    b.handle.rotate(RotationReason::Skew);
     b.client.expect_silence().await;
     b.backend
         .send(&frame(Kind::Continuation, flags::END_HEADERS, 1, &[0x88]))
@@ -922,7 +922,7 @@ async fn at_the_end_of_the_drain_grace_open_streams_are_reset_both_ways_then_fin
     };
     let (mut b, metrics) = open_metered_bed(settings).await;
     let started = Instant::now();
-    b.handle.rotate(RotateReason::Drain);
+    b.handle.rotate(RotationReason::Drain);
     b.client.expect_go_away().await;
     let ours = b.client.expect_ping().await;
     b.client.send(&ping(true, ours.opaque)).await;
@@ -1153,7 +1153,7 @@ fn run_hostile(client: &[u8], backend: &[u8], rotate_after: Option<usize>) -> Op
             let cut = rotate_after.unwrap_or(client.len()).min(client.len());
             let _ = c_write.write_all(&client[..cut]).await;
             if rotate_after.is_some() {
-                handle.rotate(RotateReason::Skew);
+                handle.rotate(RotationReason::Skew);
             }
             let _ = c_write.write_all(&client[cut..]).await;
             let _ = c_write.shutdown().await;
@@ -1311,7 +1311,7 @@ async fn streams_open_when_the_backend_closes_fail_and_those_the_client_leaves_d
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_response_the_backend_sent_before_closing_reaches_a_slow_client_whole_then_fin() {
     let (mut b, metrics) = open_metered_bed(RelaySettings::default()).await;
-    rotate_and_ack(&mut b, RotateReason::MaxAge).await;
+    rotate_and_ack(&mut b, RotationReason::MaxAge).await;
     assert_eq!(settle_until_the_final_go_away(&mut b.client).await, 1);
     // 1.5 MiB of DATA: more than the client's socket and the relay's buffer hold, so the
     // rest waits in the backend's socket while the client reads nothing.
@@ -1365,7 +1365,7 @@ async fn a_response_the_backend_sent_before_closing_reaches_a_slow_client_whole_
     let end = task.await.expect("task").expect("a clean end");
     assert_eq!(
         end,
-        RelayEnd::Rotated(RotateReason::MaxAge),
+        RelayEnd::Rotated(RotationReason::MaxAge),
         "the backend closed first, with every stream done: the rotation's end"
     );
     let s = metrics.snapshot();
@@ -1382,7 +1382,7 @@ async fn a_backend_that_closes_mid_rotation_with_every_stream_done_ends_it_as_ro
     let mut b = open_bed(RelaySettings::default()).await;
     b.backend.send(&response(1)).await;
     expect_response(&mut b.client, 1).await;
-    rotate_and_ack(&mut b, RotateReason::Skew).await;
+    rotate_and_ack(&mut b, RotationReason::Skew).await;
     b.backend.io.shutdown().await.expect("shutdown");
     // The settling's own frames may come first; then FIN.
     while let Some((head, _)) = b.client.next().await {
@@ -1395,7 +1395,7 @@ async fn a_backend_that_closes_mid_rotation_with_every_stream_done_ends_it_as_ro
     b.backend.expect_eof().await;
     assert_eq!(
         b.task.await.expect("task").expect("clean end"),
-        RelayEnd::Rotated(RotateReason::Skew)
+        RelayEnd::Rotated(RotationReason::Skew)
     );
 }
 
@@ -1407,7 +1407,7 @@ async fn a_backend_that_closes_mid_rotation_with_every_stream_done_ends_it_as_ro
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_clients_goaway_in_answer_to_a_rotation_is_not_forwarded_to_the_backend() {
     let mut b = open_bed(RelaySettings::default()).await;
-    b.handle.rotate(RotateReason::MaxAge);
+    b.handle.rotate(RotationReason::MaxAge);
     assert_eq!(b.client.expect_go_away().await, MAX_STREAM_ID);
     b.client.send(&go_away(0)).await;
     let ours = b.client.expect_ping().await;
@@ -1417,7 +1417,7 @@ async fn a_clients_goaway_in_answer_to_a_rotation_is_not_forwarded_to_the_backen
     expect_response(&mut b.client, 1).await;
     // The backend gets nothing after the request (no GOAWAY), then FIN.
     let end = b.ends_cleanly().await;
-    assert_eq!(end, RelayEnd::Rotated(RotateReason::MaxAge));
+    assert_eq!(end, RelayEnd::Rotated(RotationReason::MaxAge));
 
     let mut b = open_bed(RelaySettings::default()).await;
     b.client.send(&go_away(0)).await;

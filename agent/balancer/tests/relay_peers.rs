@@ -5,9 +5,8 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use skewless_balancer::relay::{
-    RelayEnd, RelayError, RelayHandle, RelaySettings, RotateReason, relay,
-};
+use skewless_balancer::metrics::RotationReason;
+use skewless_balancer::relay::{RelayEnd, RelayError, RelayHandle, RelaySettings, relay};
 use skewless_echo::SpawnedEcho;
 use skewless_echo::pb::EchoRequest;
 use skewless_echo::pb::echo_client::EchoClient;
@@ -154,7 +153,7 @@ async fn an_h2_client_rotated_with_streams_in_flight_gets_every_response() {
     })
     .await
     .expect("requests counted");
-    b.handle.rotate(RotateReason::BackendRemoved);
+    b.handle.rotate(RotationReason::BackendRemoved);
     // h2 answers our PING at once: the final GOAWAY follows; the streams go on.
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert!(
@@ -175,7 +174,7 @@ async fn an_h2_client_rotated_with_streams_in_flight_gets_every_response() {
         .expect("the relay ends after the last stream")
         .expect("task")
         .expect("clean end");
-    assert_eq!(end, RelayEnd::Rotated(RotateReason::BackendRemoved));
+    assert_eq!(end, RelayEnd::Rotated(RotationReason::BackendRemoved));
 }
 
 /// A listener that relays every connection to `backend`; hands out each connection's handle.

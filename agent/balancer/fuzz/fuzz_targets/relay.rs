@@ -6,7 +6,8 @@
 use std::time::Duration;
 
 use libfuzzer_sys::fuzz_target;
-use skewless_balancer::relay::{RelayHandle, RelaySettings, RotateReason, relay};
+use skewless_balancer::metrics::RotationReason;
+use skewless_balancer::relay::{RelayHandle, RelaySettings, relay};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _, duplex};
 
 const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
@@ -42,7 +43,7 @@ fuzz_target!(|data: &[u8]| {
             let cut = rotate_at.unwrap_or(client.len());
             let _ = c_write.write_all(&client[..cut]).await;
             if rotate_at.is_some() {
-                handle.rotate(RotateReason::Skew);
+                handle.rotate(RotationReason::Skew);
             }
             let _ = c_write.write_all(&client[cut..]).await;
             let _ = c_write.shutdown().await;

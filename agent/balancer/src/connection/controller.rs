@@ -22,7 +22,6 @@ use super::policy::{
 };
 use super::stats::{BackendStats, ConnectionStats, RotationCounts};
 use super::window::Window;
-use crate::connection::relay::RotateReason;
 use crate::endpoint::Endpoint;
 use crate::endpoints::EndpointState;
 use crate::endpoints::{EndpointId, EndpointSet};
@@ -44,7 +43,7 @@ pub(crate) trait Relayed: Send + Sync {
     /// Its client fails calls on a GOAWAY (never rotated for skew).
     fn unrotatable(&self) -> bool;
     /// Starts the graceful two-phase GOAWAY.
-    fn rotate(&self, reason: RotateReason);
+    fn rotate(&self, reason: RotationReason);
 }
 
 impl Relayed for crate::connection::relay::RelayHandle {
@@ -56,7 +55,7 @@ impl Relayed for crate::connection::relay::RelayHandle {
         self.stats().unrotatable()
     }
 
-    fn rotate(&self, reason: RotateReason) {
+    fn rotate(&self, reason: RotationReason) {
         crate::connection::relay::RelayHandle::rotate(self, reason);
     }
 }
@@ -101,7 +100,7 @@ struct Conn {
     /// until it has a rate of its own; other young connections count at the Service's mean.
     provisional: Option<f64>,
     /// Why it is being rotated, once it is.
-    rotation: Option<RotateReason>,
+    rotation: Option<RotationReason>,
 }
 
 /// Where a new client connection goes.
@@ -113,7 +112,7 @@ pub(crate) struct Placement {
 }
 
 /// A rotation to start (outside the lock is fine, the relay's `rotate` is cheap).
-pub(crate) type Rotation = (Arc<dyn Relayed>, RotateReason);
+pub(crate) type Rotation = (Arc<dyn Relayed>, RotationReason);
 
 pub(crate) struct Controller {
     pub(crate) backends: EndpointSet<Backend>,
@@ -205,7 +204,7 @@ impl Controller {
         }
         let mut rotations = Vec::new();
         for entry in removed {
-            rotations.extend(self.rotate_backend(entry.id(), RotateReason::BackendRemoved));
+            rotations.extend(self.rotate_backend(entry.id(), RotationReason::BackendRemoved));
         }
         (added, rotations)
     }
@@ -220,7 +219,7 @@ impl Controller {
         self.backends.set_serving(id, serving);
         if was && !serving {
             tracing::info!(%addr, "backend not serving, rotating its connections");
-            return self.rotate_backend(id, RotateReason::NotServing);
+            return self.rotate_backend(id, RotationReason::NotServing);
         }
         Vec::new()
     }
@@ -234,7 +233,7 @@ impl Controller {
         }
     }
 
-    fn rotate_backend(&mut self, id: EndpointId, reason: RotateReason) -> Vec<Rotation> {
+    fn rotate_backend(&mut self, id: EndpointId, reason: RotationReason) -> Vec<Rotation> {
         let mut out = Vec::new();
         for conn in self.conns.values_mut().filter(|c| c.backend == id) {
             if let Some(r) = start(conn, reason, &self.metrics) {
@@ -246,7 +245,7 @@ impl Controller {
 
     /// The server asks `conn` to wind down (max age, drain). True when this is its first
     /// rotation (the caller then tells its relay).
-    pub(crate) fn rotate_for(&mut self, conn: ConnId, reason: RotateReason) -> bool {
+    pub(crate) fn rotate_for(&mut self, conn: ConnId, reason: RotationReason) -> bool {
         let Some(c) = self.conns.get_mut(&conn) else {
             return false;
         };
@@ -373,7 +372,7 @@ impl Controller {
         &mut self,
         conn: ConnId,
         relay: Arc<dyn Relayed>,
-    ) -> Option<RotateReason> {
+    ) -> Option<RotationReason> {
         let c = self.conns.get_mut(&conn)?;
         c.relay = Some(relay);
         let (backend, rotation) = (c.backend, c.rotation);
@@ -470,7 +469,11 @@ impl Controller {
             let eval = self.policy.evaluate(now, &backends, &conns, &mut self.rng);
             let rotation = eval.rotate.and_then(|(id, after)| {
                 let rate = conns.iter().find(|c| c.id == id).map_or(0.0, |c| c.rate);
-                let r = start(self.conns.get_mut(&id)?, RotateReason::Skew, &self.metrics)?;
+                let r = start(
+                    self.conns.get_mut(&id)?,
+                    RotationReason::Skew,
+                    &self.metrics,
+                )?;
                 tracing::info!(
                     skew = eval.skew,
                     live_skew = eval.live_skew,
@@ -634,16 +637,13 @@ impl Controller {
 
 /// Starts `conn`'s rotation unless one is under way (and it has a relay to tell); counts the
 /// controller's own reasons (the server counts max age and drain when its `Stop` resolves).
-fn start(conn: &mut Conn, reason: RotateReason, metrics: &ServiceMetrics) -> Option<Rotation> {
+fn start(conn: &mut Conn, reason: RotationReason, metrics: &ServiceMetrics) -> Option<Rotation> {
     if conn.rotation.is_some() {
         return None;
     }
     conn.rotation = Some(reason);
-    match reason {
-        RotateReason::Skew => metrics.rotated(RotationReason::Skew),
-        RotateReason::BackendRemoved => metrics.rotated(RotationReason::BackendRemoved),
-        RotateReason::NotServing => metrics.rotated(RotationReason::NotServing),
-        RotateReason::MaxAge | RotateReason::Drain => {}
+    if !matches!(reason, RotationReason::MaxAge | RotationReason::Drain) {
+        metrics.rotated(reason);
     }
     // A connection still connecting is told when its relay starts (see `mod.rs`).
     conn.relay.clone().map(|r| (r, reason))
@@ -670,7 +670,7 @@ pub(super) mod tests {
     pub(in crate::connection) struct FakeRelay {
         pub(in crate::connection) requests: AtomicU64,
         unrotatable: AtomicBool,
-        rotated: Mutex<Vec<RotateReason>>,
+        rotated: Mutex<Vec<RotationReason>>,
         pub(in crate::connection) rotated_at: Mutex<Vec<Instant>>,
     }
 
@@ -681,7 +681,7 @@ pub(super) mod tests {
         fn unrotatable(&self) -> bool {
             self.unrotatable.load(Ordering::Relaxed)
         }
-        fn rotate(&self, reason: RotateReason) {
+        fn rotate(&self, reason: RotationReason) {
             self.rotated.lock().unwrap().push(reason);
             self.rotated_at.lock().unwrap().push(Instant::now());
         }
@@ -963,18 +963,18 @@ pub(super) mod tests {
         for (p, relay) in &conns {
             let rotated = relay.rotated.lock().unwrap().clone();
             if p.backend == first {
-                assert_eq!(rotated, vec![RotateReason::BackendRemoved]);
+                assert_eq!(rotated, vec![RotationReason::BackendRemoved]);
             } else if p.backend == second {
                 assert_eq!(
                     rotated,
-                    vec![RotateReason::NotServing],
+                    vec![RotationReason::NotServing],
                     "once, not per report"
                 );
             } else {
                 assert!(rotated.is_empty());
             }
             assert!(
-                !c.rotate_for(p.conn, RotateReason::Drain) || rotated.is_empty(),
+                !c.rotate_for(p.conn, RotationReason::Drain) || rotated.is_empty(),
                 "a connection rotates once"
             );
         }
@@ -1001,9 +1001,9 @@ pub(super) mod tests {
         let mut c = controller(RotationConfig::default(), 2);
         let t0 = Instant::now();
         let p = c.place(t0, &[], false).expect("a backend");
-        assert!(c.rotate_for(p.conn, RotateReason::Drain));
+        assert!(c.rotate_for(p.conn, RotationReason::Drain));
         let relay = Arc::new(FakeRelay::default());
-        assert_eq!(c.connected(p.conn, relay), Some(RotateReason::Drain));
+        assert_eq!(c.connected(p.conn, relay), Some(RotationReason::Drain));
     }
 
     /// A client of the simulation: a rate and its current connection.
@@ -1023,7 +1023,7 @@ pub(super) mod tests {
                 cl.conn.1.requests.fetch_add(cl.rate, Ordering::Relaxed);
             }
             for (relay, reason) in c.tick(now) {
-                assert_eq!(reason, RotateReason::Skew);
+                assert_eq!(reason, RotationReason::Skew);
                 relay.rotate(reason);
             }
             for cl in clients.iter_mut() {

@@ -48,11 +48,11 @@ pub use stats::{BackendStats, ConnectionStats, RotationCounts};
 use crate::endpoint::Endpoint;
 use crate::endpoints::EndpointId;
 use crate::metrics::{ServiceMetrics, ServiceSnapshot};
-use crate::server::{NewConnection, Stop, StopReason};
+use crate::server::{NewConnection, Stop};
 use crate::upstream::{self, AbortOnDrop};
 use controller::{Controller, Placement, Rotation};
 use policy::ConnId;
-use relay::{RelayHandle, RelaySettings, RotateReason};
+use relay::{RelayHandle, RelaySettings};
 
 /// The connection-mode balancer of one Service (see the module docs). Cheap to clone: every
 /// clone is the same balancer, so `Workers::serve(addr, || balancer.clone(), ..)` serves one
@@ -389,10 +389,6 @@ async fn serve(shared: Arc<Shared>, mut client: TcpStream, mut stop: Stop<Connec
     let end = tokio::select! {
         end = &mut relayed => end,
         reason = &mut stopped => {
-            let reason = match reason {
-                StopReason::Drain => RotateReason::Drain,
-                StopReason::MaxAge => RotateReason::MaxAge,
-            };
             if shared.lock().rotate_for(placement.conn, reason) {
                 handle.rotate(reason);
             }

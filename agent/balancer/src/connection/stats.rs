@@ -4,7 +4,6 @@
 use std::net::SocketAddr;
 
 use super::policy::PolicyState;
-use crate::connection::relay::RotateReason;
 use crate::endpoints::EndpointState;
 use crate::metrics::RotationReason;
 
@@ -21,24 +20,19 @@ pub struct RotationCounts {
 impl RotationCounts {
     /// The count of `reason`.
     #[must_use]
-    pub fn get(&self, reason: RotateReason) -> u64 {
+    pub fn get(&self, reason: RotationReason) -> u64 {
         match reason {
-            RotateReason::Skew => self.skew,
-            RotateReason::BackendRemoved => self.backend_removed,
-            RotateReason::NotServing => self.not_serving,
-            RotateReason::MaxAge => self.max_age,
-            RotateReason::Drain => self.drain,
+            RotationReason::Skew => self.skew,
+            RotationReason::BackendRemoved => self.backend_removed,
+            RotationReason::NotServing => self.not_serving,
+            RotationReason::MaxAge => self.max_age,
+            RotationReason::Drain => self.drain,
         }
     }
 
-    /// From the Service's metric cells (by [`RotationReason::ALL`]).
+    /// From the Service's metric cells (by [`RotationReason::index`]).
     pub(crate) fn from_metrics(counts: &[u64; RotationReason::ALL.len()]) -> Self {
-        let get = |reason: RotationReason| {
-            RotationReason::ALL
-                .iter()
-                .position(|r| *r == reason)
-                .map_or(0, |i| counts[i])
-        };
+        let get = |reason: RotationReason| counts[reason.index()];
         Self {
             skew: get(RotationReason::Skew),
             backend_removed: get(RotationReason::BackendRemoved),
@@ -50,15 +44,8 @@ impl RotationCounts {
 
     /// Every reason with its count (the metric's label values).
     #[must_use]
-    pub fn iter(&self) -> [(RotateReason, u64); 5] {
-        [
-            RotateReason::Skew,
-            RotateReason::BackendRemoved,
-            RotateReason::NotServing,
-            RotateReason::MaxAge,
-            RotateReason::Drain,
-        ]
-        .map(|r| (r, self.get(r)))
+    pub fn iter(&self) -> [(RotationReason, u64); RotationReason::ALL.len()] {
+        RotationReason::ALL.map(|r| (r, self.get(r)))
     }
 
     /// All reasons together.

@@ -73,9 +73,10 @@ pub enum Outcome {
     Cancelled,
 }
 
-/// Whether an endpoint that is not ejected takes its share or only probes.
+/// Whether an endpoint that is not ejected takes its share or only probes (not to be confused
+/// with connection mode's rotations, which move client connections).
 #[derive(Debug, Clone, Copy, PartialEq)]
-enum Rotation {
+enum Standing {
     Active,
     Degraded {
         good_probes: u32,
@@ -84,7 +85,7 @@ enum Rotation {
     Unproven,
 }
 
-/// Where an endpoint stands for the picker: its rotation, unless passive health ejected it.
+/// Where an endpoint stands for the picker: its standing, unless passive health ejected it.
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Health {
     Active,
@@ -93,7 +94,7 @@ enum Health {
     Ejected,
 }
 
-/// The picker's state of one endpoint: load, latency estimates and rotation. It lives in the
+/// The picker's state of one endpoint: load, latency estimates and standing. It lives in the
 /// endpoint set's per-endpoint value (see [`EndpointSet`]), which gives the picker the
 /// endpoint's readiness, active health and passive ejection.
 #[derive(Debug)]
@@ -103,7 +104,7 @@ pub struct Slot {
     /// Plain (not peak) EWMA of the latency, for the degraded reference.
     mean: Option<(f64, Instant)>,
     in_flight: u32,
-    rotation: Rotation,
+    standing: Standing,
     /// Latency samples in a row above the degraded threshold.
     slow_samples: u32,
     /// When the current run of slow samples started.
@@ -123,7 +124,7 @@ impl Slot {
             ewma: None,
             mean: None,
             in_flight: 0,
-            rotation: Rotation::Active,
+            standing: Standing::Active,
             slow_samples: 0,
             slow_since: None,
             probe_in_flight: false,
@@ -202,10 +203,10 @@ fn health<S: AsRef<Slot>>(e: &Entry<S>) -> Health {
     if e.ejection.is_ejected() {
         return Health::Ejected;
     }
-    match slot(e).rotation {
-        Rotation::Active => Health::Active,
-        Rotation::Degraded { good_probes } => Health::Degraded { good_probes },
-        Rotation::Unproven => Health::Unproven,
+    match slot(e).standing {
+        Standing::Active => Health::Active,
+        Standing::Degraded { good_probes } => Health::Degraded { good_probes },
+        Standing::Unproven => Health::Unproven,
     }
 }
 
@@ -316,7 +317,7 @@ impl<R: Rng> Picker<R> {
             let (endpoint, ejection, value) = e.split_mut();
             if ejection.expire(now) {
                 tracing::debug!(addr = %endpoint.addr, name = %endpoint.name, "ejection over, asking for proof of life");
-                value.as_mut().rotation = Rotation::Unproven;
+                value.as_mut().standing = Standing::Unproven;
                 self.unproven.push(id);
             }
         }
@@ -348,13 +349,13 @@ impl<R: Rng> Picker<R> {
         let (endpoint, ejection, value) = e.split_mut();
         let s = value.as_mut();
         if ejection.expire(now) {
-            s.rotation = Rotation::Unproven;
+            s.standing = Standing::Unproven;
         }
-        if ejection.is_ejected() || s.rotation != Rotation::Unproven {
+        if ejection.is_ejected() || s.standing != Standing::Unproven {
             return;
         }
         tracing::debug!(addr = %endpoint.addr, name = %endpoint.name, "ejected endpoint answered, probing it with calls");
-        s.rotation = Rotation::Degraded { good_probes: 0 };
+        s.standing = Standing::Degraded { good_probes: 0 };
         s.next_probe_at = now;
     }
 
@@ -571,7 +572,7 @@ impl<R: Rng> Picker<R> {
                         latency_ms = rtt_ns / 1e6, threshold_ms = threshold / 1e6,
                         "endpoint degraded"
                     );
-                    s.rotation = Rotation::Degraded { good_probes: 0 };
+                    s.standing = Standing::Degraded { good_probes: 0 };
                     s.next_probe_at = now + interval;
                 }
             }
@@ -580,7 +581,7 @@ impl<R: Rng> Picker<R> {
                     let good_probes = good_probes + 1;
                     if good_probes >= recovery_probes {
                         tracing::info!(addr = %endpoint.addr, name = %endpoint.name, "endpoint recovered");
-                        s.rotation = Rotation::Active;
+                        s.standing = Standing::Active;
                         // Start over from what the probes saw, not the stale peak; but no
                         // cheaper than the median active peer: a probe is one request on an
                         // idle endpoint, its peers' estimates carry the load's peaks, and a
@@ -588,10 +589,10 @@ impl<R: Rng> Picker<R> {
                         s.ewma = Some((peers_ns.map_or(rtt_ns, |p| p.max(rtt_ns)), now));
                         s.mean = Some((rtt_ns, now));
                     } else {
-                        s.rotation = Rotation::Degraded { good_probes };
+                        s.standing = Standing::Degraded { good_probes };
                     }
                 } else {
-                    s.rotation = Rotation::Degraded { good_probes: 0 };
+                    s.standing = Standing::Degraded { good_probes: 0 };
                 }
             }
             Health::Degraded { .. } | Health::Unproven | Health::Ejected => {}
@@ -629,7 +630,7 @@ impl<R: Rng> Picker<R> {
             Outcome::Failure => {
                 s.failures += 1;
                 if let Health::Degraded { .. } = health {
-                    s.rotation = Rotation::Degraded { good_probes: 0 };
+                    s.standing = Standing::Degraded { good_probes: 0 };
                 }
                 // A failed probe after an ejection ejects again at once; otherwise it takes
                 // `failure_threshold` failures in a row.

@@ -12,7 +12,7 @@ use skewless_frame::{
 
 use tokio::time::Instant;
 
-use super::{RotateReason, Shared};
+use super::{RotationReason, Shared};
 use crate::budget::{self, Flood, FloodLimits, FrameBudgets};
 use crate::metrics::{ClientErrorReason, FailureReason};
 
@@ -224,7 +224,7 @@ pub(super) struct Conn {
     /// Our final GOAWAY's last-stream-id: client streams above it are refused.
     refuse_above: Option<u32>,
     pub(super) phase: Phase,
-    pub(super) reason: Option<RotateReason>,
+    pub(super) reason: Option<RotationReason>,
     /// Our PING's ACK arrived (taken by the run loop).
     pub(super) ping_acked: bool,
     /// Our quiesce PING's ACK arrived (taken by the run loop).
@@ -632,7 +632,7 @@ impl Conn {
     /// its requests lazily, or may (its user-agent is not known), and has had no GOAWAY yet;
     /// else at once with step 1
     /// ([`Conn::announce`]). Returns whether step 1 went out.
-    pub(super) fn rotate(&mut self, reason: RotateReason) -> bool {
+    pub(super) fn rotate(&mut self, reason: RotationReason) -> bool {
         if self.phase != Phase::Open {
             return false;
         }
@@ -640,7 +640,7 @@ impl Conn {
         self.shared
             .stats
             .rotating
-            .store(reason.code(), Ordering::Relaxed);
+            .store(super::reason_code(reason), Ordering::Relaxed);
         // Also while the verdict is unknown (not decoded yet, or the decoding timed out): a
         // quiesce costs a client that writes eagerly one PING round trip, a lazy one none.
         let stats = &self.shared.stats;

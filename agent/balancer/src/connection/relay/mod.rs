@@ -44,55 +44,26 @@ use std::time::Duration;
 
 use tokio::sync::Notify;
 
-use crate::metrics::ServiceMetrics;
+use crate::metrics::{RotationReason, ServiceMetrics};
 
 pub use crate::budget::Flood;
 pub use conn::ProtocolError;
 pub use pipe::{Io, RelayEnd, RelayError};
 pub use preface::{Preface, read_preface};
 
-/// Why a connection is rotated (also a metric label: a bounded set).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum RotateReason {
-    Skew,
-    BackendRemoved,
-    NotServing,
-    MaxAge,
-    Drain,
+/// Another name of [`RotationReason`], the one rotation-reason type of both modes.
+pub use crate::metrics::RotationReason as RotateReason;
+
+/// A rotation reason as the relay's atomic cell holds it (0 is "none").
+fn reason_code(reason: RotationReason) -> u8 {
+    u8::try_from(reason.index() + 1).expect("a handful of reasons")
 }
 
-impl RotateReason {
-    const ALL: [Self; 5] = [
-        Self::Skew,
-        Self::BackendRemoved,
-        Self::NotServing,
-        Self::MaxAge,
-        Self::Drain,
-    ];
-
-    /// The metric label.
-    #[must_use]
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Skew => "skew",
-            Self::BackendRemoved => "backend_removed",
-            Self::NotServing => "not_serving",
-            Self::MaxAge => "max_age",
-            Self::Drain => "drain",
-        }
-    }
-
-    fn code(self) -> u8 {
-        // 0 means "none".
-        Self::ALL
-            .iter()
-            .position(|r| *r == self)
-            .map_or(0, |i| i as u8 + 1)
-    }
-
-    fn from_code(code: u8) -> Option<Self> {
-        Self::ALL.get(usize::from(code).checked_sub(1)?).copied()
-    }
+/// The reason `code` holds ([`reason_code`]), if any.
+fn reason_of(code: u8) -> Option<RotationReason> {
+    RotationReason::ALL
+        .get(usize::from(code).checked_sub(1)?)
+        .copied()
 }
 
 /// Limits and timeouts of one relayed connection.
@@ -190,8 +161,8 @@ impl RelayStats {
 
     /// The reason of the rotation under way, if any.
     #[must_use]
-    pub fn rotating(&self) -> Option<RotateReason> {
-        RotateReason::from_code(self.rotating.load(Ordering::Relaxed))
+    pub fn rotating(&self) -> Option<RotationReason> {
+        reason_of(self.rotating.load(Ordering::Relaxed))
     }
 }
 
@@ -256,11 +227,11 @@ impl RelayHandle {
     }
 
     /// Starts the two-phase GOAWAY (once; later calls change nothing).
-    pub fn rotate(&self, reason: RotateReason) {
+    pub fn rotate(&self, reason: RotationReason) {
         if self
             .shared
             .rotate
-            .compare_exchange(0, reason.code(), Ordering::Relaxed, Ordering::Relaxed)
+            .compare_exchange(0, reason_code(reason), Ordering::Relaxed, Ordering::Relaxed)
             .is_ok()
         {
             self.shared.rotate_asked.notify_one();

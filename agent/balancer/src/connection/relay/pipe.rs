@@ -20,7 +20,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::time::Instant;
 
 use super::conn::{Action, Conn, Out, Phase, ProtocolError, Side};
-use super::{RelaySettings, RotateReason, Shared, detect};
+use super::{RelaySettings, RotationReason, Shared, detect};
 use crate::linger::LINGER;
 
 /// How a relayed connection ended (without a protocol or socket error).
@@ -31,7 +31,7 @@ pub enum RelayEnd {
     Closed,
     /// Rotated: every stream finished, then both sides were closed (by the relay, or first by
     /// a peer once the rotation had started).
-    Rotated(RotateReason),
+    Rotated(RotationReason),
     /// Rotated, but the drain grace ended first: `reset` streams were reset both ways.
     GraceExpired { reset: u32 },
 }
@@ -525,7 +525,7 @@ impl Relay {
         }
         Some(match self.grace_over {
             Some(reset) => RelayEnd::GraceExpired { reset },
-            None => RelayEnd::Rotated(self.conn.reason.unwrap_or(RotateReason::Drain)),
+            None => RelayEnd::Rotated(self.conn.reason.unwrap_or(RotationReason::Drain)),
         })
     }
 
@@ -655,11 +655,11 @@ pub(super) async fn run<C: Io, B: Io>(
         let event = tokio::select! {
             biased;
             () = shared.rotate_asked.notified(), if open => {
-                let reason = RotateReason::from_code(shared.rotate.load(Ordering::Relaxed))
-                    .unwrap_or(RotateReason::Drain);
+                let reason = super::reason_of(shared.rotate.load(Ordering::Relaxed))
+                    .unwrap_or(RotationReason::Drain);
                 let now = Instant::now();
                 let at_once = r.conn.rotate(reason);
-                tracing::debug!(reason = reason.as_str(), quiesce = !at_once, "rotating");
+                tracing::debug!(reason = reason.label(), quiesce = !at_once, "rotating");
                 if at_once {
                     [ping_deadline, grace_deadline, settle_deadline] =
                         announced(now, settings, ping_timeout);
