@@ -1,7 +1,8 @@
-//! The endpoint set of one Service's balancer, whichever the mode: which endpoints exist (each
-//! with an id for the balancer's lifetime, following the endpoint watch), whether each may take
-//! traffic (connected, active health, passive ejection), and a value `T` per endpoint that the
-//! owner creates when the endpoint is added.
+//! A Service's endpoints as the balancer sees them ([`Endpoint`]: plain data the agent
+//! publishes on a `watch` channel), and the endpoint set of one Service's balancer, whichever
+//! the mode: which endpoints exist (each with an id for the balancer's lifetime, following the
+//! endpoint watch), whether each may take traffic (connected, active health, passive
+//! ejection), and a value `T` per endpoint that the owner creates when the endpoint is added.
 //!
 //! Request mode keeps its upstream connections and the picker's latency estimate in `T`;
 //! connection mode keeps its backend's load there. Anything that needs a per-endpoint handle
@@ -10,11 +11,31 @@
 //!
 //! Plain synchronous state: the owner holds it under its own lock and passes time in.
 
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::endpoint::Endpoint;
+/// One ready endpoint (pod address) of a Service. Plain data: the Kubernetes model or the local
+/// file feeds a `Vec<Endpoint>` through a `tokio::sync::watch` channel.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Endpoint {
+    /// Where the pod listens.
+    pub addr: SocketAddr,
+    /// The pod's name, for logs and stats.
+    pub name: String,
+}
+
+impl Endpoint {
+    /// An endpoint named `name` at `addr`.
+    #[must_use]
+    pub fn new(addr: SocketAddr, name: impl Into<String>) -> Self {
+        Self {
+            addr,
+            name: name.into(),
+        }
+    }
+}
 
 /// Identifies one endpoint for the lifetime of its balancer: an endpoint that is removed and
 /// added again gets a new id, so late reports about the old one are ignored.

@@ -51,11 +51,10 @@
 
 mod label;
 
-mod budget;
 pub mod connection;
-pub mod endpoint;
 pub mod endpoints;
 mod error;
+mod flood;
 pub mod grpc;
 mod linger;
 pub mod metrics;
@@ -66,15 +65,21 @@ mod upstream;
 pub mod workers;
 
 pub use connection::relay;
-pub use request::{config, picker, stats};
+pub use request::{config, picker, status};
 pub use upstream::{health, liveness};
+
+// The modules' former paths, for callers.
+#[doc(hidden)]
+pub use endpoints as endpoint;
+#[doc(hidden)]
+pub use request::status as stats;
 
 pub use config::{Config, LivenessConfig, PickerConfig, RetryBudgetConfig};
 pub use connection::{ConnectionBalancer, ConnectionConfig, ConnectionStats, RotationConfig};
-pub use endpoint::Endpoint;
+pub use endpoints::Endpoint;
 pub use error::BalancerError;
 pub use relay::RotateReason;
 pub use request::Balancer;
 pub use server::{Lifecycle, NewConnection, Stop, StopReason};
-pub use stats::{BalancerCounters, EndpointState, EndpointStats};
+pub use status::{BalancerCounters, EndpointState, EndpointStats};
 pub use workers::{Served, Workers, reuseport_listeners};

@@ -1,11 +1,11 @@
-//! The one socket adaptor of request mode's HTTP/2 connections: a TCP stream whose reads pass
-//! by a [`ReadTap`] before h2 sees them, and which closes at once or lingers when dropped.
+//! The one socket adaptor of the balancer's h2 connections: a TCP stream whose reads pass by a
+//! [`ReadTap`] before h2 sees them, and which closes at once or lingers when dropped.
 //!
-//! Client connections need a flood guard on their reads ([`crate::request::flood`]) and a lingering
-//! close ([`crate::linger`]); upstream connections need their server's frames watched
-//! ([`crate::upstream::io`]). Each was its own wrapper with its own pass-through of every `AsyncWrite`
-//! method, and a client socket went through two of them on every read and write. Here the
-//! stream is wrapped once; what differs is the tap and the way it closes.
+//! Request mode's client connections have a flood guard on their reads
+//! ([`crate::request::flood_guard`]) and a lingering close ([`crate::linger`]); upstream
+//! connections (both modes) have their server's frames watched
+//! ([`crate::upstream::server_frames`]). The stream is wrapped once, with one pass-through of
+//! every `AsyncWrite` method; what differs is the tap and the way it closes.
 
 use std::io;
 use std::pin::Pin;

@@ -20,9 +20,9 @@ use super::config::ConnectionConfig;
 use super::policy::{
     BackendLoad, ConnId, ConnLoad, Evaluation, PolicyState, RotationPolicy, WINDOW,
 };
-use super::stats::{BackendStats, ConnectionStats, RotationCounts};
+use super::status::{BackendStats, ConnectionStats, RotationCounts};
 use super::window::Window;
-use crate::endpoint::Endpoint;
+use crate::endpoints::Endpoint;
 use crate::endpoints::EndpointState;
 use crate::endpoints::{EndpointId, EndpointSet};
 use crate::metrics::{RotationReason, ServiceMetrics};

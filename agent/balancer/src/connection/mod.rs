@@ -26,8 +26,11 @@ pub mod config;
 mod controller;
 pub mod policy;
 pub mod relay;
-pub mod stats;
+pub mod status;
 mod window;
+
+#[doc(hidden)]
+pub use status as stats;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -43,9 +46,9 @@ use tracing::Instrument as _;
 
 pub use config::ConnectionConfig;
 pub use policy::{PolicyState, RotationConfig};
-pub use stats::{BackendStats, ConnectionStats, RotationCounts};
+pub use status::{BackendStats, ConnectionStats, RotationCounts};
 
-use crate::endpoint::Endpoint;
+use crate::endpoints::Endpoint;
 use crate::endpoints::EndpointId;
 use crate::metrics::{ServiceMetrics, ServiceSnapshot};
 use crate::server::{NewConnection, Stop};

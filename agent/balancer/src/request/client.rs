@@ -13,7 +13,7 @@ use tokio::sync::watch;
 
 use crate::metrics::ClientErrorReason;
 use crate::request::config::Config;
-use crate::request::flood::{FloodLimits, Guard};
+use crate::request::flood_guard::{FloodLimits, Guard};
 use crate::request::pool::Pool;
 use crate::request::proxy;
 use crate::server::{Lifecycle, NewConnection, Stop};

@@ -6,12 +6,12 @@
 
 mod client;
 pub mod config;
-pub(crate) mod flood;
+pub(crate) mod flood_guard;
 pub mod picker;
 mod pool;
 mod proxy;
 mod retry_budget;
-pub mod stats;
+pub mod status;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -23,13 +23,13 @@ use tokio::sync::watch;
 use tokio::task::AbortHandle;
 use tracing::Instrument as _;
 
-use crate::endpoint::Endpoint;
+use crate::endpoints::Endpoint;
 use crate::error::BalancerError;
 use crate::metrics;
 use crate::server;
 use config::Config;
 use pool::Pool;
-use stats::{BalancerCounters, EndpointStats};
+use status::{BalancerCounters, EndpointStats};
 
 /// The balancer of one Service. Cheap to share behind an `Arc`; dropping it stops following
 /// the endpoint set and closes its upstream connections once their streams end.

@@ -51,7 +51,7 @@ use tokio::time::Instant;
 use crate::endpoints::{EndpointId, EndpointSet, Entry};
 use crate::metrics::HistogramSnapshot;
 use crate::request::config::PickerConfig;
-use crate::request::stats::{EndpointState, EndpointStats};
+use crate::request::status::{EndpointState, EndpointStats};
 
 /// The result of a pick.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -722,7 +722,7 @@ mod tests {
             }
         }
     }
-    use crate::endpoint::Endpoint;
+    use crate::endpoints::Endpoint;
     use crate::endpoints::EndpointId as SlotId;
 
     /// The picker with the endpoint set it picks from, as the pool holds them, under the

@@ -21,14 +21,14 @@ use tokio::task::AbortHandle;
 use tokio::time::Instant;
 use tracing::Instrument as _;
 
-use crate::endpoint::Endpoint;
+use crate::endpoints::Endpoint;
 use crate::endpoints::{EndpointId, EndpointSet};
 use crate::metrics::{EndpointMetrics, ServiceMetrics};
 use crate::request::config::Config;
 use crate::request::picker::{Outcome, Picker, Slot};
 use crate::request::proxy::ForwardError;
 use crate::request::retry_budget::RetryBudget;
-use crate::request::stats::{Counters, EndpointStats};
+use crate::request::status::{Counters, EndpointStats};
 use crate::upstream::liveness::{self, LivenessConfig, Report, Signals, Verdict};
 use crate::upstream::{AbortOnDrop, ConnectError, Connected, connect};
 

@@ -25,7 +25,7 @@ use crate::grpc::{self, Code};
 use crate::metrics::{FailureReason, ServiceMetrics};
 use crate::request::picker::Outcome;
 use crate::request::pool::{Lease, Pool};
-use crate::request::stats::Counters;
+use crate::request::status::Counters;
 
 /// Why a request could not be forwarded; becomes a gRPC status for the client.
 #[derive(Debug, thiserror::Error)]

@@ -5,7 +5,7 @@
 //!
 //! One monitor per connection watches two things the pool already knows without per-request
 //! work: the requests outstanding on the connection (the pool's lease count) and whether the
-//! server has sent HEADERS or DATA lately (counted by the connection's read tap, `io::ServerFrames`).
+//! server has sent HEADERS or DATA lately (counted by the connection's read tap, `server_frames::ServerFrames`).
 //! When requests are outstanding and the server has been silent for [`LivenessConfig::ping_after`],
 //! it sends an HTTP/2 PING (h2's `PingPong`), one in flight at a time, on a timer, never per
 //! request. An unanswered PING first makes the connection *suspect* ([`LivenessConfig::suspect_after`]:

@@ -1,12 +1,12 @@
 //! Backend HTTP/2 connections, used by both modes: request mode's pool sends its calls on
 //! them, connection mode opens one per backend for its active health checks (a relayed
 //! connection belongs to its client). [`connect`] returns a connection only once its server has
-//! spoken and answered a PING; [`io`] is its socket's read tap, [`liveness`] tells whether it
+//! spoken and answered a PING; [`server_frames`] is its socket's read tap, [`liveness`] tells whether it
 //! is still alive, [`health`] follows `grpc.health.v1` on it.
 
 pub mod health;
-pub(crate) mod io;
 pub mod liveness;
+pub(crate) mod server_frames;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -70,7 +70,7 @@ pub(crate) async fn connect(
         tcp.set_nodelay(true).map_err(ConnectError::Tcp)?;
         liveness::set_tcp_options(&tcp, liveness).map_err(ConnectError::Tcp)?;
         let signals = Arc::new(Signals::default());
-        let (io, events) = io::watched(tcp, signals.clone());
+        let (io, events) = server_frames::watched(tcp, signals.clone());
         let (sender, mut conn) = h2::client::Builder::new()
             // Fixed windows. h2 sizes its budget for small DATA frames from the connection
             // window, so small adaptive windows got gRPC's many small frames the connection

@@ -13,7 +13,7 @@ use skewless_frame::{
 use tokio::time::Instant;
 
 use super::{RotationReason, Shared};
-use crate::budget::{self, Flood, FloodLimits, FrameBudgets};
+use crate::flood::{self, Flood, FloodLimits, FrameBudgets};
 use crate::metrics::{ClientErrorReason, FailureReason};
 
 /// Our PING's opaque data: no gRPC server uses it (grpc-go sends 0x0106010800030309, Java a
@@ -384,7 +384,7 @@ impl Conn {
         match side {
             Side::Client => {
                 Self::block(&mut self.client_block, head)?;
-                if budget::budgeted(head)
+                if flood::budgeted(head)
                     && let Some(flood) = self.budgets.spend(head, Instant::now())
                 {
                     return Err(ProtocolError::Flood(flood));

@@ -46,7 +46,7 @@ use tokio::sync::Notify;
 
 use crate::metrics::{RotationReason, ServiceMetrics};
 
-pub use crate::budget::Flood;
+pub use crate::flood::Flood;
 pub use conn::ProtocolError;
 pub use pipe::{Io, RelayEnd, RelayError};
 pub use preface::{Preface, read_preface};

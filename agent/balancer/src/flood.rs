@@ -3,9 +3,9 @@
 //! torn down). A peer gets one token bucket per kind; a frame header of that kind spends a
 //! token, and a peer that empties a bucket is flooding.
 //!
-//! Shared by both modes: request mode's [`crate::request::flood`] follows the client's byte stream for
-//! the frame headers and spends here; connection mode's relay spends here from the frame
-//! headers it reads anyway. The budgets are far above what a gRPC client sends (grpc-go's BDP
+//! Shared by both modes: request mode's [`crate::request::flood_guard`] follows the client's
+//! byte stream for the frame headers and spends here; connection mode's relay spends here from
+//! the frame headers it reads anyway. The budgets are far above what a gRPC client sends (grpc-go's BDP
 //! and keepalive PINGs, one SETTINGS per connection, one RST_STREAM per cancelled call), the
 //! approach of Envoy's and nginx's HTTP/2 flood limits.
 

@@ -6,9 +6,9 @@
 //! streams capped by `max_pending_accept_reset_streams` and `max_local_error_reset_streams`),
 //! but not how many it processes: a client that reads its PONGs can keep a core busy answering
 //! them for as long as it likes. So the client's byte stream is followed frame by frame (the
-//! frame headers only, as [`crate::upstream::io`] does for upstreams; decoding stays h2's) and each kind
-//! spends from its own token bucket ([`crate::budget`]); a client that empties one is cut off (its connection
-//! ends as h2 sees a read error) and counted. The budgets are far above what a gRPC client
+//! frame headers only, as [`crate::upstream::server_frames`] does for upstreams; decoding stays
+//! h2's) and each kind spends from its own token bucket ([`crate::flood`]); a client that
+//! empties one is cut off (its connection ends as h2 sees a read error) and counted. The budgets are far above what a gRPC client
 //! sends (grpc-go's BDP and keepalive PINGs, one SETTINGS per connection, one RST_STREAM per
 //! cancelled call), the approach of Envoy's and nginx's HTTP/2 flood limits.
 
@@ -19,8 +19,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use skewless_frame::{Follower, Kind};
 use tokio::{sync::oneshot, time::Instant};
 
-use crate::budget::FrameBudgets;
-pub(crate) use crate::budget::{Flood, FloodLimits};
+use crate::flood::FrameBudgets;
+pub(crate) use crate::flood::{Flood, FloodLimits};
 use crate::socket::ReadTap;
 
 /// The per-connection state: where the frame boundaries are, and the buckets.
@@ -153,7 +153,7 @@ mod tests {
     use bytes::BytesMut;
     use skewless_frame::{Head, Kind, PREFACE, Ping};
 
-    use crate::budget::FrameBudget;
+    use crate::flood::FrameBudget;
 
     use super::*;
 

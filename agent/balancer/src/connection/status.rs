@@ -1,5 +1,7 @@
-//! Plain statistics of a connection-mode Service, for the admin crate's metrics and `skewless
-//! status` (bounded by services x backends: nothing per connection).
+//! What `skewless status` and the admin crate read of a connection-mode Service: the policy's
+//! state, skew, and per-backend figures, bounded by services x backends (nothing per
+//! connection). The histograms and labelled counters both modes record into are
+//! [`crate::metrics`].
 
 use std::net::SocketAddr;
 

@@ -1,4 +1,6 @@
-//! Plain statistics the admin crate turns into metrics (bounded by services x endpoints).
+//! What `skewless status` and the admin crate read of a request-mode balancer: per-endpoint
+//! statistics and balancer-wide counters, bounded by services x endpoints. The histograms and
+//! labelled counters both modes record into are [`crate::metrics`].
 
 use std::net::SocketAddr;
 
@@ -121,7 +123,7 @@ pub(crate) struct Counters {
     pub(crate) upstream_failures: std::sync::atomic::AtomicU64,
     pub(crate) local_deadline_exceeded: std::sync::atomic::AtomicU64,
     /// Client connections cut off for a flood (shared with each connection's guard).
-    pub(crate) floods: std::sync::Arc<crate::request::flood::FloodCounters>,
+    pub(crate) floods: std::sync::Arc<crate::request::flood_guard::FloodCounters>,
 }
 
 impl Counters {
