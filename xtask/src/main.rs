@@ -30,7 +30,8 @@ enum Cmd {
     /// Show the problem on one machine: a pick_first gRPC client pinned to one of 5 pods.
     Demo(demo::Args),
     /// Benchmarks: the connect4 hook's run time per call (kernel accounting, needs root), then
-    /// skewless-proxy side by side with direct, HAProxy and nginx (docs/benchmarks.md).
+    /// skewless-proxy side by side with direct, HAProxy and nginx, then h2load's calls through
+    /// HAProxy h2 and skewless-proxy (docs/benchmarks.md).
     Bench(BenchArgs),
     /// Regenerate deploy/monitoring/prometheusrule.yaml from the rules file
     /// (deploy/monitoring/skewless.rules.yaml, the source).

@@ -13,10 +13,11 @@ use anyhow::{Context as _, Result, bail, ensure};
 
 /// Debian packages: the eBPF toolchain (rustc-web with its prebuilt `core` for
 /// bpfel-unknown-none, and its clippy for linting the programs), the network tools the testbed
-/// drives, the peers the benchmark compares against, valgrind and perf for the benchmark's
-/// load-independent counts per call (`--instructions`), Prometheus (server and promtool)
-/// for the rule tests and the scrape tests, and Chromium for the status page's browser test
-/// (headless, driven over the DevTools protocol on a pipe).
+/// drives, the peers the benchmark compares against, h2load (nghttp2-client) as its
+/// third-party load generator, valgrind and perf for the benchmark's load-independent counts
+/// per call (`--instructions`), Prometheus (server and promtool) for the rule tests and the
+/// scrape tests, and Chromium for the status page's browser test (headless, driven over the
+/// DevTools protocol on a pipe).
 const DEBIAN_PACKAGES: &[&str] = &[
     "rustc-web",
     "cargo-web",
@@ -29,6 +30,7 @@ const DEBIAN_PACKAGES: &[&str] = &[
     "procps",
     "haproxy",
     "nginx-light",
+    "nghttp2-client",
     "valgrind",
     "linux-perf",
     "prometheus",

@@ -1,13 +1,14 @@
 //! The side-by-side proxy benchmark of issue 4, the parts that do not spawn anything: peer
 //! configurations ([`peers`]), `/proc` accounting ([`sampling`]), the folding of repeated runs
-//! ([`stats`]), the load-independent counts per call ([`counted`]: callgrind, `perf stat`), and
-//! the markdown ([`report`]) and SVG ([`chart`]) output. The driver is
-//! `src/bin/skewless-bench.rs`.
+//! ([`stats`]), the load-independent counts per call ([`counted`]: callgrind, `perf stat`), the
+//! third-party load section ([`h2load`]: its request body, h2load's report, its table), and the
+//! markdown ([`report`]) and SVG ([`chart`]) output. The driver is `src/bin/skewless-bench/`.
 #![forbid(unsafe_code)]
 
 pub mod chart;
 pub mod convergence;
 pub mod counted;
+pub mod h2load;
 pub mod peers;
 pub mod report;
 pub mod sampling;

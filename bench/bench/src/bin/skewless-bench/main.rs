@@ -20,6 +20,7 @@
 //! started here is ended by its pid when its run ends, also on errors.
 
 mod counting;
+mod h2load;
 mod procs;
 mod rotation;
 
@@ -47,6 +48,7 @@ use crate::procs::{Proc, find_tool, free_addr, set_delay};
 
 const PODS: usize = 5;
 const SECTION: &str = "## Proxies side by side";
+const H2LOAD_SECTION: &str = "## h2load: request mode against HAProxy h2 (third-party load)";
 
 /// Seconds a run costs beyond its warm-up and measured window (starting and stopping the
 /// proxy and the load generator, connecting), for the time estimate only.
@@ -185,6 +187,34 @@ struct Args {
     /// --instructions: the offered rate of the syscall runs, calls per second.
     #[arg(long, default_value_t = 1500.0)]
     instructions_rate: f64,
+    /// Skip the third-party load section (h2load against HAProxy h2 and skewless-proxy, run
+    /// after the grid).
+    #[arg(long)]
+    no_h2load: bool,
+    /// Only the h2load section (no closed- or open-loop grid).
+    #[arg(long)]
+    h2load_only: bool,
+    /// h2load: passes (each runs every target once, interleaved).
+    #[arg(long, default_value_t = 3)]
+    h2load_runs: usize,
+    /// h2load: requests per run (`-n`).
+    #[arg(long, default_value_t = 200_000)]
+    h2load_requests: u64,
+    /// h2load: client connections (`-c`).
+    #[arg(long, default_value_t = 4)]
+    h2load_connections: usize,
+    /// h2load: concurrent streams per connection (`-m`).
+    #[arg(long, default_value_t = 50)]
+    h2load_streams: usize,
+    /// h2load: request payload bytes (the `EchoRequest`'s `payload`).
+    #[arg(long, default_value_t = 16)]
+    h2load_payload: usize,
+    /// h2load: worker threads/processes of every proxy in these runs.
+    #[arg(long, default_value_t = 1)]
+    h2load_proxy_threads: usize,
+    /// The heading of the section of --write that gets the h2load results.
+    #[arg(long, default_value = H2LOAD_SECTION)]
+    h2load_section: String,
 }
 
 fn parse_build(s: &str) -> anyhow::Result<(String, PathBuf)> {
@@ -305,7 +335,15 @@ impl Args {
 impl Bench {
     /// Starts the proxy for `target` (None for direct runs) and returns it with its address.
     fn start_proxy(&self, target: Target) -> anyhow::Result<(Option<Proc>, SocketAddr)> {
-        let threads = self.args.proxy_threads;
+        self.start_proxy_with(target, self.args.proxy_threads)
+    }
+
+    /// [`Bench::start_proxy`] with `threads` worker threads/processes.
+    fn start_proxy_with(
+        &self,
+        target: Target,
+        threads: usize,
+    ) -> anyhow::Result<(Option<Proc>, SocketAddr)> {
         let listen = free_addr()?;
         let mut proc = match target {
             Target::DirectHealthy => return Ok((None, self.pods[0].addr)),
@@ -349,7 +387,7 @@ impl Bench {
                 if target == Target::Connection {
                     cmd.args(["--mode", "connection"]);
                 }
-                self.proxy_args(&mut cmd, listen);
+                self.proxy_args_with(&mut cmd, listen, threads);
                 Proc::spawn(&self.args.name(target), cmd.stdout(Stdio::null()))?
             }
         };
@@ -367,10 +405,15 @@ impl Bench {
 
     /// skewless-proxy's arguments: listen on `listen`, the run's workers, every pod.
     fn proxy_args(&self, cmd: &mut Command, listen: SocketAddr) {
+        self.proxy_args_with(cmd, listen, self.args.proxy_threads);
+    }
+
+    /// [`Bench::proxy_args`] with `threads` workers.
+    fn proxy_args_with(&self, cmd: &mut Command, listen: SocketAddr, threads: usize) {
         cmd.arg("--listen")
             .arg(listen.to_string())
             .arg("--threads")
-            .arg(self.args.proxy_threads.to_string());
+            .arg(threads.to_string());
         for p in &self.pods {
             cmd.arg("--endpoint").arg(format!("{}={}", p.name, p.addr));
         }
@@ -509,12 +552,19 @@ fn run(args: Args, bin_dir: PathBuf, work: PathBuf) -> anyhow::Result<()> {
     } else {
         None
     };
-    if bench.args.instructions_only {
+    let a = &bench.args;
+    if a.instructions_only {
         if let Some(table) = &counted {
-            write_counted(&bench.args, table)?;
+            write_counted(a, table)?;
         }
-    } else if !bench.args.convergence_only {
+    } else if !a.convergence_only && !a.h2load_only {
         grid(&bench, &admins, counted.as_deref())?;
+    }
+    let a = &bench.args;
+    if a.h2load_only || !(a.no_h2load || a.instructions_only || a.convergence_only) {
+        // All pods healthy: the figure is the proxies' own work per request.
+        set_delay(admins[PODS - 1], 0)?;
+        h2load::section(&bench)?;
     }
     if bench.args.convergence || bench.args.convergence_only {
         // Seed 001 needs ten pods, all healthy.
