@@ -172,18 +172,24 @@ fn monitoring() -> Result<()> {
 /// a scrape at 100 Services x 50 backends exceeds 40,000 series or 50 ms.
 fn scrape_bench() -> Result<()> {
     println!("==> bench: one /metrics scrape at 100 Services x 50 backends");
-    run_release_example("the scrape benchmark", "skewless-admin", "scrape_bench")
+    run_release_target(
+        "the scrape benchmark",
+        "skewless-admin",
+        "--example",
+        "scrape_bench",
+    )
 }
 
-/// The hostile-clients memory benchmark (skewless-balancer's `hostile_memory` example): a
+/// The hostile-clients memory benchmark (skewless-bench's `skewless-hostile-bench`): a
 /// balancer process's RSS with 1,000 hostile connections open, in both modes; fails if the
 /// good client beside them loses a call.
 fn hostile_bench() -> Result<()> {
     println!("==> bench: balancer memory under 1,000 hostile client connections");
-    run_release_example(
+    run_release_target(
         "the hostile-clients benchmark",
-        "skewless-balancer",
-        "hostile_memory",
+        "skewless-bench",
+        "--bin",
+        "skewless-hostile-bench",
     )
 }
 
@@ -194,10 +200,11 @@ fn hook_bench() -> Result<()> {
         );
     }
     println!("==> bench: connect4 hook run time (kernel BPF stats, one sample per connect)");
-    run_release_example(
+    run_release_target(
         "the hook benchmark",
-        "skewless-datapath",
-        "connect_hook_bench",
+        "skewless-bench",
+        "--bin",
+        "skewless-hook-bench",
     )
 }
 
@@ -311,23 +318,23 @@ fn proxy_bench(args: &BenchArgs) -> Result<()> {
     setup::run(&mut cmd)
 }
 
+/// Builds one target of `package` in `release` (`kind` is `--bin` or `--example`), with
+/// progress as [`build`], and runs it: the scrape, hostile-clients and hook benchmarks.
+fn run_release_target(what: &str, package: &str, kind: &str, name: &str) -> Result<()> {
+    build(
+        &format!("bench: building {what}"),
+        &["--release", "--package", package, kind, name],
+    )?;
+    let mut cmd = cargo();
+    cmd.args(["run", "--release", "--quiet", "--package", package])
+        .args([kind, name]);
+    setup::run(&mut cmd)
+}
+
 /// `cargo build ARGS` with cargo's own progress visible (its progress bar on a terminal, a
 /// `Compiling <crate>` line per crate otherwise), so a first build that takes minutes on a
 /// fresh machine shows that it is working. What runs the result afterwards may be `--quiet`:
 /// by then there is nothing left to build.
-/// Builds `package`'s `example` in `release` (with progress, as [`build`]) and runs it: the
-/// scrape, hostile-clients and hook benchmarks are such examples.
-fn run_release_example(what: &str, package: &str, example: &str) -> Result<()> {
-    build(
-        &format!("bench: building {what}"),
-        &["--release", "--package", package, "--example", example],
-    )?;
-    let mut cmd = cargo();
-    cmd.args(["run", "--release", "--quiet", "--package", package])
-        .args(["--example", example]);
-    setup::run(&mut cmd)
-}
-
 pub(crate) fn build(what: &str, args: &[&str]) -> Result<()> {
     println!("==> {what} (cargo's progress follows; a first build takes a few minutes)");
     let started = Instant::now();

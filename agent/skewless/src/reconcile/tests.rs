@@ -534,8 +534,9 @@ async fn wait_until_closed(addr: SocketAddr) {
     panic!("{addr} still accepts connections 5 s after its balancer was stopped");
 }
 
-/// A live backend for connection mode (the relay needs one to answer HTTP/2), on its own
-/// runtime so the fake's blocking check can reach it; the slice lists it.
+/// A live backend for connection mode (the relay needs one to answer HTTP/2): a gRPC server
+/// with only `grpc.health.v1` (SERVING, for the server and the Echo service name), on its own runtime so the fake's blocking check can
+/// reach it; the slice lists it.
 struct Backend {
     port: u16,
     stop: Option<std::sync::mpsc::Sender<()>>,
@@ -552,19 +553,31 @@ impl Backend {
                 .build()
                 .expect("backend runtime");
             rt.block_on(async move {
-                let echo = skewless_echo::SpawnedEcho::start(
-                    "127.0.0.1:0".parse().expect("addr"),
-                    "pod-1",
-                )
-                .await
-                .expect("echo starts");
-                port_tx.send(echo.addr.port()).expect("port");
-                tokio::task::spawn_blocking(move || {
-                    let _ = stopped.recv();
-                })
-                .await
-                .expect("stop wait");
-                let _ = echo.stop().await;
+                let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+                    .await
+                    .expect("backend binds");
+                port_tx
+                    .send(listener.local_addr().expect("backend addr").port())
+                    .expect("port");
+                // "" is SERVING from the start; the service the tuning test names too.
+                let (reporter, health) = tonic_health::server::health_reporter();
+                reporter
+                    .set_service_status(
+                        "skewless.echo.v1.Echo",
+                        tonic_health::ServingStatus::Serving,
+                    )
+                    .await;
+                let stop = async move {
+                    let _ = tokio::task::spawn_blocking(move || stopped.recv()).await;
+                };
+                tonic::transport::Server::builder()
+                    .add_service(health)
+                    .serve_with_incoming_shutdown(
+                        tokio_stream::wrappers::TcpListenerStream::new(listener),
+                        stop,
+                    )
+                    .await
+                    .expect("backend serves");
             });
         });
         Self {
