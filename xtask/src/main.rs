@@ -3,6 +3,7 @@
 
 mod demo;
 mod fuzz;
+mod image;
 mod setup;
 
 use std::{path::PathBuf, process::Command, time::Instant};
@@ -33,6 +34,9 @@ enum Cmd {
     /// skewless-proxy side by side with direct, HAProxy and nginx, then h2load's calls through
     /// HAProxy h2 and skewless-proxy (docs/benchmarks.md).
     Bench(BenchArgs),
+    /// Build the agent's container image with podman (or docker: SKEWLESS_ENGINE=docker):
+    /// base images from Debian's archive, then deploy/Dockerfile (docs/install.md).
+    Image(image::Args),
     /// Regenerate deploy/monitoring/prometheusrule.yaml from the rules file
     /// (deploy/monitoring/skewless.rules.yaml, the source).
     Monitoring,
@@ -141,6 +145,10 @@ fn main() -> Result<()> {
                 proxy_bench(&args)?;
             }
             Ok(())
+        }
+        Cmd::Image(args) => {
+            setup::ensure_installed(false)?;
+            image::run(&args)
         }
         Cmd::Monitoring => monitoring(),
         Cmd::Testbed {

@@ -35,6 +35,15 @@ const DEBIAN_PACKAGES: &[&str] = &[
     "linux-perf",
     "prometheus",
     "chromium",
+    // The container tier and `cargo xtask image`: podman with runc (crun refuses hybrid
+    // cgroup layouts), base images from Debian's archive with mmdebstrap, binutils' objcopy
+    // to strip the agent.
+    "podman",
+    "buildah",
+    "runc",
+    "mmdebstrap",
+    "uidmap",
+    "binutils",
 ];
 
 /// bpf-linker version that links objects from Debian's rustc-web (see EBPF-TOOLCHAIN.md).

@@ -31,6 +31,7 @@
 mod addr;
 mod builder;
 mod cleanup;
+pub mod container;
 pub mod fixtures;
 pub mod grpc;
 mod nft;
