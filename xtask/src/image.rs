@@ -17,8 +17,8 @@ const MAX_IMAGE_BYTES: u64 = 40_000_000;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Image name and tag [default: skewless:<version>-g<commit>, with -dirty for local
-    /// changes].
+    /// Image name and tag [default: localhost/skewless:<version>-g<commit>, with -dirty for
+    /// local changes].
     #[arg(long)]
     tag: Option<String>,
     /// Build only the runtime stage, around this host-built agent binary (stripped on the
@@ -127,7 +127,8 @@ fn full_build(tag: &str, opts: &BaseOptions) -> Result<()> {
     Ok(())
 }
 
-/// `skewless:<agent version>-g<short commit>`, `-dirty` when the checkout has changes.
+/// `localhost/skewless:<agent version>-g<short commit>`, `-dirty` when the checkout has
+/// changes.
 fn default_tag() -> Result<String> {
     let root = crate::workspace_root();
     let git = |args: &[&str]| -> Result<String> {
@@ -144,7 +145,7 @@ fn default_tag() -> Result<String> {
         .and_then(|v| v.strip_suffix('"'))
         .context("agent/skewless/Cargo.toml has no version")?;
     Ok(format!(
-        "skewless:{version}-g{commit}{}",
+        "localhost/skewless:{version}-g{commit}{}",
         if dirty { "-dirty" } else { "" }
     ))
 }

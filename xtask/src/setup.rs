@@ -44,6 +44,8 @@ const DEBIAN_PACKAGES: &[&str] = &[
     "mmdebstrap",
     "uidmap",
     "binutils",
+    // Counts the programs attached to a cgroup in the container tests.
+    "bpftool",
 ];
 
 /// bpf-linker version that links objects from Debian's rustc-web (see EBPF-TOOLCHAIN.md).

@@ -169,6 +169,14 @@ pub struct FakeApi {
 impl FakeApi {
     /// Starts on an ephemeral port of 127.0.0.1.
     pub async fn start() -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind 127.0.0.1");
+        Self::start_on(listener)
+    }
+
+    /// Starts on `listener` (e.g. one bound in another network namespace).
+    pub fn start_on(listener: TcpListener) -> Self {
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
                 rv: 1,
@@ -183,9 +191,6 @@ impl FakeApi {
             changed: watch::Sender::new(1),
             drop_gen: watch::Sender::new(0),
         });
-        let listener = TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind 127.0.0.1");
         let addr = listener.local_addr().expect("local addr");
         let server = Some(tokio::spawn(serve(listener, shared.clone())));
         Self {
