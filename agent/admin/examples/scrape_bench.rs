@@ -129,6 +129,7 @@ fn main() {
         let scrape = Scrape {
             process: None,
             workers: Vec::new(),
+            resources: skewless_admin::json::Resources::default(),
             model_ready: true,
             kernel: Kernel::default(),
             maps: vec![MapUsage {

@@ -60,6 +60,8 @@ pub struct Scrape {
     pub process: Option<Process>,
     /// The data-plane workers, in worker order (the `worker` label is the index).
     pub workers: Vec<WorkerUsage>,
+    /// The container's requests and limits.
+    pub resources: crate::json::Resources,
     /// Whether the agent has its first complete model (see [`names::MODEL_READY`]).
     pub model_ready: bool,
     pub kernel: Kernel,
@@ -385,6 +387,32 @@ impl Collector for AgentCollector {
         });
         family(
             &mut encoder,
+            names::SERVICE_INFO,
+            services()
+                .map(|([service, vip], x)| {
+                    let l: ReasonLabels<'_> = [service, vip, ("mode", x.mode.as_str())];
+                    (l, gauge(1))
+                })
+                .chain(
+                    s.observed
+                        .iter()
+                        .filter(|o| {
+                            !s.services
+                                .iter()
+                                .any(|x| x.service == o.service && x.vip == o.vip)
+                        })
+                        .map(|o| {
+                            let l: ReasonLabels<'_> = [
+                                ("service", o.service.as_str()),
+                                ("vip", o.vip.as_str()),
+                                ("mode", o.mode.as_str()),
+                            ];
+                            (l, gauge(1))
+                        }),
+                ),
+        )?;
+        family(
+            &mut encoder,
             names::SERVICE_READY_BACKENDS,
             services()
                 .map(|(l, x)| (l, count(x.ready_endpoints)))
@@ -559,6 +587,27 @@ impl Collector for AgentCollector {
             workers
                 .iter()
                 .map(|(i, w)| (worker(i), ConstCounter::new(w.stalls))),
+        )?;
+        let r = s.resources;
+        family(
+            &mut encoder,
+            names::CONTAINER_CPU,
+            [
+                ("request", r.cpu_request_cores),
+                ("limit", r.cpu_limit_cores),
+            ]
+            .into_iter()
+            .filter_map(|(kind, v)| v.map(|v| ([("kind", kind)], ConstGauge::new(v)))),
+        )?;
+        family(
+            &mut encoder,
+            names::CONTAINER_MEMORY,
+            [
+                ("request", r.memory_request_bytes),
+                ("limit", r.memory_limit_bytes),
+            ]
+            .into_iter()
+            .filter_map(|(kind, v)| v.map(|v| ([("kind", kind)], gauge(v)))),
         )
     }
 }
@@ -605,6 +654,12 @@ mod tests {
                 },
                 WorkerUsage::default(),
             ],
+            resources: crate::json::Resources {
+                cpu_request_cores: Some(0.1),
+                cpu_limit_cores: None,
+                memory_request_bytes: Some(64 << 20),
+                memory_limit_bytes: Some(256 << 20),
+            },
             model_ready: true,
             kernel: Kernel {
                 connect_seen: 7,
@@ -798,6 +853,10 @@ mod tests {
             "skewless_worker_cpu_wait_seconds_total{worker=\"0\"} 0.125\n",
             "skewless_worker_stalls_total{worker=\"0\"} 1\n",
             "skewless_worker_stalls_total{worker=\"1\"} 0\n",
+            "skewless_container_cpu_cores{kind=\"request\"} 0.1\n",
+            "skewless_container_memory_bytes{kind=\"limit\"} 268435456\n",
+            "skewless_service_info{service=\"ns/conn\",vip=\"10.0.0.3:80\",mode=\"connection\"} 1\n",
+            "skewless_service_info{service=\"ns/obs\",vip=\"10.0.0.2:80\",mode=\"observe\"} 1\n",
         ] {
             assert!(text.contains(line), "{line} in {text}");
         }

@@ -38,6 +38,19 @@ pub struct AgentStatus {
     pub stale_heartbeat: u64,
     /// How full the eBPF maps are.
     pub maps: Vec<MapStatus>,
+    /// The container's resource requests and limits, as its pod spec set them.
+    pub resources: Resources,
+}
+
+/// The agent container's requests and limits (the DaemonSet passes them through the downward
+/// API); `None` where not set.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Resources {
+    pub cpu_request_cores: Option<f64>,
+    pub cpu_limit_cores: Option<f64>,
+    pub memory_request_bytes: Option<u64>,
+    pub memory_limit_bytes: Option<u64>,
 }
 
 /// How full one eBPF map is.

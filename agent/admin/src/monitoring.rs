@@ -20,8 +20,48 @@ pub fn dir() -> PathBuf {
 pub const RULES_FILE: &str = "skewless.rules.yaml";
 /// The generated PrometheusRule.
 pub const PROMETHEUS_RULE_FILE: &str = "prometheusrule.yaml";
-/// The Grafana dashboard.
+/// The Grafana dashboard of one Service.
 pub const DASHBOARD_FILE: &str = "dashboard.json";
+/// The Grafana dashboard of one node's agent.
+pub const NODE_DASHBOARD_FILE: &str = "node.json";
+/// The Grafana dashboard of the whole cluster.
+pub const CLUSTER_DASHBOARD_FILE: &str = "cluster.json";
+
+/// One Grafana dashboard: its file, its fixed uid, the ConfigMap key kustomize ships it
+/// under, and the label matchers every selector of its queries carries (its variables).
+#[derive(Clone, Copy, Debug)]
+pub struct Dashboard {
+    pub file: &'static str,
+    pub uid: &'static str,
+    pub configmap_key: &'static str,
+    pub filters: &'static [&'static str],
+}
+
+/// Every dashboard: the cluster overview, the node, the Service.
+pub const DASHBOARDS: &[Dashboard] = &[
+    Dashboard {
+        file: CLUSTER_DASHBOARD_FILE,
+        uid: "skewless-cluster",
+        configmap_key: "skewless-cluster.json",
+        filters: &[r#"cluster=~"$cluster""#],
+    },
+    Dashboard {
+        file: NODE_DASHBOARD_FILE,
+        uid: "skewless-node",
+        configmap_key: "skewless-node.json",
+        filters: &[r#"cluster=~"$cluster""#, r#"node=~"$node""#],
+    },
+    Dashboard {
+        file: DASHBOARD_FILE,
+        uid: "skewless-service",
+        configmap_key: "skewless.json",
+        filters: &[
+            r#"cluster=~"$cluster""#,
+            r#"node=~"$node""#,
+            r#"service="$service""#,
+        ],
+    },
+];
 /// The rules' promtool unit tests.
 pub const RULES_TESTS_FILE: &str = "tests/rules.test.yaml";
 

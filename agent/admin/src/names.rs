@@ -228,6 +228,12 @@ pub const BACKEND_LATENCY_P99: Family = Family::new(
 );
 
 // Per Service port, both modes.
+pub const SERVICE_INFO: Family = Family::new(
+    "service_info",
+    Kind::Gauge,
+    &["service", "vip", "mode"],
+    "An opted-in Service port on this node and its mode (request, connection, observe), in its labels; always 1",
+);
 pub const SERVICE_READY_BACKENDS: Family = Family::new(
     "service_ready_backends",
     Kind::Gauge,
@@ -409,6 +415,20 @@ pub const PROCESS_THREADS: Family = Family::process(
     "Number of OS threads in the process",
 );
 
+// What the pod spec gives the agent (from the downward API; absent when not set).
+pub const CONTAINER_CPU: Family = Family::new(
+    "container_cpu_cores",
+    Kind::Gauge,
+    &["kind"],
+    "The agent container's CPU request and limit in cores, as its pod spec sets them (kind: request, limit)",
+);
+pub const CONTAINER_MEMORY: Family = Family::new(
+    "container_memory_bytes",
+    Kind::Gauge,
+    &["kind"],
+    "The agent container's memory request and limit in bytes, as its pod spec sets them (kind: request, limit)",
+);
+
 // The data-plane workers (one label value per worker thread, at most 64).
 pub const WORKER_BUSY: Family = Family::new(
     "worker_busy_seconds",
@@ -460,6 +480,7 @@ pub const ALL: &[Family] = &[
     BACKEND_UPSTREAM_CONNECTIONS,
     BACKEND_STATE,
     BACKEND_LATENCY_P99,
+    SERVICE_INFO,
     SERVICE_READY_BACKENDS,
     REQUEST_DURATION,
     REQUEST_FAILURES,
@@ -481,6 +502,8 @@ pub const ALL: &[Family] = &[
     WORKER_BUSY,
     WORKER_CPU_WAIT,
     WORKER_STALLS,
+    CONTAINER_CPU,
+    CONTAINER_MEMORY,
 ];
 
 /// Every sample name a scrape can show, prefix and suffixes included.

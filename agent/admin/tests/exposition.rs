@@ -35,6 +35,12 @@ fn promtool_finds_nothing_but_its_openmetrics_counter_misreading() {
             cpu_wait_seconds: 0.1,
             stalls: 0,
         }],
+        resources: skewless_admin::json::Resources {
+            cpu_request_cores: Some(0.1),
+            cpu_limit_cores: Some(1.0),
+            memory_request_bytes: Some(64 << 20),
+            memory_limit_bytes: Some(256 << 20),
+        },
         model_ready: true,
         kernel: Kernel::default(),
         maps: vec![MapUsage {

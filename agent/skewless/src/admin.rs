@@ -108,6 +108,7 @@ pub struct State {
     /// The observer's latest per-Service reports and its figures of the connection map.
     observed: Arc<Published>,
     workers: WorkerFigures,
+    resources: skewless_admin::json::Resources,
 }
 
 /// Where the admin API's answers come from.
@@ -121,6 +122,7 @@ pub struct Sources {
     pub model: Option<Readiness>,
     pub observed: Arc<Published>,
     pub workers: WorkerFigures,
+    pub resources: skewless_admin::json::Resources,
 }
 
 impl State {
@@ -134,6 +136,7 @@ impl State {
             model,
             observed,
             workers,
+            resources,
         } = sources;
         Self {
             peers,
@@ -146,6 +149,7 @@ impl State {
             model,
             observed,
             workers,
+            resources,
         }
     }
 
@@ -375,6 +379,7 @@ fn agent_of(state: &State, kernel: &Kernel, maps: &[MapUsage]) -> AgentStatus {
                 capacity: m.capacity,
             })
             .collect(),
+        resources: state.resources,
     }
 }
 
@@ -411,6 +416,7 @@ async fn metrics_of(state: &State) -> Result<String> {
     let scrape = Scrape {
         process: agent.process,
         workers: agent.workers,
+        resources: agent.resources,
         model_ready: agent.model_ready,
         kernel,
         maps,

@@ -95,6 +95,19 @@ pub struct Args {
     /// This node's name (from the downward API in the DaemonSet).
     #[arg(long, env = "NODE_NAME", default_value = "local")]
     node_name: String,
+    /// The agent container's CPU request, in millicores (the DaemonSet passes it from the
+    /// downward API), exported so its cost can be alerted on against it.
+    #[arg(long, env = "SKEWLESS_CPU_REQUEST_MILLICORES")]
+    cpu_request_millicores: Option<u64>,
+    /// Its CPU limit, in millicores.
+    #[arg(long, env = "SKEWLESS_CPU_LIMIT_MILLICORES")]
+    cpu_limit_millicores: Option<u64>,
+    /// Its memory request, in bytes.
+    #[arg(long, env = "SKEWLESS_MEMORY_REQUEST_BYTES")]
+    memory_request_bytes: Option<u64>,
+    /// Its memory limit, in bytes.
+    #[arg(long, env = "SKEWLESS_MEMORY_LIMIT_BYTES")]
+    memory_limit_bytes: Option<u64>,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -151,7 +164,17 @@ pub async fn run(args: Args) -> Result<()> {
         metrics_addr,
         node_name,
         balancer_threads,
+        cpu_request_millicores,
+        cpu_limit_millicores,
+        memory_request_bytes,
+        memory_limit_bytes,
     } = args;
+    let resources = skewless_admin::json::Resources {
+        cpu_request_cores: cpu_request_millicores.map(|m| m as f64 / 1000.0),
+        cpu_limit_cores: cpu_limit_millicores.map(|m| m as f64 / 1000.0),
+        memory_request_bytes,
+        memory_limit_bytes,
+    };
     let cgroups = attach_points(cgroups, pod_cgroup_root.as_deref())?;
     let datapath = Arc::new(Mutex::new(load_datapath(&cgroups, &redirects)?));
     let addresses = Arc::new(BalancerAddresses::new(
@@ -218,6 +241,7 @@ pub async fn run(args: Args) -> Result<()> {
         model,
         observed,
         workers: admin::WorkerFigures { workers, stalls },
+        resources,
     }));
     tokio::spawn(
         Arc::clone(&state)

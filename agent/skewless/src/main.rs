@@ -36,7 +36,7 @@ struct Cli {
 enum Cmd {
     /// Run the node agent: load the eBPF hooks, attach them to pod cgroups, redirect opted-in
     /// Services, and serve the admin API.
-    Agent(agent::Args),
+    Agent(Box<agent::Args>),
     /// Print what the agent on this node is doing (queries its admin API).
     Status(status::StatusArgs),
 }
@@ -61,7 +61,7 @@ fn main() -> anyhow::Result<()> {
         .build()?;
     rt.spawn(report_dropped_log_lines(dropped));
     match cmd {
-        Cmd::Agent(args) => rt.block_on(agent::run(args)),
+        Cmd::Agent(args) => rt.block_on(agent::run(*args)),
         Cmd::Status(args) => rt.block_on(status::status(args)),
     }
 }

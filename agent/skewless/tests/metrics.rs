@@ -411,6 +411,49 @@ fn a_real_prometheus_scrapes_the_agent_and_every_dashboard_query_and_rule_return
             queries += 1;
         }
     }
+    // The cluster overview and node dashboards: every query returns data with all three
+    // Services running, and so do their variables' queries.
+    let mut overview_queries = 0;
+    for file in [
+        monitoring::CLUSTER_DASHBOARD_FILE,
+        monitoring::NODE_DASHBOARD_FILE,
+    ] {
+        let d: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(monitoring::dir().join(file)).unwrap())
+                .unwrap();
+        for panel in d["panels"].as_array().unwrap() {
+            for target in panel["targets"].as_array().unwrap() {
+                let expr = substitute(target["expr"].as_str().unwrap(), "");
+                assert!(
+                    !prometheus.query(&tb, &expr).is_empty(),
+                    "{file}: panel {:?}: no data for {expr}",
+                    panel["title"]
+                );
+                overview_queries += 1;
+            }
+        }
+        for var in d["templating"]["list"].as_array().unwrap() {
+            let Some(q) = var["query"]["query"].as_str() else {
+                continue;
+            };
+            let (metric, label) = q
+                .strip_prefix("label_values(")
+                .and_then(|q| q.strip_suffix(')'))
+                .and_then(|q| q.rsplit_once(", "))
+                .unwrap_or_else(|| panic!("{file}: variable {}: {q}", var["name"]));
+            let expr = format!("count by ({label}) ({})", substitute(metric, ""));
+            assert!(
+                !prometheus.query(&tb, &expr).is_empty(),
+                "{file}: variable {}: no data for {expr}",
+                var["name"]
+            );
+        }
+    }
+    assert!(
+        overview_queries >= 40,
+        "the overview dashboards' queries ran: {overview_queries}"
+    );
+
     // The variables' label_values(metric, label) queries.
     for var in dashboard["templating"]["list"].as_array().unwrap() {
         let Some(q) = var["query"]["query"].as_str() else {
@@ -524,6 +567,23 @@ fn a_real_prometheus_scrapes_the_agent_and_every_dashboard_query_and_rule_return
             traffic_from,
             std::path::Path::new(&dir),
         );
+        for file in [
+            monitoring::CLUSTER_DASHBOARD_FILE,
+            monitoring::NODE_DASHBOARD_FILE,
+        ] {
+            let d: serde_json::Value = serde_json::from_str(
+                &std::fs::read_to_string(monitoring::dir().join(file)).unwrap(),
+            )
+            .unwrap();
+            dump_overview_panels(
+                &tb,
+                &prometheus,
+                &d,
+                file.trim_end_matches(".json"),
+                traffic_from,
+                std::path::Path::new(&dir),
+            );
+        }
     }
 }
 
@@ -536,67 +596,93 @@ fn dump_panels(
     from: std::time::SystemTime,
     dir: &std::path::Path,
 ) {
-    std::fs::create_dir_all(dir).unwrap();
-    let secs =
-        |t: std::time::SystemTime| t.duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
-    let (start, end) = (secs(from), secs(std::time::SystemTime::now()));
     for panel in dashboard["panels"].as_array().unwrap() {
         if panel["type"] != "timeseries" {
             continue;
         }
-        let title = panel["title"].as_str().unwrap();
         for service in ["default/echo", "default/obs"] {
-            let mut series = Vec::new();
-            for target in panel["targets"].as_array().unwrap() {
-                let expr = target["expr"]
-                    .as_str()
-                    .unwrap()
-                    .replace("$__rate_interval", "10s")
-                    .replace("$cluster", ".*")
-                    .replace("$node", ".*")
-                    .replace("$service", service);
-                let data = prometheus.api(
-                    tb,
-                    &format!(
-                        "query_range?query={}&start={start}&end={end}&step=2",
-                        encode(&expr)
-                    ),
-                );
-                for r in data["result"].as_array().unwrap() {
-                    let mut name = target["legendFormat"]
-                        .as_str()
-                        .unwrap_or_default()
-                        .to_owned();
-                    for (k, v) in r["metric"].as_object().unwrap() {
-                        name =
-                            name.replace(&format!("{{{{{k}}}}}"), v.as_str().unwrap_or_default());
-                    }
-                    let points: Vec<(f64, f64)> = r["values"]
-                        .as_array()
-                        .unwrap()
-                        .iter()
-                        .filter_map(|p| {
-                            let t = p[0].as_f64()? - start as f64;
-                            Some((t, p[1].as_str()?.parse().ok()?))
-                        })
-                        .collect();
-                    series.push(serde_json::json!({"name": name, "points": points}));
-                }
-            }
-            let file = format!(
-                "{}--{}.json",
-                slug(title),
-                slug(service.trim_start_matches("default/"))
-            );
-            let doc = serde_json::json!({
-                "title": title,
-                "unit": panel["fieldConfig"]["defaults"]["unit"],
-                "service": service,
-                "series": series,
-            });
-            std::fs::write(dir.join(file), serde_json::to_vec_pretty(&doc).unwrap()).unwrap();
+            let name = slug(service.trim_start_matches("default/"));
+            dump_panel(tb, prometheus, panel, service, &name, from, dir);
         }
     }
+}
+
+/// The same for a dashboard without a Service variable (`node`, `cluster`): one file per
+/// time-series panel, named after the panel and `which`.
+fn dump_overview_panels(
+    tb: &Testbed,
+    prometheus: &Prometheus,
+    dashboard: &serde_json::Value,
+    which: &str,
+    from: std::time::SystemTime,
+    dir: &std::path::Path,
+) {
+    for panel in dashboard["panels"].as_array().unwrap() {
+        if panel["type"] == "timeseries" {
+            dump_panel(tb, prometheus, panel, "", which, from, dir);
+        }
+    }
+}
+
+/// One panel's query_range data, `$service` set to `service`, into `dir/<title>--<name>.json`.
+fn dump_panel(
+    tb: &Testbed,
+    prometheus: &Prometheus,
+    panel: &serde_json::Value,
+    service: &str,
+    name: &str,
+    from: std::time::SystemTime,
+    dir: &std::path::Path,
+) {
+    std::fs::create_dir_all(dir).unwrap();
+    let secs =
+        |t: std::time::SystemTime| t.duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+    let (start, end) = (secs(from), secs(std::time::SystemTime::now()));
+    let title = panel["title"].as_str().unwrap();
+    let mut series = Vec::new();
+    for target in panel["targets"].as_array().unwrap() {
+        let expr = target["expr"]
+            .as_str()
+            .unwrap()
+            .replace("$__rate_interval", "10s")
+            .replace("$cluster", ".*")
+            .replace("$node", ".*")
+            .replace("$service", service);
+        let data = prometheus.api(
+            tb,
+            &format!(
+                "query_range?query={}&start={start}&end={end}&step=2",
+                encode(&expr)
+            ),
+        );
+        for r in data["result"].as_array().unwrap() {
+            let mut legend = target["legendFormat"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned();
+            for (k, v) in r["metric"].as_object().unwrap() {
+                legend = legend.replace(&format!("{{{{{k}}}}}"), v.as_str().unwrap_or_default());
+            }
+            let points: Vec<(f64, f64)> = r["values"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter_map(|p| {
+                    let t = p[0].as_f64()? - start as f64;
+                    Some((t, p[1].as_str()?.parse().ok()?))
+                })
+                .collect();
+            series.push(serde_json::json!({"name": legend, "points": points}));
+        }
+    }
+    let file = format!("{}--{name}.json", slug(title));
+    let doc = serde_json::json!({
+        "title": title,
+        "unit": panel["fieldConfig"]["defaults"]["unit"],
+        "service": if service.is_empty() { name } else { service },
+        "series": series,
+    });
+    std::fs::write(dir.join(file), serde_json::to_vec_pretty(&doc).unwrap()).unwrap();
 }
 
 fn slug(s: &str) -> String {

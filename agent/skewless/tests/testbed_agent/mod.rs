@@ -189,9 +189,18 @@ pub fn echo_bed_with(
 
 /// Starts the agent on a services file, attached to the client pod; waits for its admin API.
 pub fn spawn_file_agent(tb: &mut skewless_testbed::Testbed, services: &std::path::Path) -> u32 {
+    spawn_file_agent_with(tb, services, &[])
+}
+
+/// [`spawn_file_agent`] with more flags.
+pub fn spawn_file_agent_with(
+    tb: &mut skewless_testbed::Testbed,
+    services: &std::path::Path,
+    extra: &[&str],
+) -> u32 {
     let cgroup = tb.pod("client").unwrap().cgroup.display().to_string();
     let file = services.display().to_string();
-    let argv = [
+    let mut argv = vec![
         env!("CARGO_BIN_EXE_skewless"),
         "agent",
         "--services-file",
@@ -201,6 +210,7 @@ pub fn spawn_file_agent(tb: &mut skewless_testbed::Testbed, services: &std::path
         "--admin-addr",
         ADMIN,
     ];
+    argv.extend_from_slice(extra);
     let pid = tb.spawn(Place::Node(0), &argv).unwrap();
     tb.wait_for_tcp(
         Place::Node(0),
@@ -336,7 +346,21 @@ impl ThreeModes {
         let services = TempPath::new(format!("skewless-test-services-{}.yaml", tb.id()));
         write_three_services(&services, &tb, balanced, observed, relayed);
         let traffic_from = std::time::SystemTime::now();
-        spawn_file_agent(&mut tb, &services);
+        // The requests and limits a DaemonSet's downward API would pass.
+        spawn_file_agent_with(
+            &mut tb,
+            &services,
+            &[
+                "--cpu-request-millicores",
+                "100",
+                "--cpu-limit-millicores",
+                "2000",
+                "--memory-request-bytes",
+                "67108864",
+                "--memory-limit-bytes",
+                "268435456",
+            ],
+        );
         wait_until("the agent redirects the balanced Services", || {
             services_in_status(&tb) == 2
         });
