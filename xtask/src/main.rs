@@ -112,18 +112,18 @@ enum TestbedCmd {
 fn main() -> Result<()> {
     let Cli { cmd } = Cli::parse();
     match cmd {
-        Cmd::Setup => setup::ensure_installed(true),
+        Cmd::Setup => setup::ensure_installed(None, true),
         Cmd::Test(args) => test(args),
         Cmd::Fuzz(FuzzArgs { secs, target }) => {
-            setup::ensure_installed(false)?;
+            setup::ensure_installed(Some(setup::For::Fuzz), false)?;
             fuzz::run(secs, target.as_deref())
         }
         Cmd::Demo(args) => {
-            setup::ensure_installed(false)?;
+            setup::ensure_installed(Some(setup::For::Demo), false)?;
             demo::run(&args)
         }
         Cmd::Bench(args) => {
-            setup::ensure_installed(false)?;
+            setup::ensure_installed(Some(setup::For::Bench), false)?;
             let only = args.hook_only
                 || args.proxies_only
                 || args.scrape_only
@@ -147,7 +147,7 @@ fn main() -> Result<()> {
             Ok(())
         }
         Cmd::Image(args) => {
-            setup::ensure_installed(false)?;
+            setup::ensure_installed(None, false)?;
             image::run(&args)
         }
         Cmd::Monitoring => monitoring(),
@@ -464,7 +464,7 @@ fn test(args: TestArgs) -> Result<()> {
         privileged,
         test_args,
     } = args;
-    setup::ensure_installed(false)?;
+    setup::ensure_installed(Some(setup::For::Test), false)?;
     let started = Instant::now();
     let mut tiers: Vec<(&str, Command)> = Vec::new();
     if !privileged {

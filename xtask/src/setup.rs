@@ -11,23 +11,27 @@ use std::{
 
 use anyhow::{Context as _, Result, bail, ensure};
 
-/// Debian packages: the eBPF toolchain (rustc-web with its prebuilt `core` for
-/// bpfel-unknown-none, and its clippy for linting the programs), the network tools the testbed
-/// drives, the peers the benchmark compares against, h2load (nghttp2-client) as its
-/// third-party load generator, valgrind and perf for the benchmark's load-independent counts
-/// per call (`--instructions`), Prometheus (server and promtool) for the rule tests and the
-/// scrape tests, and Chromium for the status page's browser test (headless, driven over the
-/// DevTools protocol on a pipe).
+/// Debian packages every build and the demo need: the eBPF toolchain (rustc-web with its
+/// prebuilt `core` for bpfel-unknown-none) and the network tools the testbed drives.
 const DEBIAN_PACKAGES: &[&str] = &[
     "rustc-web",
     "cargo-web",
     "libstd-rust-web-dev-bpf",
-    "rust-web-clippy",
     "iproute2",
     "nftables",
     "conntrack",
     "util-linux",
     "procps",
+];
+
+/// Debian packages of the tests and the benchmark only: clippy for the eBPF programs, the
+/// peers the benchmark compares against, h2load (nghttp2-client) as its third-party load
+/// generator, valgrind and perf for the benchmark's load-independent counts per call
+/// (`--instructions`), Prometheus (server and promtool) for the rule tests and the scrape
+/// tests, and Chromium for the status page's browser test (headless, driven over the DevTools
+/// protocol on a pipe).
+const DEBIAN_TEST_PACKAGES: &[&str] = &[
+    "rust-web-clippy",
     "haproxy",
     "nginx-light",
     "nghttp2-client",
@@ -64,59 +68,96 @@ const PYTHON_PACKAGES: &[&str] = &[
     "grpcio-health-checking==1.85.*",
 ];
 
+/// The commands that install what they need first; `cargo xtask setup` installs what all of
+/// them need.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum For {
+    Demo,
+    Test,
+    Fuzz,
+    Bench,
+}
+
+use For::{Bench, Demo, Fuzz, Test};
+
 struct Step {
     name: &'static str,
+    /// The commands that use what this step installs.
+    needed_by: &'static [For],
     missing: fn() -> Option<String>,
     install: fn() -> Result<()>,
 }
 
 const STEPS: &[Step] = &[
     Step {
-        name: "Debian packages",
-        missing: missing_packages,
-        install: install_packages,
+        name: "Debian packages (eBPF toolchain, testbed tools)",
+        needed_by: &[Demo, Test, Bench],
+        missing: || missing_packages(DEBIAN_PACKAGES),
+        install: || install_packages(DEBIAN_PACKAGES),
+    },
+    Step {
+        name: "Debian packages (test and benchmark peers and tools)",
+        needed_by: &[Test, Bench],
+        missing: || missing_packages(DEBIAN_TEST_PACKAGES),
+        install: || install_packages(DEBIAN_TEST_PACKAGES),
     },
     Step {
         name: "rustup toolchain `debian`",
+        needed_by: &[Demo, Test, Bench],
         missing: missing_debian_toolchain,
         install: link_debian_toolchain,
     },
     Step {
         name: "bpf-linker",
+        needed_by: &[Demo, Test, Bench],
         missing: missing_bpf_linker,
         install: install_bpf_linker,
     },
     Step {
         name: "Python venv with grpcio",
+        needed_by: &[Demo, Test, Bench],
         missing: missing_venv,
         install: install_venv,
     },
     Step {
         name: "Node.js with @grpc/grpc-js",
+        needed_by: &[Test, Bench],
         missing: missing_node_clients,
         install: install_node_clients,
     },
     Step {
         name: "rustfmt and clippy",
+        needed_by: &[Test],
         missing: missing_rust_components,
         install: install_rust_components,
     },
     Step {
         name: "cargo-fuzz (the fuzz tier)",
+        needed_by: &[Test, Fuzz],
         missing: missing_cargo_fuzz,
         install: install_cargo_fuzz,
     },
     Step {
         name: "cargo-deny (the dependency-policy tier)",
+        needed_by: &[Test],
         missing: missing_cargo_deny,
         install: install_cargo_deny,
     },
     Step {
         name: "kubectl (renders deploy/ with kustomize)",
+        needed_by: &[Test],
         missing: missing_kubectl,
         install: install_kubectl,
     },
 ];
+
+/// The steps `command` needs, in order (all of them for `None`, i.e. `cargo xtask setup`).
+fn steps_for(command: Option<For>) -> Vec<&'static Step> {
+    STEPS
+        .iter()
+        .filter(|s| command.is_none_or(|c| s.needed_by.contains(&c)))
+        .collect()
+}
 
 /// Where the Python venv lives: outside the checkout, so fresh clones on the same machine
 /// reuse it.
@@ -129,46 +170,38 @@ pub fn venv_python() -> PathBuf {
     venv().join("bin/python")
 }
 
-/// Runs every step whose check finds something missing. With `verbose`, also reports steps
-/// that are already satisfied.
-pub fn ensure_installed(verbose: bool) -> Result<()> {
-    let todo: Vec<(usize, &Step, String)> = STEPS
+/// Runs every step that `command` needs (every step for `None`, i.e. `cargo xtask setup`)
+/// whose check finds something missing. With `verbose`, also reports steps that are already
+/// satisfied.
+pub fn ensure_installed(command: Option<For>, verbose: bool) -> Result<()> {
+    let steps = steps_for(command);
+    let n = steps.len();
+    let todo: Vec<(usize, &Step, String)> = steps
         .iter()
         .enumerate()
-        .filter_map(|(i, s)| (s.missing)().map(|why| (i, s, why)))
+        .filter_map(|(i, s)| (s.missing)().map(|why| (i, *s, why)))
         .collect();
     if todo.is_empty() {
         if verbose {
-            println!(
-                "setup: everything is installed ({} steps checked)",
-                STEPS.len()
-            );
+            println!("setup: everything is installed ({n} steps checked)");
         }
         return Ok(());
     }
     for (i, step, why) in todo {
         let started = Instant::now();
-        println!("==> setup [{}/{}] {}: {why}", i + 1, STEPS.len(), step.name);
-        (step.install)().with_context(|| {
-            format!(
-                "setup step {}/{} ({}) failed",
-                i + 1,
-                STEPS.len(),
-                step.name
-            )
-        })?;
+        println!("==> setup [{}/{n}] {}: {why}", i + 1, step.name);
+        (step.install)()
+            .with_context(|| format!("setup step {}/{n} ({}) failed", i + 1, step.name))?;
         if let Some(still) = (step.missing)() {
             bail!(
-                "setup step {}/{} ({}) ran but is still incomplete: {still}",
+                "setup step {}/{n} ({}) ran but is still incomplete: {still}",
                 i + 1,
-                STEPS.len(),
                 step.name
             );
         }
         println!(
-            "==> setup [{}/{}] {}: done in {:.0?}",
+            "==> setup [{}/{n}] {}: done in {:.0?}",
             i + 1,
-            STEPS.len(),
             step.name,
             started.elapsed()
         );
@@ -176,13 +209,13 @@ pub fn ensure_installed(verbose: bool) -> Result<()> {
     Ok(())
 }
 
-fn missing_packages() -> Option<String> {
-    let missing = packages_missing();
+fn missing_packages(packages: &'static [&'static str]) -> Option<String> {
+    let missing = packages_missing(packages);
     (!missing.is_empty()).then(|| format!("installing {}", missing.join(" ")))
 }
 
-fn packages_missing() -> Vec<&'static str> {
-    DEBIAN_PACKAGES
+fn packages_missing(packages: &'static [&'static str]) -> Vec<&'static str> {
+    packages
         .iter()
         .copied()
         .filter(|p| {
@@ -194,8 +227,8 @@ fn packages_missing() -> Vec<&'static str> {
         .collect()
 }
 
-fn install_packages() -> Result<()> {
-    let missing = packages_missing();
+fn install_packages(packages: &'static [&'static str]) -> Result<()> {
+    let missing = packages_missing(packages);
     run(Command::new("apt-get").args(["update", "-q"]))?;
     run(Command::new("apt-get")
         .args(["install", "-y", "-q", "--no-install-recommends"])
@@ -473,4 +506,45 @@ pub(crate) fn output(cmd: &mut Command) -> Result<String> {
         .with_context(|| format!("could not start {cmd:?}"))?;
     ensure!(out.status.success(), "{cmd:?} exited with {}", out.status);
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{For, STEPS, steps_for};
+
+    fn names(command: Option<For>) -> Vec<&'static str> {
+        steps_for(command).iter().map(|s| s.name).collect()
+    }
+
+    #[test]
+    fn the_demo_installs_only_what_it_runs() {
+        let demo = names(Some(For::Demo));
+        assert_eq!(
+            demo,
+            [
+                "Debian packages (eBPF toolchain, testbed tools)",
+                "rustup toolchain `debian`",
+                "bpf-linker",
+                "Python venv with grpcio",
+            ],
+            "the demo builds the agent and its eBPF programs and runs grpcio in a testbed"
+        );
+        for tool in [
+            "cargo-fuzz",
+            "cargo-deny",
+            "Node.js",
+            "test and benchmark peers",
+        ] {
+            assert!(
+                !demo.iter().any(|n| n.contains(tool)),
+                "the demo never uses {tool}: {demo:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn setup_and_the_test_tiers_install_every_step() {
+        assert_eq!(names(None).len(), STEPS.len());
+        assert_eq!(names(Some(For::Test)), names(None));
+    }
 }
