@@ -16,10 +16,11 @@ use tokio::net::TcpStream;
 
 /// What a [`Tapped`] socket does with what it reads.
 pub(crate) trait ReadTap {
-    /// Checked before every read: an error fails the read without reading (a connection the
-    /// tap has cut off stays cut off).
-    fn before_read(&self) -> io::Result<()> {
-        Ok(())
+    /// Checked before every read: once true, nothing more is read and every read stays
+    /// pending (the tap has cut the peer off; what h2 still writes, such as its GOAWAY, goes
+    /// out, and the connection's owner closes it).
+    fn stalled(&self) -> bool {
+        false
     }
 
     /// Sees the bytes one read brought (never empty). An error fails that read, and its bytes
@@ -82,7 +83,10 @@ impl<R: ReadTap + Unpin> AsyncRead for Tapped<R> {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let this = self.get_mut();
-        this.tap.before_read()?;
+        if this.tap.stalled() {
+            // No waker is registered: the owner drives the connection to its close.
+            return Poll::Pending;
+        }
         let stream = this
             .stream
             .as_mut()

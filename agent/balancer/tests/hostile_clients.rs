@@ -1,5 +1,6 @@
-//! Hostile clients in request mode (issue 11 §3): a client that floods its connection with
-//! PINGs, SETTINGS or RST_STREAMs is cut off and counted, and a well-behaved client of the same
+//! Hostile clients, in both modes: a client that floods its connection with PINGs, SETTINGS
+//! or RST_STREAMs, opens streams without end, or sends no preface (or a SETTINGS ACK for one)
+//! is cut off with a GOAWAY that says why and counted, and a well-behaved client of the same
 //! balancer is served all along. The hostile client is a raw TCP peer writing frames
 //! (skewless-frame's codec; the one header block is a static-table constant, never HPACK
 //! encoding), on loopback, bounded in bytes and time.
@@ -10,12 +11,13 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::BytesMut;
+use skewless_balancer::connection::{ConnectionBalancer, ConnectionConfig};
 use skewless_balancer::metrics::{ClientErrorReason, RotationReason, ServiceSnapshot};
-use skewless_balancer::{Balancer, BalancerCounters, Config, Endpoint};
+use skewless_balancer::{Balancer, Config, Endpoint};
 use skewless_echo::SpawnedEcho;
 use skewless_echo::pb::EchoRequest;
 use skewless_echo::pb::echo_client::EchoClient;
-use skewless_frame::{Head, Kind, PREFACE, Ping, flags};
+use skewless_frame::{ErrorCode, GoAway, HEADER_LEN, Head, Kind, PREFACE, Ping, flags};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{oneshot, watch};
@@ -50,9 +52,22 @@ fn start() -> Vec<u8> {
     b
 }
 
+/// Which balancer a bed serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Request,
+    Connection,
+}
+
+#[derive(Clone)]
+enum Served {
+    Request(Arc<Balancer>),
+    Connection(ConnectionBalancer),
+}
+
 struct Bed {
     addr: SocketAddr,
-    balancer: Arc<Balancer>,
+    served: Served,
     _pod: SpawnedEcho,
     _endpoints: watch::Sender<Vec<Endpoint>>,
     stop: Option<oneshot::Sender<()>>,
@@ -65,6 +80,14 @@ impl Bed {
     }
 
     async fn start_with(config: Config) -> Self {
+        Self::serving(Mode::Request, config, ConnectionConfig::default()).await
+    }
+
+    async fn mode(mode: Mode) -> Self {
+        Self::serving(mode, Config::default(), ConnectionConfig::default()).await
+    }
+
+    async fn serving(mode: Mode, config: Config, connection: ConnectionConfig) -> Self {
         let _ = tracing_subscriber::fmt()
             .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
             .with_test_writer()
@@ -73,26 +96,68 @@ impl Bed {
             .await
             .expect("echo starts");
         let (tx, rx) = watch::channel(vec![Endpoint::new(pod.addr, "pod-0")]);
-        let balancer = Arc::new(Balancer::new(config, rx));
+        let served = match mode {
+            Mode::Request => Served::Request(Arc::new(Balancer::new(config, rx))),
+            Mode::Connection => Served::Connection(ConnectionBalancer::new(connection, rx)),
+        };
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr");
         let (stop, stopped) = oneshot::channel::<()>();
-        let b = balancer.clone();
+        let s = served.clone();
         let task = tokio::spawn(async move {
-            b.serve(listener, async {
+            let shutdown = async {
                 let _ = stopped.await;
-            })
-            .await
-            .expect("serve");
+            };
+            let served = match &s {
+                Served::Request(b) => {
+                    skewless_balancer::server::serve(&**b, listener, shutdown, |_| true).await
+                }
+                Served::Connection(b) => {
+                    skewless_balancer::server::serve(b, listener, shutdown, |_| true).await
+                }
+            };
+            served.expect("serve");
         });
         Self {
             addr,
-            balancer,
+            served,
             _pod: pod,
             _endpoints: tx,
             stop: Some(stop),
             task,
         }
+    }
+
+    /// The Service's numbers.
+    fn metrics(&self) -> ServiceSnapshot {
+        match &self.served {
+            Served::Request(b) => b.metrics(),
+            Served::Connection(b) => b.metrics(),
+        }
+    }
+
+    /// Client connections closed for `reason`, wherever the mode counts them (request mode
+    /// counts its floods in `BalancerCounters`, the rest in the Service's cells).
+    fn client_errors(&self, reason: ClientErrorReason) -> u64 {
+        let flood = |c: skewless_balancer::BalancerCounters| match reason {
+            ClientErrorReason::PingFlood => c.ping_floods,
+            ClientErrorReason::SettingsFlood => c.settings_floods,
+            ClientErrorReason::RstStreamFlood => c.rst_stream_floods,
+            _ => 0,
+        };
+        let counted = match &self.served {
+            Served::Request(b) => flood(b.counters()),
+            Served::Connection(_) => 0,
+        };
+        counted + client_errors(&self.metrics(), reason)
+    }
+
+    /// Every client connection closed for something the client did, whatever the reason.
+    fn all_client_errors(&self) -> u64 {
+        ClientErrorReason::ALL
+            .iter()
+            .map(|r| self.client_errors(*r))
+            .sum()
     }
 
     async fn stop(mut self) {
@@ -104,6 +169,52 @@ impl Bed {
             .expect("the balancer drains")
             .expect("serve task");
     }
+}
+
+/// What the balancer wrote to a hostile client, followed frame by frame as it comes: the
+/// GOAWAYs' error codes (a flood's PONGs and ACKs are read and dropped, never kept).
+#[derive(Debug, Default)]
+struct Received {
+    pending: Vec<u8>,
+    go_aways: Vec<ErrorCode>,
+}
+
+impl Received {
+    fn feed(&mut self, bytes: &[u8]) {
+        self.pending.extend_from_slice(bytes);
+        let mut at = 0;
+        while self.pending.len() >= at + HEADER_LEN {
+            let header: &[u8; HEADER_LEN] = self.pending[at..at + HEADER_LEN]
+                .try_into()
+                .expect("a header");
+            let head = Head::decode(header);
+            let end = at + HEADER_LEN + head.len as usize;
+            if end > self.pending.len() {
+                break;
+            }
+            if head.kind == Kind::GoAway
+                && let Ok(g) = GoAway::decode(&head, &self.pending[at + HEADER_LEN..end])
+            {
+                self.go_aways.push(g.error_code);
+            }
+            at = end;
+        }
+        self.pending.drain(..at);
+    }
+}
+
+/// Reads everything the balancer sends on `rd` until it closes (EOF or a reset), following
+/// its frames.
+async fn read_all(mut rd: impl tokio::io::AsyncRead + Unpin) -> Received {
+    let mut got = Received::default();
+    let mut buf = vec![0u8; 64 * 1024];
+    while let Ok(n) = rd.read(&mut buf).await {
+        if n == 0 {
+            break;
+        }
+        got.feed(&buf[..n]);
+    }
+    got
 }
 
 /// A well-behaved client calling in a loop until told to stop; the calls it made, and those
@@ -137,26 +248,26 @@ fn good_client(
     })
 }
 
-/// Connects, writes `opening`, then `unit(0)`, `unit(1)`, ... (reading and discarding
-/// everything the balancer answers, so its PONGs and ACKs never push back) until the balancer
-/// closes the connection; the number of units written. Panics if it never does within
-/// `MAX_FRAMES` or 30 s.
-async fn flood(addr: SocketAddr, opening: &[u8], unit: impl Fn(usize) -> Vec<u8>) -> usize {
+/// Connects, writes `opening`, then `unit(0)`, `unit(1)`, ... (reading everything the
+/// balancer answers, so its PONGs and ACKs never push back) until the balancer closes the
+/// connection; the number of units written and what the balancer sent. Panics if it never
+/// closes within `MAX_FRAMES` or 30 s.
+async fn flood(
+    addr: SocketAddr,
+    opening: &[u8],
+    unit: impl Fn(usize) -> Vec<u8>,
+) -> (usize, Received) {
     let stream = TcpStream::connect(addr)
         .await
         .expect("the flooder connects");
-    let (mut rd, mut wr) = stream.into_split();
+    let (rd, mut wr) = stream.into_split();
     let closed = Arc::new(AtomicBool::new(false));
     let reader = tokio::spawn({
         let closed = closed.clone();
         async move {
-            let mut buf = vec![0u8; 64 * 1024];
-            while let Ok(n) = rd.read(&mut buf).await {
-                if n == 0 {
-                    break;
-                }
-            }
+            let got = read_all(rd).await;
             closed.store(true, Ordering::Relaxed);
+            got
         }
     });
     wr.write_all(opening).await.expect("the opening is written");
@@ -174,7 +285,7 @@ async fn flood(addr: SocketAddr, opening: &[u8], unit: impl Fn(usize) -> Vec<u8>
     tokio::time::timeout(Duration::from_secs(30), flooding)
         .await
         .expect("the flood is bounded in time");
-    tokio::time::timeout(Duration::from_secs(10), reader)
+    let got = tokio::time::timeout(Duration::from_secs(10), reader)
         .await
         .expect("the balancer closes the flooding connection")
         .expect("reader");
@@ -183,38 +294,36 @@ async fn flood(addr: SocketAddr, opening: &[u8], unit: impl Fn(usize) -> Vec<u8>
         sent < MAX_FRAMES,
         "the balancer cut the flood off before {MAX_FRAMES} frames"
     );
-    sent
+    (sent, got)
 }
 
-/// Runs `flood` against a balancer that a good client uses all along; the flood's frame
-/// count and the balancer's counters afterwards.
-async fn flooded_while_serving(opening: Vec<u8>, unit: Vec<u8>) -> (usize, BalancerCounters) {
-    let (sent, counters, _) = flooded_while_serving_with(opening, move |_| unit.clone()).await;
-    (sent, counters)
-}
-
-/// [`flooded_while_serving`] with the `i`-th unit made by `unit(i)`; also the Service's
-/// numbers afterwards.
-async fn flooded_while_serving_with(
+/// Runs `flood` against a balancer in `mode` that a good client uses all along, and checks
+/// that the good client lost nothing and the flooder got one GOAWAY(`code`); the flood's frame
+/// count, and the bed to read its numbers from (stop it after).
+async fn flooded_while_serving(
+    mode: Mode,
     opening: Vec<u8>,
     unit: impl Fn(usize) -> Vec<u8>,
-) -> (usize, BalancerCounters, ServiceSnapshot) {
-    let bed = Bed::start().await;
+    code: ErrorCode,
+) -> (usize, Bed) {
+    let bed = Bed::mode(mode).await;
     let stop = Arc::new(AtomicBool::new(false));
     let good = good_client(bed.addr, stop.clone());
-    let sent = flood(bed.addr, &opening, unit).await;
+    let (sent, got) = flood(bed.addr, &opening, unit).await;
     stop.store(true, Ordering::Relaxed);
     let (calls, failed) = good.await.expect("good client");
     assert!(
         failed.is_empty(),
-        "the good client is unaffected: {} of {calls} calls failed, first {:?}",
+        "{mode:?}: the good client is unaffected: {} of {calls} calls failed, first {:?}",
         failed.len(),
         failed.first()
     );
-    let counters = bed.balancer.counters();
-    let service = bed.balancer.metrics();
-    bed.stop().await;
-    (sent, counters, service)
+    assert_eq!(
+        got.go_aways,
+        [code],
+        "{mode:?}: the flooder is told why it is cut off, once"
+    );
+    (sent, bed)
 }
 
 fn client_errors(s: &ServiceSnapshot, reason: ClientErrorReason) -> u64 {
@@ -233,130 +342,217 @@ fn rotations(s: &ServiceSnapshot, reason: RotationReason) -> u64 {
     s.rotations[i]
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_ping_flood_is_cut_off_and_counted_and_other_clients_are_served() {
-    let (sent, counters) = flooded_while_serving(start(), ping()).await;
+/// Runs `case` for each mode, one after the other.
+async fn both_modes<F: std::future::Future<Output = ()>>(case: impl Fn(Mode) -> F) {
+    for mode in [Mode::Request, Mode::Connection] {
+        case(mode).await;
+    }
+}
+
+/// Checks that exactly one client connection was closed, for `reason`.
+fn assert_cut_off_once(bed: &Bed, mode: Mode, reason: ClientErrorReason) {
     assert_eq!(
-        counters.ping_floods, 1,
-        "the flood is counted once: {counters:?}"
+        bed.client_errors(reason),
+        1,
+        "{mode:?}: counted once as {reason:?}"
     );
-    assert_eq!(counters.settings_floods + counters.rst_stream_floods, 0);
-    eprintln!("PING flood cut off after {sent} frames written");
+    assert_eq!(
+        bed.all_client_errors(),
+        1,
+        "{mode:?}: and nothing else: {:?}",
+        bed.metrics().client_errors
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_settings_flood_is_cut_off_and_counted_and_other_clients_are_served() {
-    let (sent, counters) = flooded_while_serving(start(), frame(Kind::Settings, 0, 0, &[])).await;
-    assert_eq!(
-        counters.settings_floods, 1,
-        "the flood is counted once: {counters:?}"
-    );
-    assert_eq!(counters.ping_floods + counters.rst_stream_floods, 0);
-    eprintln!("SETTINGS flood cut off after {sent} frames written");
+async fn a_ping_flood_is_cut_off_with_enhance_your_calm_and_counted_and_other_clients_are_served() {
+    both_modes(|mode| async move {
+        let (sent, bed) =
+            flooded_while_serving(mode, start(), |_| ping(), ErrorCode::ENHANCE_YOUR_CALM).await;
+        assert_cut_off_once(&bed, mode, ClientErrorReason::PingFlood);
+        eprintln!("{mode:?}: PING flood cut off after {sent} frames written");
+        bed.stop().await;
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_rst_stream_flood_on_a_closed_stream_is_cut_off_and_counted() {
+async fn a_settings_flood_is_cut_off_with_enhance_your_calm_and_counted_and_other_clients_are_served()
+ {
+    both_modes(|mode| async move {
+        let settings = frame(Kind::Settings, 0, 0, &[]);
+        let (sent, bed) = flooded_while_serving(
+            mode,
+            start(),
+            move |_| settings.clone(),
+            ErrorCode::ENHANCE_YOUR_CALM,
+        )
+        .await;
+        assert_cut_off_once(&bed, mode, ClientErrorReason::SettingsFlood);
+        eprintln!("{mode:?}: SETTINGS flood cut off after {sent} frames written");
+        bed.stop().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_rst_stream_flood_on_a_closed_stream_is_cut_off_with_enhance_your_calm_and_counted() {
     // One stream (GET /, a static-table header block), then RST_STREAM on it again and
     // again: h2 ignores a reset of a closed stream, so only the guard can stop this.
-    let mut opening = start();
-    opening.extend(frame(
-        Kind::Headers,
-        flags::END_HEADERS | flags::END_STREAM,
-        1,
-        &[0x82, 0x86, 0x84],
-    ));
-    let rst = frame(Kind::RstStream, 0, 1, &8u32.to_be_bytes());
-    let (sent, counters) = flooded_while_serving(opening, rst).await;
-    assert_eq!(
-        counters.rst_stream_floods, 1,
-        "the flood is counted once: {counters:?}"
-    );
-    assert_eq!(counters.ping_floods + counters.settings_floods, 0);
-    eprintln!("RST_STREAM flood cut off after {sent} frames written");
+    both_modes(|mode| async move {
+        let mut opening = start();
+        opening.extend(frame(
+            Kind::Headers,
+            flags::END_HEADERS | flags::END_STREAM,
+            1,
+            &[0x82, 0x86, 0x84],
+        ));
+        let rst = frame(Kind::RstStream, 0, 1, &8u32.to_be_bytes());
+        let (sent, bed) = flooded_while_serving(
+            mode,
+            opening,
+            move |_| rst.clone(),
+            ErrorCode::ENHANCE_YOUR_CALM,
+        )
+        .await;
+        assert_cut_off_once(&bed, mode, ClientErrorReason::RstStreamFlood);
+        eprintln!("{mode:?}: RST_STREAM flood cut off after {sent} frames written");
+        bed.stop().await;
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hundred_thousand_streams_on_one_connection_are_cut_off_and_counted() {
     // 100,000 requests opened and never finished (GET /, a static-table header block, no
-    // END_STREAM): h2 takes 1,024 at once (MAX_CLIENT_STREAMS), refuses the next ones, and at
-    // 1,024 refusals (MAX_LOCAL_ERROR_RESETS) ends the connection with ENHANCE_YOUR_CALM.
-    let headers = |i: usize| {
-        let id = u32::try_from(1 + 2 * i).expect("small");
-        frame(Kind::Headers, flags::END_HEADERS, id, &[0x82, 0x86, 0x84])
-    };
-    let (sent, counters, service) = flooded_while_serving_with(start(), headers).await;
-    assert!(
-        sent <= 100_000,
-        "cut off before 100,000 streams, after {sent} were written"
-    );
-    assert_eq!(
-        client_errors(&service, ClientErrorReason::TooManyStreams),
-        1,
-        "counted once: {:?}",
-        service.client_errors
-    );
-    assert_eq!(
-        counters.ping_floods + counters.settings_floods + counters.rst_stream_floods,
-        0
-    );
-    eprintln!("stream flood cut off after {sent} HEADERS written");
+    // END_STREAM). Request mode: h2 takes 1,024 at once (MAX_CLIENT_STREAMS), refuses the
+    // next ones, and at 1,024 refusals (MAX_LOCAL_ERROR_RESETS) ends the connection with
+    // ENHANCE_YOUR_CALM. Connection mode: the relay tracks 8,192 open streams and closes the
+    // connection at the next one, with ENHANCE_YOUR_CALM.
+    both_modes(|mode| async move {
+        let headers = |i: usize| {
+            let id = u32::try_from(1 + 2 * i).expect("small");
+            frame(Kind::Headers, flags::END_HEADERS, id, &[0x82, 0x86, 0x84])
+        };
+        let (sent, bed) =
+            flooded_while_serving(mode, start(), headers, ErrorCode::ENHANCE_YOUR_CALM).await;
+        assert!(
+            sent <= 100_000,
+            "{mode:?}: cut off before 100,000 streams, after {sent} were written"
+        );
+        assert_cut_off_once(&bed, mode, ClientErrorReason::TooManyStreams);
+        eprintln!("{mode:?}: stream flood cut off after {sent} HEADERS written");
+        bed.stop().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_settings_ack_instead_of_the_preface_is_closed_at_once_and_counted() {
+    // The magic, then a SETTINGS ACK (acknowledging the server's SETTINGS) and never a
+    // SETTINGS of its own, then a request: no preface (RFC 9113 section 3.4), closed by the
+    // handshake deadline (at once) and counted, while a good client loses nothing.
+    both_modes(|mode| async move {
+        let bed = Bed::mode(mode).await;
+        let stop = Arc::new(AtomicBool::new(false));
+        let good = good_client(bed.addr, stop.clone());
+        let t0 = tokio::time::Instant::now();
+        let mut c = TcpStream::connect(bed.addr).await.expect("connects");
+        let mut hello = PREFACE.to_vec();
+        hello.extend(frame(Kind::Settings, flags::ACK, 0, &[]));
+        hello.extend(frame(
+            Kind::Headers,
+            flags::END_HEADERS | flags::END_STREAM,
+            1,
+            &[0x82, 0x86, 0x84],
+        ));
+        c.write_all(&hello).await.expect("the fake preface");
+        let got = tokio::time::timeout(Duration::from_secs(30), read_all(c))
+            .await
+            .expect("the balancer closes the connection");
+        let waited = t0.elapsed();
+        assert!(
+            waited < Duration::from_secs(9),
+            "{mode:?}: closed by the 10 s handshake deadline, at once: {waited:?}"
+        );
+        if mode == Mode::Request {
+            assert_eq!(
+                got.go_aways,
+                [ErrorCode::PROTOCOL_ERROR],
+                "request mode's h2 spoke first: told why"
+            );
+        }
+        stop.store(true, Ordering::Relaxed);
+        let (calls, failed) = good.await.expect("good client");
+        assert!(
+            failed.is_empty(),
+            "{mode:?}: {} of {calls} calls failed",
+            failed.len()
+        );
+        assert_cut_off_once(&bed, mode, ClientErrorReason::Malformed);
+        bed.stop().await;
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn clients_that_send_no_preface_are_closed_after_the_handshake_timeout_and_counted() {
     // 50 connections that send nothing, one that sends half the magic and one the whole
     // magic but no SETTINGS (h2's handshake is over then: the preface is not), beside a good
-    // client: each is closed at the 10 s handshake timeout (not before), counted once.
-    let bed = Bed::start().await;
-    let stop = Arc::new(AtomicBool::new(false));
-    let good = good_client(bed.addr, stop.clone());
-    let t0 = tokio::time::Instant::now();
-    let mut silent = Vec::new();
-    for i in 0..52 {
-        let mut s = TcpStream::connect(bed.addr).await.expect("connects");
-        if i == 50 {
-            s.write_all(&PREFACE[..12]).await.expect("half the magic");
+    // client: each is closed at the 10 s handshake timeout (not before), counted once. Both
+    // modes at once (each waits the same 10 s).
+    let cases = [Mode::Request, Mode::Connection].map(|mode| async move {
+        let bed = Bed::mode(mode).await;
+        let stop = Arc::new(AtomicBool::new(false));
+        let good = good_client(bed.addr, stop.clone());
+        let t0 = tokio::time::Instant::now();
+        let mut silent = Vec::new();
+        for i in 0..52 {
+            let mut s = TcpStream::connect(bed.addr).await.expect("connects");
+            if i == 50 {
+                s.write_all(&PREFACE[..12]).await.expect("half the magic");
+            }
+            if i == 51 {
+                s.write_all(&PREFACE[..])
+                    .await
+                    .expect("the magic, no SETTINGS");
+            }
+            silent.push(tokio::spawn(async move {
+                let mut rest = Vec::new();
+                // EOF or a reset: either way the balancer closed it.
+                let _ = s.read_to_end(&mut rest).await;
+                (rest.len(), t0.elapsed())
+            }));
         }
-        if i == 51 {
-            s.write_all(&PREFACE[..])
+        for s in silent {
+            // What came before the close is h2's SETTINGS in request mode (a server sends its
+            // own preface at once), nothing in connection mode.
+            let (_, waited) = tokio::time::timeout(Duration::from_secs(30), s)
                 .await
-                .expect("the magic, no SETTINGS");
+                .expect("the balancer closes a silent client")
+                .expect("reader");
+            assert!(
+                waited >= Duration::from_millis(9_900),
+                "{mode:?}: closed at the 10 s handshake timeout, not before: {waited:?}"
+            );
         }
-        silent.push(tokio::spawn(async move {
-            let mut rest = Vec::new();
-            // EOF or a reset: either way the balancer closed it.
-            let _ = s.read_to_end(&mut rest).await;
-            (rest.len(), t0.elapsed())
-        }));
-    }
-    for s in silent {
-        // What came before the close is h2's SETTINGS (a server sends its own preface at
-        // once).
-        let (_, waited) = tokio::time::timeout(Duration::from_secs(30), s)
-            .await
-            .expect("the balancer closes a silent client")
-            .expect("reader");
+        stop.store(true, Ordering::Relaxed);
+        let (calls, failed) = good.await.expect("good client");
         assert!(
-            waited >= Duration::from_millis(9_900),
-            "closed at the 10 s handshake timeout, not before: {waited:?}"
+            failed.is_empty(),
+            "{mode:?}: {} of {calls} calls failed",
+            failed.len()
         );
-    }
-    stop.store(true, Ordering::Relaxed);
-    let (calls, failed) = good.await.expect("good client");
-    assert!(
-        failed.is_empty(),
-        "{} of {calls} calls failed",
-        failed.len()
-    );
-    let service = bed.balancer.metrics();
-    assert_eq!(
-        client_errors(&service, ClientErrorReason::NoPreface),
-        52,
-        "{:?}",
-        service.client_errors
-    );
-    bed.stop().await;
+        assert_eq!(
+            bed.client_errors(ClientErrorReason::NoPreface),
+            52,
+            "{mode:?}: {:?}",
+            bed.metrics().client_errors
+        );
+        bed.stop().await;
+    });
+    let [a, b] = cases;
+    tokio::join!(a, b);
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
@@ -374,11 +570,7 @@ async fn a_drain_closes_clients_without_a_preface_at_once_and_counts_them_draine
         clients.push(c);
     }
     tokio::time::sleep(Duration::from_secs(1)).await;
-    assert_eq!(
-        bed.balancer.metrics().client_connections,
-        4,
-        "all four accepted"
-    );
+    assert_eq!(bed.metrics().client_connections, 4, "all four accepted");
     let t0 = tokio::time::Instant::now();
     let _ = bed.stop.take().expect("not drained yet").send(());
     for c in &mut clients {
@@ -398,7 +590,7 @@ async fn a_drain_closes_clients_without_a_preface_at_once_and_counts_them_draine
         "closed and the drain over at once, not at the 10 s handshake timeout: {:?}",
         t0.elapsed()
     );
-    let service = bed.balancer.metrics();
+    let service = bed.metrics();
     assert_eq!(
         rotations(&service, RotationReason::Drain),
         4,
@@ -447,7 +639,7 @@ async fn a_client_whose_preface_comes_after_its_max_age_is_wound_down_with_a_goa
         "the max age counts from the preface: GOAWAY after {:?}",
         t0.elapsed()
     );
-    let service = bed.balancer.metrics();
+    let service = bed.metrics();
     assert_eq!(
         rotations(&service, RotationReason::MaxAge),
         1,

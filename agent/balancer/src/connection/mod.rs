@@ -400,12 +400,8 @@ async fn serve(shared: Arc<Shared>, mut client: TcpStream, mut stop: Stop<Connec
     };
     match end {
         Ok(end) => tracing::debug!(?end, "relayed connection over"),
-        Err(error) => {
-            if let relay::RelayError::ClientProtocol(e) = &error {
-                shared.metrics.client_error(e.client_error_reason());
-            }
-            tracing::debug!(%error, "relayed connection failed");
-        }
+        // A client's protocol error was counted by the relay.
+        Err(error) => tracing::debug!(%error, "relayed connection failed"),
     }
     drop(registered);
 }

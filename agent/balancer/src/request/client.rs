@@ -13,7 +13,7 @@ use tokio::sync::watch;
 
 use crate::metrics::ClientErrorReason;
 use crate::request::config::Config;
-use crate::request::flood_guard::{FloodLimits, Guard};
+use crate::request::flood_guard::{Cut, FloodLimits, Guard};
 use crate::request::pool::Pool;
 use crate::request::proxy;
 use crate::server::{Lifecycle, NewConnection, Stop};
@@ -70,6 +70,7 @@ async fn serve(pool: Arc<Pool>, stream: TcpStream, mut stop: Stop<Config>) {
     // timeout of the accept; h2's handshake covers only the magic (see `Guard`).
     let preface_deadline = tokio::time::Instant::now() + HANDSHAKE_TIMEOUT;
     let (preface_done, mut preface_in) = tokio::sync::oneshot::channel();
+    let (cut_tx, mut cut_rx) = tokio::sync::oneshot::channel();
     let handshake = h2::server::Builder::new()
         // Fixed windows; see `upstream::STREAM_WINDOW`.
         .initial_window_size(upstream::STREAM_WINDOW)
@@ -84,6 +85,7 @@ async fn serve(pool: Arc<Pool>, stream: TcpStream, mut stop: Stop<Config>) {
                 FloodLimits::default(),
                 pool.counters.floods.clone(),
                 preface_done,
+                cut_tx,
             ),
             Close::Linger,
         ));
@@ -133,6 +135,16 @@ async fn serve(pool: Arc<Pool>, stream: TcpStream, mut stop: Stop<Config>) {
         tokio::pin!(wind_down);
         loop {
             tokio::select! {
+                Ok(cut) = &mut cut_rx => {
+                    if cut == Cut::BadPreface {
+                        pool.metrics.client_error(ClientErrorReason::Malformed);
+                    }
+                    // The guard reads nothing more from the client: GOAWAY with the reason
+                    // (its streams end with it), then close.
+                    conn.abrupt_shutdown(cut.reason());
+                    flush_go_away(&mut conn).await;
+                    return;
+                }
                 next = conn.accept() => match next {
                     Some(Ok(stream)) => spawn_stream(stream),
                     Some(Err(error)) => {
@@ -180,20 +192,29 @@ async fn serve(pool: Arc<Pool>, stream: TcpStream, mut stop: Stop<Config>) {
     if drained.is_err() {
         tracing::debug!("grace period over, closing client connection");
         conn.abrupt_shutdown(h2::Reason::NO_ERROR);
-        // Flush the final GOAWAY, briefly.
-        let _ = tokio::time::timeout(
-            std::time::Duration::from_millis(100),
-            std::future::poll_fn(|cx| conn.poll_closed(cx)),
-        )
-        .await;
+        flush_go_away(&mut conn).await;
     }
+}
+
+/// Drives a connection told to shut down until its GOAWAY is written and it closes, briefly:
+/// a client that does not read cannot hold it.
+async fn flush_go_away<T, B>(conn: &mut h2::server::Connection<T, B>)
+where
+    T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+    B: bytes::Buf,
+{
+    let _ = tokio::time::timeout(
+        std::time::Duration::from_millis(100),
+        std::future::poll_fn(|cx| conn.poll_closed(cx)),
+    )
+    .await;
 }
 
 /// Counts a client connection h2 ended for the client's protocol error: the GOAWAY h2 sent it
 /// says what (ENHANCE_YOUR_CALM: it kept opening streams h2 had to refuse or reset, past
 /// `MAX_LOCAL_ERROR_RESETS` or h2's pending-reset bound; any other code: a malformed frame or
-/// header block). Socket errors, the client's own GOAWAY and the flood guard's cut-offs (an
-/// I/O error here, counted by the guard) are not counted.
+/// header block). Socket errors and the client's own GOAWAY are not counted; the flood
+/// guard's cut-offs are counted where they are handled.
 fn count_client_error(pool: &Pool, error: &h2::Error) {
     if !(error.is_go_away() && error.is_library()) {
         return;

@@ -535,7 +535,9 @@ impl Relay {
     ///
     /// A client that broke the protocol after its preface gets `go_away` (a GOAWAY with the
     /// error) after the decided bytes, when they end between frames and outside a header
-    /// block, so it learns why (ENHANCE_YOUR_CALM for a flood) instead of seeing a bare FIN.
+    /// block, so it learns why (ENHANCE_YOUR_CALM for a flood) instead of seeing a bare FIN;
+    /// behind an empty SETTINGS of ours when no frame of the backend's reached it yet (a
+    /// server's first frame is its SETTINGS).
     async fn close(
         &mut self,
         client: &mut impl Io,
@@ -544,13 +546,17 @@ impl Relay {
     ) {
         use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
         let go_away = go_away
-            .filter(|_| {
-                self.c2b.started
-                    && self.conn.backend_started
-                    && self.conn.backend_block.is_none()
-                    && self.b2c.pass == 0
-            })
-            .map(|code| self.conn.error_go_away(code));
+            .filter(|_| self.c2b.started && self.conn.backend_block.is_none() && self.b2c.pass == 0)
+            .map(|code| {
+                let mut frames = Vec::new();
+                if !self.conn.backend_started {
+                    // Nothing of the backend's reached the client yet: its first frame must
+                    // be a server's SETTINGS (the connection ends after the GOAWAY anyway).
+                    skewless_frame::Settings::encode(false, &[], &mut frames);
+                }
+                frames.extend(self.conn.error_go_away(code));
+                frames
+            });
         let _ = tokio::time::timeout(LINGER, async {
             let c2b = &self.c2b;
             let b2c = &self.b2c;
@@ -780,7 +786,13 @@ pub(super) async fn run<C: Io, B: Io>(
     };
     r.conn.abandon(backend_lost);
     let go_away = match &outcome {
-        Err(RelayError::ClientProtocol(e)) => Some(e.go_away_code()),
+        Err(RelayError::ClientProtocol(e)) => {
+            // Counted now, not after the close's linger: the client is gone for the metrics.
+            if let Some(m) = &shared.metrics {
+                m.client_error(e.client_error_reason());
+            }
+            Some(e.go_away_code())
+        }
         _ => None,
     };
     r.close(&mut client, &mut backend, go_away).await;

@@ -5,7 +5,7 @@
 //! connection until the handshake timeout closes it.
 //!
 //! Why the SETTINGS frame too, not just the 24 preface bytes: the preface is the magic
-//! *followed by* a SETTINGS frame (RFC 9113 section 3.4), and a client sends both without
+//! *followed by* a SETTINGS frame that is not an ACK (RFC 9113 section 3.4), and a client sends both without
 //! waiting for the server, so waiting for both cannot stall a conforming client; the relay's
 //! handshake timeout has always meant "preface and SETTINGS"; and a client that stops after
 //! the magic would otherwise still get a backend connection and both buffers for 24 bytes.
@@ -87,8 +87,9 @@ async fn read(client: &mut (impl AsyncRead + Unpin)) -> Result<Option<Preface>, 
         .try_into()
         .map_err(|_| malformed(FrameError::BadPreface))?;
     let head = Head::decode(&header);
-    if head.kind != Kind::Settings {
-        // The preface is the magic followed by a SETTINGS frame (RFC 9113 section 3.4).
+    if head.kind != Kind::Settings || head.is_ack() {
+        // The preface is the magic followed by the client's SETTINGS frame (RFC 9113 section
+        // 3.4): an ACK acknowledges the server's and is no preface.
         return Err(malformed(FrameError::BadPreface));
     }
     if head.len > DEFAULT_MAX_FRAME_SIZE {
@@ -171,6 +172,14 @@ mod tests {
                     v
                 },
                 "a PING as the first frame",
+            ),
+            (
+                {
+                    let mut v = PREFACE.to_vec();
+                    v.extend(Head::new(Kind::Settings, 0x1, 0, 0).encode());
+                    v
+                },
+                "a SETTINGS ACK as the first frame",
             ),
             (
                 {
