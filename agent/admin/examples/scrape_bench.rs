@@ -140,6 +140,7 @@ fn main() {
             refused_peers: 0,
             services: current,
             observed: Vec::new(),
+            unserved: Vec::new(),
         };
         text = metrics.encode(scrape).expect("encode");
         times.push(started.elapsed());

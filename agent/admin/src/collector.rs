@@ -15,7 +15,9 @@ use prometheus_client::{
 };
 
 use crate::{
-    json::{EndpointStatus, Histogram, ObservedBackend, ObservedService, ServiceStatus},
+    json::{
+        EndpointStatus, Histogram, ObservedBackend, ObservedService, ServiceStatus, UnservedService,
+    },
     names::{self, Family},
     process::Process,
 };
@@ -71,6 +73,8 @@ pub struct Scrape {
     /// Redirected Service ports, with the recent window applied ([`crate::window`]).
     pub services: Vec<ServiceStatus>,
     pub observed: Vec<ObservedService>,
+    /// Opted-in Service ports that cannot be served.
+    pub unserved: Vec<UnservedService>,
 }
 
 /// The agent's registry: the model's counters plus the scrape-time collector.
@@ -413,6 +417,13 @@ impl Collector for AgentCollector {
         )?;
         family(
             &mut encoder,
+            names::SERVICE_UNSERVED,
+            s.unserved
+                .iter()
+                .map(|u| (service_labels(&u.service, &u.vip), gauge(1))),
+        )?;
+        family(
+            &mut encoder,
             names::SERVICE_READY_BACKENDS,
             services()
                 .map(|(l, x)| (l, count(x.ready_endpoints)))
@@ -736,6 +747,13 @@ mod tests {
                     received_per_sec: 0.0,
                 }],
             }],
+            unserved: vec![UnservedService {
+                service: "ns/down".to_owned(),
+                mode: "request".to_owned(),
+                vip: "10.0.0.9:80".to_owned(),
+                error: "listening on 169.254.77.1:0: Cannot assign requested address".to_owned(),
+                since_seconds: 3.0,
+            }],
         }
     }
 
@@ -835,6 +853,8 @@ mod tests {
             "skewless_request_failures_total{service=\"ns/echo\",vip=\"10.0.0.1:80\",reason=\"refused\"} 0\n",
             "skewless_rotations_total{service=\"ns/echo\",vip=\"10.0.0.1:80\",reason=\"max_age\"} 6\n",
             "skewless_client_protocol_errors_total{service=\"ns/echo\",vip=\"10.0.0.1:80\",reason=\"ping_flood\"} 1\n",
+            // An opted-in Service port the agent cannot serve.
+            "skewless_service_unserved{service=\"ns/down\",vip=\"10.0.0.9:80\"} 1\n",
             // The observed Service's ready backends, the balanced one's from its balancer.
             "skewless_service_ready_backends{service=\"ns/obs\",vip=\"10.0.0.2:80\"} 2\n",
             "skewless_service_ready_backends{service=\"ns/echo\",vip=\"10.0.0.1:80\"} 1\n",

@@ -20,6 +20,22 @@ pub struct Status {
     /// The agent itself: its health and cost.
     #[serde(default)]
     pub agent: AgentStatus,
+    /// Opted-in Service ports the agent should balance but cannot (no listener, no redirect):
+    /// their clients go plain L4. While any is listed, `/ready` answers 503.
+    #[serde(default)]
+    pub unserved: Vec<UnservedService>,
+}
+
+/// An opted-in Service port that cannot be served, and why.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct UnservedService {
+    pub service: String,
+    pub mode: String,
+    pub vip: String,
+    /// The last attempt's error, with its causes.
+    pub error: String,
+    /// Seconds since the first failed attempt.
+    pub since_seconds: f64,
 }
 
 /// The agent's health and cost: the same numbers `/metrics` exports for them.

@@ -234,6 +234,12 @@ pub const SERVICE_INFO: Family = Family::new(
     &["service", "vip", "mode"],
     "An opted-in Service port on this node and its mode (request, connection, observe), in its labels; always 1",
 );
+pub const SERVICE_UNSERVED: Family = Family::new(
+    "service_unserved",
+    Kind::Gauge,
+    SERVICE,
+    "One for each opted-in Service port this agent should balance but cannot (its listener or redirect failed; `skewless status` says why): its clients go plain L4",
+);
 pub const SERVICE_READY_BACKENDS: Family = Family::new(
     "service_ready_backends",
     Kind::Gauge,
@@ -481,6 +487,7 @@ pub const ALL: &[Family] = &[
     BACKEND_STATE,
     BACKEND_LATENCY_P99,
     SERVICE_INFO,
+    SERVICE_UNSERVED,
     SERVICE_READY_BACKENDS,
     REQUEST_DURATION,
     REQUEST_FAILURES,

@@ -532,6 +532,7 @@ mod tests {
             connect_seen: 12,
             connect_redirected: 7,
             refused_peers: 0,
+            unserved: Vec::new(),
             services: vec![ServiceStatus {
                 service: "default/echo".into(),
                 mode: "request".into(),

@@ -89,6 +89,13 @@ fn write_status(
     for r in &s.redirects {
         writeln!(out, "{:<24} {:<24}", r.service, r.target)?;
     }
+    for u in &s.unserved {
+        writeln!(
+            out,
+            "\nNOT SERVED: service {} ({}) {} for {:.0}s (plain L4 meanwhile): {}",
+            u.service, u.mode, u.vip, u.since_seconds, u.error
+        )?;
+    }
     for o in &s.observed {
         let unresolved = if o.unresolved > 0 {
             format!(", {} unresolved", o.unresolved)
@@ -290,6 +297,7 @@ mod tests {
             connect_seen: 0,
             connect_redirected: 0,
             refused_peers: 0,
+            unserved: Vec::new(),
             services: vec![ServiceStatus {
                 service: "ns/echo".into(),
                 mode: "request".into(),
@@ -353,6 +361,7 @@ mod tests {
         };
         Status {
             node: "n1".into(),
+            unserved: Vec::new(),
             services: vec![ServiceStatus {
                 service: "ns/echo".into(),
                 mode: "connection".into(),
@@ -440,5 +449,23 @@ mod tests {
         );
         let row = text.lines().find(|l| l.contains("echo-1")).unwrap();
         assert!(row.contains(" - "), "no rate from one document: {row}");
+    }
+
+    #[test]
+    fn a_service_that_cannot_be_served_is_shown_with_its_error() {
+        let mut s = status(1, 1, 0, 0);
+        s.unserved.push(crate::json::UnservedService {
+            service: "ns/down".into(),
+            mode: "request".into(),
+            vip: "10.0.0.9:80".into(),
+            error: "listening on 169.254.77.1:0: Cannot assign requested address".into(),
+            since_seconds: 42.0,
+        });
+        let text = status_text(&s, None);
+        assert!(
+            text.contains("NOT SERVED: service ns/down (request) 10.0.0.9:80 for 42s")
+                && text.contains("Cannot assign requested address"),
+            "{text}"
+        );
     }
 }

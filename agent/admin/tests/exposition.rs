@@ -92,6 +92,13 @@ fn promtool_finds_nothing_but_its_openmetrics_counter_misreading() {
                 received_per_sec: 0.0,
             }],
         }],
+        unserved: vec![skewless_admin::json::UnservedService {
+            service: "ns/c".into(),
+            mode: "request".into(),
+            vip: "10.0.0.3:80".into(),
+            error: "listening on 169.254.77.1:0: Cannot assign requested address".into(),
+            since_seconds: 12.0,
+        }],
     };
     let model = skewless_model::Metrics::default();
     model.source_error("file");

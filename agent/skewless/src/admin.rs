@@ -250,7 +250,7 @@ async fn route(
     let path = req.uri().path();
     match (path, scope) {
         ("/live", _) => text(StatusCode::OK, "ok\n"),
-        ("/ready", _) => ready(state),
+        ("/ready", _) => ready(state).await,
         ("/metrics", _) => match metrics_of(state).await {
             Ok(body) => Response::builder()
                 .header(
@@ -300,17 +300,31 @@ async fn local_route(path: &str, state: &State) -> Response<Full<Bytes>> {
     }
 }
 
-fn ready(state: &State) -> Response<Full<Bytes>> {
-    match &state.model {
-        Some(m) if !m.ready() => text(
+/// Ready once the model is complete and every opted-in Service port that should be balanced
+/// is (docs/install.md, "Readiness"): a node whose agent cannot serve a Service is not ready,
+/// which stops a rolling update of a broken version at its first node.
+async fn ready(state: &State) -> Response<Full<Bytes>> {
+    if let Some(m) = state.model.as_ref().filter(|m| !m.ready()) {
+        return text(
             StatusCode::SERVICE_UNAVAILABLE,
             &format!(
                 "no model yet: {}; nothing is redirected until then\n",
                 m.waiting_for
             ),
-        ),
-        _ => text(StatusCode::OK, "ok\n"),
+        );
     }
+    let unserved = state.reconciler.lock().await.unserved();
+    if unserved.is_empty() {
+        return text(StatusCode::OK, "ok\n");
+    }
+    let mut body = format!(
+        "{} opted-in Service port(s) cannot be served (their clients go plain L4):\n",
+        unserved.len()
+    );
+    for u in &unserved {
+        body.push_str(&format!("{} {}: {}\n", u.service, u.vip, u.error));
+    }
+    text(StatusCode::SERVICE_UNAVAILABLE, &body)
 }
 
 /// The kernel's counters, the redirect entries, and how full the redirect maps are.
@@ -396,6 +410,7 @@ async fn status_of(state: &State) -> Result<Status> {
         services,
         observed: observed_of(state),
         agent: agent_of(state, &k, &maps),
+        unserved: state.reconciler.lock().await.unserved(),
     })
 }
 
@@ -423,6 +438,7 @@ async fn metrics_of(state: &State) -> Result<String> {
         refused_peers: state.peers.refused(),
         services,
         observed: observed_of(state),
+        unserved: state.reconciler.lock().await.unserved(),
     };
     Ok(state.metrics.encode(scrape)?)
 }

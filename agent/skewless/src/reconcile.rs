@@ -24,7 +24,7 @@ use std::{
     sync::{Arc, Mutex},
 };
 
-use skewless_admin::json::ServiceStatus;
+use skewless_admin::json::{ServiceStatus, UnservedService};
 use skewless_balancer::{
     Balancer, Config, ConnectionBalancer, ConnectionConfig, Endpoint, RotationConfig, Served,
     Workers,
@@ -87,7 +87,17 @@ pub struct Reconciler {
     balancer_ip6: Option<Ipv6Addr>,
     peers: Arc<PeerFilter>,
     running: BTreeMap<SocketAddr, Running>,
+    /// Wanted Service ports whose last start failed: why, and since when.
+    unserved: BTreeMap<SocketAddr, Unserved>,
     warned: HashSet<(ServiceKey, &'static str)>,
+}
+
+/// A wanted Service port that could not be started.
+struct Unserved {
+    service: ServiceKey,
+    mode: Mode,
+    error: String,
+    since: tokio::time::Instant,
 }
 
 impl Reconciler {
@@ -105,6 +115,7 @@ impl Reconciler {
             balancer_ip6,
             peers,
             running: BTreeMap::new(),
+            unserved: BTreeMap::new(),
             warned: HashSet::new(),
         }
     }
@@ -158,6 +169,8 @@ impl Reconciler {
             }
         }
 
+        // Only what is still wanted can be unserved.
+        self.unserved.retain(|vip, _| wanted.contains_key(vip));
         for (vip, (state, port)) in wanted {
             if kept.contains(&vip) {
                 continue;
@@ -174,13 +187,29 @@ impl Reconciler {
                 }
                 continue;
             }
+            let (service, mode) = (state.key.clone(), state.mode);
             match self.start(vip, state, port).await {
                 Ok(r) => {
                     info!(%vip, listener = %r.listener, service = %r.service, "redirecting to the balancer");
+                    self.unserved.remove(&vip);
                     self.running.insert(vip, r);
                 }
                 Err(error) => {
-                    warn!(%vip, error = %format!("{error:#}"), "not redirected; the Service stays plain L4")
+                    let error = format!("{error:#}");
+                    warn!(%vip, %error, "not redirected; the Service stays plain L4");
+                    let since = self
+                        .unserved
+                        .get(&vip)
+                        .map_or_else(tokio::time::Instant::now, |u| u.since);
+                    self.unserved.insert(
+                        vip,
+                        Unserved {
+                            service,
+                            mode,
+                            error,
+                            since,
+                        },
+                    );
                 }
             }
         }
@@ -244,6 +273,11 @@ impl Reconciler {
                             (addr, Balancers::Request(balancers), tasks)
                         }
                     })
+                })
+                .map_err(|e| {
+                    anyhow::Error::new(e).context(format!(
+                        "listening on {listen} (is {listen_ip} an address of this node?)"
+                    ))
                 })?;
         // Only now, with the listeners listening and served, may connects be sent here.
         let redirected = self
@@ -325,6 +359,20 @@ impl Reconciler {
                         balancer,
                     ),
                 }
+            })
+            .collect()
+    }
+
+    /// The wanted Service ports that cannot be served, with the last error.
+    pub fn unserved(&self) -> Vec<UnservedService> {
+        self.unserved
+            .iter()
+            .map(|(vip, u)| UnservedService {
+                service: u.service.to_string(),
+                mode: u.mode.as_str().to_owned(),
+                vip: vip.to_string(),
+                error: u.error.clone(),
+                since_seconds: u.since.elapsed().as_secs_f64(),
             })
             .collect()
     }

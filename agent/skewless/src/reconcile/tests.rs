@@ -373,10 +373,27 @@ async fn a_redirect_the_datapath_refuses_leaves_the_service_plain_l4_and_is_retr
         bed.reconciler.status().is_empty(),
         "not shown as redirected"
     );
+    let unserved = bed.reconciler.unserved();
+    assert_eq!(
+        unserved
+            .iter()
+            .map(|u| (u.service.as_str(), u.vip.as_str(), u.mode.as_str()))
+            .collect::<Vec<_>>(),
+        [("ns/echo", VIP, "request")],
+        "shown as not served"
+    );
+    assert!(
+        unserved[0].error.contains("redirect map is full"),
+        "with the datapath's error: {unserved:?}"
+    );
     wait_until_closed(listener).await;
 
     // The agent re-applies every few seconds; the next try succeeds.
     bed.reconcile().await;
+    assert!(
+        bed.reconciler.unserved().is_empty(),
+        "served once the retry succeeds"
+    );
     let listener = bed.listener(vip());
     assert_eq!(
         bed.take_log(),
