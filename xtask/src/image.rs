@@ -17,8 +17,8 @@ const MAX_IMAGE_BYTES: u64 = 40_000_000;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Image name and tag [default: localhost/skewless:<version>-g<commit>, with -dirty for
-    /// local changes].
+    /// Image name and tag (default: `localhost/skewless:<version>-g<commit>`, with `-dirty`
+    /// for local changes).
     #[arg(long)]
     tag: Option<String>,
     /// Build only the runtime stage, around this host-built agent binary (stripped on the
