@@ -61,11 +61,13 @@ const CARGO_FUZZ_VERSION: &str = "0.13.2";
 /// cargo-deny version the dependency-policy tier runs (`deny.toml`, `cargo xtask test`).
 const CARGO_DENY_VERSION: &str = "0.20.2";
 
-/// Python packages for the independent gRPC peers (grpcio clients and servers).
+/// Python packages for the independent gRPC peers (grpcio clients and servers), and
+/// kubernetes-validate with the Kubernetes API schemas the manifest tests check deploy/ against.
 const PYTHON_PACKAGES: &[&str] = &[
     "grpcio==1.85.*",
     "grpcio-tools==1.85.*",
     "grpcio-health-checking==1.85.*",
+    "kubernetes-validate==1.37.0",
 ];
 
 /// The commands that install what they need first; `cargo xtask setup` installs what all of
@@ -300,7 +302,10 @@ fn install_bpf_linker() -> Result<()> {
 
 fn missing_venv() -> Option<String> {
     let ok = Command::new(venv_python())
-        .args(["-c", "import grpc, grpc_tools, grpc_health"])
+        .args([
+            "-c",
+            "import grpc, grpc_tools, grpc_health, kubernetes_validate",
+        ])
         .stderr(Stdio::null())
         .status()
         .is_ok_and(|s| s.success());

@@ -422,6 +422,67 @@ fn kubectl_kustomize_renders_the_same_objects() {
     }
 }
 
+/// The Kubernetes versions deploy/ supports, oldest and newest: what its manifests are
+/// validated against (kubernetes-validate ships these API schemas; `cargo xtask setup`
+/// installs it into the venv). 1.25: DaemonSet rolling updates with maxSurge are GA and every
+/// field the manifests use (seccompProfile, EndpointSlice v1, events.k8s.io/v1) exists.
+const KUBERNETES_VERSIONS: [&str; 2] = ["1.25.0", "1.37.0"];
+
+/// `kubectl kustomize deploy/` validated offline against the Kubernetes API schemas of the
+/// oldest and newest supported version, strictly (an unknown field fails).
+#[test]
+fn rendered_manifests_pass_the_kubernetes_api_schemas_of_the_oldest_and_newest_version() {
+    let rendered = kustomize_output();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = dir.path().join("deploy.yaml");
+    std::fs::write(&file, &rendered).expect("write the rendered manifests");
+    let home = std::env::var_os("HOME").map_or_else(|| PathBuf::from("/root"), PathBuf::from);
+    let validate = home.join(".cache/skewless/venv/bin/kubernetes-validate");
+    for version in KUBERNETES_VERSIONS {
+        let child = Command::new(&validate)
+            .args(["--strict", "--kubernetes-version", version])
+            .arg(&file)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("kubernetes-validate must be installed (`cargo xtask setup`)");
+        let out = wait_bounded(child, Duration::from_secs(120));
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            out.status.success(),
+            "deploy/ against Kubernetes {version}: {text}"
+        );
+        let passed = text.matches(" passed for resource ").count();
+        assert_eq!(
+            passed,
+            base().len(),
+            "every object is validated against {version}: {text}"
+        );
+    }
+}
+
+/// The base as `kubectl kustomize deploy/` renders it.
+fn kustomize_output() -> String {
+    let child = Command::new("kubectl")
+        .args(["kustomize"])
+        .arg(deploy_dir())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("kubectl must be installed to render deploy/ (run `cargo xtask setup`)");
+    let out = wait_bounded(child, Duration::from_secs(60));
+    assert!(
+        out.status.success(),
+        "kubectl kustomize deploy/ failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).expect("utf-8")
+}
+
 /// Waits for a child process, killing it (and failing) after `limit`.
 fn wait_bounded(mut child: Child, limit: Duration) -> Output {
     let start = Instant::now();
@@ -431,7 +492,7 @@ fn wait_bounded(mut child: Child, limit: Duration) -> Output {
         }
         if start.elapsed() > limit {
             let _ = child.kill();
-            panic!("kubectl kustomize took longer than {limit:?}");
+            panic!("child process {} took longer than {limit:?}", child.id());
         }
         std::thread::sleep(Duration::from_millis(20));
     }
