@@ -9,12 +9,17 @@
 //! (metrics, for instance) creates it in the same place, once per endpoint, so nothing is
 //! looked up by label per call.
 //!
-//! Plain synchronous state: the owner holds it under its own lock and passes time in.
+//! The set is plain synchronous state: the owner holds it under its own lock and passes time
+//! in. `follow` is the one task that feeds an owner the watch's updates.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
+use tokio::sync::watch;
+use tokio::task::AbortHandle;
 use tokio::time::Instant;
+use tracing::Instrument as _;
 
 /// One ready endpoint (pod address) of a Service. Plain data: the Kubernetes model or the local
 /// file feeds a `Vec<Endpoint>` through a `tokio::sync::watch` channel.
@@ -35,6 +40,28 @@ impl Endpoint {
             name: name.into(),
         }
     }
+}
+
+/// Follows the endpoint watch for `owner`: applies the set current now (so a call or a
+/// connection arriving right after construction finds its endpoints), then spawns the task
+/// that applies every later set, until the publisher goes away (the last set stays) or `owner`
+/// is dropped. Must be called inside a Tokio runtime; abort the task with the handle returned.
+pub(crate) fn follow<T: Send + Sync + 'static>(
+    owner: &Arc<T>,
+    mut endpoints: watch::Receiver<Vec<Endpoint>>,
+    update: fn(&Arc<T>, &[Endpoint]),
+) -> AbortHandle {
+    update(owner, &endpoints.borrow_and_update());
+    let owner = Arc::downgrade(owner);
+    let follow = async move {
+        while endpoints.changed().await.is_ok() {
+            // Not borrowed across the update: the publisher is never held up by it.
+            let current = endpoints.borrow_and_update().clone();
+            let Some(owner) = owner.upgrade() else { return };
+            update(&owner, &current);
+        }
+    };
+    tokio::spawn(follow.instrument(tracing::debug_span!("discovery"))).abort_handle()
 }
 
 /// Identifies one endpoint for the lifetime of its balancer: an endpoint that is removed and
@@ -451,6 +478,53 @@ mod tests {
             names,
             ["Connecting", "NotServing", "Active", "Degraded", "Ejected"],
             "/status values are a contract with `skewless status`, tests and dashboards"
+        );
+    }
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn follow_applies_the_current_set_at_once_then_every_change_until_the_owner_goes() {
+        let seen = Arc::new(std::sync::Mutex::new(Vec::<Vec<u16>>::new()));
+        let record = |seen: &Arc<std::sync::Mutex<Vec<Vec<u16>>>>, eps: &[Endpoint]| {
+            seen.lock()
+                .unwrap()
+                .push(eps.iter().map(|e| e.addr.port()).collect());
+        };
+        let (tx, rx) = watch::channel(vec![ep(1)]);
+        let task = follow(&seen, rx, record);
+        assert_eq!(
+            *seen.lock().unwrap(),
+            [vec![1]],
+            "the current set is applied before follow returns"
+        );
+        tx.send(vec![ep(1), ep(2)]).unwrap();
+        tokio::task::yield_now().await;
+        tx.send(vec![ep(3)]).unwrap();
+        tokio::task::yield_now().await;
+        assert_eq!(*seen.lock().unwrap(), [vec![1], vec![1, 2], vec![3]]);
+        // The owner gone, the next change ends the task.
+        let weak = Arc::downgrade(&seen);
+        drop(seen);
+        assert!(
+            weak.upgrade().is_none(),
+            "the task holds no strong reference"
+        );
+        tx.send(vec![ep(4)]).unwrap();
+        tokio::task::yield_now().await;
+        assert!(task.is_finished(), "the task ends once its owner is gone");
+    }
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn follow_keeps_the_last_set_when_the_publisher_goes() {
+        let seen = Arc::new(std::sync::Mutex::new(Vec::<usize>::new()));
+        let (tx, rx) = watch::channel(vec![ep(1), ep(2)]);
+        let task = follow(&seen, rx, |s, eps| s.lock().unwrap().push(eps.len()));
+        drop(tx);
+        tokio::task::yield_now().await;
+        assert!(task.is_finished(), "nothing left to follow");
+        assert_eq!(
+            *seen.lock().unwrap(),
+            [2],
+            "no empty set applied on the way out"
         );
     }
 }

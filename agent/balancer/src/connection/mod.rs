@@ -96,7 +96,7 @@ impl ConnectionBalancer {
     #[must_use]
     pub fn with_rng(
         config: ConnectionConfig,
-        mut endpoints: watch::Receiver<Vec<Endpoint>>,
+        endpoints: watch::Receiver<Vec<Endpoint>>,
         rng: impl rand::RngCore + Send + 'static,
     ) -> Self {
         let tick = config.tick;
@@ -108,19 +108,14 @@ impl ConnectionBalancer {
             changed: Arc::new(Notify::new()),
             tasks: Mutex::new(Vec::new()),
         });
-        // The current set now, so a connection accepted right away finds its backends.
-        shared.update(&endpoints.borrow_and_update());
-        let discovery = tokio::spawn(
-            discovery_task(Arc::downgrade(&shared), endpoints)
-                .instrument(tracing::debug_span!("discovery")),
-        );
+        let discovery = crate::endpoints::follow(&shared, endpoints, Shared::update);
         let ticks = tokio::spawn(
             tick_task(Arc::downgrade(&shared), shared.changed.clone(), tick)
                 .instrument(tracing::debug_span!("policy")),
         );
         shared
             .lock_tasks()
-            .extend([discovery.abort_handle(), ticks.abort_handle()]);
+            .extend([discovery, ticks.abort_handle()]);
         Self { shared }
     }
 
@@ -404,18 +399,6 @@ async fn serve(shared: Arc<Shared>, mut client: TcpStream, mut stop: Stop<Connec
         Err(error) => tracing::debug!(%error, "relayed connection failed"),
     }
     drop(registered);
-}
-
-/// Follows the endpoint set published on `endpoints` until the sender goes away or the
-/// balancer is dropped.
-async fn discovery_task(shared: Weak<Shared>, mut endpoints: watch::Receiver<Vec<Endpoint>>) {
-    // The set current at construction was applied by the balancer itself.
-    while endpoints.changed().await.is_ok() {
-        let current = endpoints.borrow_and_update().clone();
-        let Some(s) = shared.upgrade() else { return };
-        s.update(&current);
-    }
-    // The publisher is gone: keep the last set.
 }
 
 /// Samples the relays and runs the policy every `tick`, and runs the policy between ticks

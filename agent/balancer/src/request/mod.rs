@@ -21,7 +21,6 @@ use rand::SeedableRng as _;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::AbortHandle;
-use tracing::Instrument as _;
 
 use crate::endpoints::Endpoint;
 use crate::error::BalancerError;
@@ -57,18 +56,11 @@ impl Balancer {
     #[must_use]
     pub fn with_rng(
         config: Config,
-        mut endpoints: watch::Receiver<Vec<Endpoint>>,
+        endpoints: watch::Receiver<Vec<Endpoint>>,
         rng: impl rand::RngCore + Send + 'static,
     ) -> Self {
         let pool = Pool::new(config, Box::new(rng));
-        // Take the current set now, so a request arriving right after construction does not
-        // see an empty Service.
-        pool.update(&endpoints.borrow_and_update());
-        let discovery = tokio::spawn(
-            pool::discovery_task(Arc::downgrade(&pool), endpoints)
-                .instrument(tracing::debug_span!("discovery")),
-        )
-        .abort_handle();
+        let discovery = crate::endpoints::follow(&pool, endpoints, Pool::update);
         Self { pool, discovery }
     }
 

@@ -764,18 +764,3 @@ async fn extra_connection(
         () = retired.notified() => {}
     }
 }
-
-/// Follows the endpoint set published on `endpoints` until the sender goes away or the pool is
-/// dropped.
-pub(crate) async fn discovery_task(
-    pool: Weak<Pool>,
-    mut endpoints: watch::Receiver<Vec<Endpoint>>,
-) {
-    // The set current at construction was applied by the balancer itself.
-    while endpoints.changed().await.is_ok() {
-        let current = endpoints.borrow_and_update().clone();
-        let Some(p) = pool.upgrade() else { return };
-        p.update(&current);
-    }
-    // The publisher is gone: keep the last set.
-}
