@@ -1,5 +1,5 @@
+use crate::error_code::ErrorCode;
 use crate::head::Kind;
-use crate::payload::ErrorCode;
 
 /// A frame that breaks RFC 9113, or one larger than the receiver allows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]

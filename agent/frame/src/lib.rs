@@ -11,15 +11,17 @@
 #![forbid(unsafe_code)]
 
 mod error;
+mod error_code;
 mod follow;
 pub mod grpc;
 mod head;
 mod payload;
 
 pub use error::FrameError;
+pub use error_code::ErrorCode;
 pub use follow::{Follower, Frames};
 pub use head::{Head, Kind, flags};
-pub use payload::{ErrorCode, GoAway, Ping, RstStream, Setting, SettingId, Settings, WindowUpdate};
+pub use payload::{GoAway, Ping, RstStream, Setting, SettingId, Settings, WindowUpdate};
 
 /// Length of an HTTP/2 frame header.
 pub const HEADER_LEN: usize = 9;
