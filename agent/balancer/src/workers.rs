@@ -126,18 +126,12 @@ impl Workers {
         self.workers.is_empty()
     }
 
-    /// Whether some worker has not run its tick task for longer than `max`: its thread is
-    /// blocked or its runtime hung, so connections sent to it would not be served. The agent
-    /// stops its heartbeat then, and the hooks fail open.
+    /// Whether some worker is stalled ([`Liveness::stalled`]): its thread is blocked or its
+    /// runtime hung, so connections sent to it would not be served. The agent's heartbeat
+    /// stops while this holds, and the hooks fail open.
     #[must_use]
     pub fn stalled(&self, max: Duration) -> bool {
-        let now = millis_since(self.epoch);
-        let max = u64::try_from(max.as_millis()).unwrap_or(u64::MAX);
-        // A worker that has not ticked yet counts from the epoch, so a thread that never got
-        // going is reported too.
-        self.workers
-            .iter()
-            .any(|w| now.saturating_sub(w.last_tick.load(Ordering::Relaxed)) > max)
+        self.liveness().iter().any(|w| w.stalled(max))
     }
 }
 
@@ -149,6 +143,16 @@ pub struct Liveness {
     /// The worker thread's id, for reading its scheduler counters ([`ThreadSample::read`]);
     /// `None` when it is not known (not Linux, or the thread has not started).
     pub tid: Option<u32>,
+}
+
+impl Liveness {
+    /// Whether the worker has not run its tick task for longer than `max`. A worker that has
+    /// not ticked yet counts from the workers' start, so a thread that never got going is
+    /// stalled too.
+    #[must_use]
+    pub fn stalled(&self, max: Duration) -> bool {
+        self.since_tick > max
+    }
 }
 
 impl Workers {
@@ -299,6 +303,18 @@ mod tests {
         for l in &listeners {
             assert_eq!(l.local_addr().unwrap(), addr);
         }
+    }
+
+    #[test]
+    fn a_worker_is_stalled_only_past_the_limit() {
+        let live = |ms| Liveness {
+            since_tick: Duration::from_millis(ms),
+            tid: None,
+        };
+        let max = Duration::from_millis(400);
+        assert!(!live(0).stalled(max));
+        assert!(!live(400).stalled(max), "at the limit it still runs");
+        assert!(live(401).stalled(max));
     }
 
     #[test]

@@ -489,12 +489,11 @@ async fn heartbeat(
         // Workers tick every 100 ms; 400 ms without one leaves the hooks' 750 ms staleness
         // limit enough room to fail open within a second.
         let max = Duration::from_millis(400);
-        let live = workers.liveness();
-        if live.iter().any(|w| w.since_tick > max) {
-            watch.stalled(&live, max);
+        if workers.stalled(max) {
+            watch.stalled(&workers.liveness(), max);
             continue;
         }
-        watch.running(&live);
+        watch.running(&workers.liveness());
         let result = datapath
             .lock()
             .map_err(|_| None)

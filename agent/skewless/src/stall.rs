@@ -88,7 +88,7 @@ impl StallWatch {
     pub(crate) fn stalled(&mut self, workers: &[Liveness], max: Duration) {
         let now = Instant::now();
         for (worker, live) in workers.iter().enumerate() {
-            if live.since_tick <= max || self.stalled.contains(&worker) {
+            if !live.stalled(max) || self.stalled.contains(&worker) {
                 continue;
             }
             self.stalled.push(worker);
