@@ -992,3 +992,90 @@ fn agent_finds_kinds_pod_cgroup_layout_under_the_cgroup_root_and_balances() {
         "the hooks attached at kind's pod parent must balance the pod's client: {balanced:?}"
     );
 }
+
+#[test]
+#[ignore = "privileged: needs root and the real kernel; run with `cargo xtask test`"]
+fn a_service_the_agent_cannot_serve_shows_in_status_metrics_and_readiness_until_it_can() {
+    let mut d = dual_stack_bed(37);
+    write_services_ips(
+        &d.services,
+        &d.tb,
+        &d.ips,
+        d.vip.port(),
+        "request",
+        &ECHO_PODS,
+    );
+    // IPv6 off on the node's lo: the IPv6 balancer address is gone and cannot be added, so
+    // the IPv6 ClusterIP's listener cannot bind.
+    let lo_ipv6 = |on: bool| {
+        d.tb.run(
+            Place::Node(0),
+            &[
+                "sysctl",
+                "-qw",
+                &format!("net.ipv6.conf.lo.disable_ipv6={}", u8::from(!on)),
+            ],
+        )
+        .expect("sysctl in the node");
+    };
+    lo_ipv6(false);
+    let cgroup = d.tb.pod("client").unwrap().cgroup.display().to_string();
+    let file = d.services.display().to_string();
+    let ip6 = skewless_testbed::BALANCER_IP6.to_string();
+    d.tb.spawn(
+        Place::Node(0),
+        &[
+            env!("CARGO_BIN_EXE_skewless"),
+            "agent",
+            "--services-file",
+            &file,
+            "--cgroup",
+            &cgroup,
+            "--balancer-ip6",
+            &ip6,
+            "--admin-addr",
+            ADMIN,
+        ],
+    )
+    .unwrap();
+    let vip6 = d.vip6.to_string();
+    wait_until("the IPv6 port is reported not served", || {
+        status_json(&d.tb)["unserved"]
+            .as_array()
+            .is_some_and(|u| u.iter().any(|u| u["vip"] == vip6.as_str()))
+    });
+    let status = status_json(&d.tb);
+    assert_eq!(
+        status["services"].as_array().map(Vec::len),
+        Some(1),
+        "the IPv4 port is served: {status}"
+    );
+    let error = status["unserved"][0]["error"].as_str().unwrap_or_default();
+    assert!(
+        error.contains(&ip6) && error.contains("address of this node"),
+        "the error says what failed: {error}"
+    );
+    let text = status_text(&d.tb);
+    assert!(
+        text.contains("NOT SERVED") && text.contains(&vip6),
+        "skewless status shows it: {text}"
+    );
+    let metrics = http_get(&d.tb, Place::Node(0), &format!("http://{ADMIN}/metrics"));
+    let line = format!("skewless_service_unserved{{service=\"default/echo\",vip=\"{vip6}\"}} 1");
+    assert!(
+        matches!(&metrics, Got::Body(m) if m.contains(&line)),
+        "{line} in /metrics: {metrics:?}"
+    );
+    let ready = http_get(&d.tb, Place::Node(0), &format!("http://{ADMIN}/ready"));
+    assert!(ready.failed_with("503"), "not ready meanwhile: {ready:?}");
+
+    // IPv6 back: the agent adds its address on a later pass, and the port is served.
+    lo_ipv6(true);
+    wait_until("both families are served", || {
+        let s = status_json(&d.tb);
+        s["services"].as_array().map(Vec::len) == Some(2)
+            && s["unserved"].as_array().is_some_and(Vec::is_empty)
+    });
+    let ready = http_get(&d.tb, Place::Node(0), &format!("http://{ADMIN}/ready"));
+    assert!(matches!(ready, Got::Body(_)), "ready again: {ready:?}");
+}
