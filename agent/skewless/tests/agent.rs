@@ -1007,8 +1007,8 @@ fn a_service_the_agent_cannot_serve_shows_in_status_metrics_and_readiness_until_
     );
     // IPv6 off on the node's lo: the IPv6 balancer address is gone and cannot be added, so
     // the IPv6 ClusterIP's listener cannot bind.
-    let lo_ipv6 = |on: bool| {
-        d.tb.run(
+    let lo_ipv6 = |tb: &skewless_testbed::Testbed, on: bool| {
+        tb.run(
             Place::Node(0),
             &[
                 "sysctl",
@@ -1018,7 +1018,7 @@ fn a_service_the_agent_cannot_serve_shows_in_status_metrics_and_readiness_until_
         )
         .expect("sysctl in the node");
     };
-    lo_ipv6(false);
+    lo_ipv6(&d.tb, false);
     let cgroup = d.tb.pod("client").unwrap().cgroup.display().to_string();
     let file = d.services.display().to_string();
     let ip6 = skewless_testbed::BALANCER_IP6.to_string();
@@ -1070,7 +1070,7 @@ fn a_service_the_agent_cannot_serve_shows_in_status_metrics_and_readiness_until_
     assert!(ready.failed_with("503"), "not ready meanwhile: {ready:?}");
 
     // IPv6 back: the agent adds its address on a later pass, and the port is served.
-    lo_ipv6(true);
+    lo_ipv6(&d.tb, true);
     wait_until("both families are served", || {
         let s = status_json(&d.tb);
         s["services"].as_array().map(Vec::len) == Some(2)
