@@ -5,9 +5,10 @@
 //!
 //! Everything of one call runs in one future on the client connection's worker, on h2's
 //! streams directly: the request body is pumped upstream and the response body back in the
-//! same poll, with HTTP/2 flow control end to end (a chunk is only read from one side when the
-//! other side has window for it, and its window is released once it is handed on), so a slow
-//! reader stalls its writer instead of filling the balancer's memory.
+//! same poll, with HTTP/2 flow control end to end (a chunk is only handed on when the other
+//! side has window for it, but for a request attempt's first, and its window is released once
+//! it is handed on), so a slow reader stalls its writer instead of filling the balancer's
+//! memory.
 
 use std::future::{Future as _, poll_fn};
 use std::pin::Pin;
@@ -441,6 +442,15 @@ struct RequestPump {
     read_all: bool,
     /// The end of the body went to the current attempt's stream.
     done: bool,
+    /// Something went to the current attempt's stream. Until then a chunk read from the client
+    /// goes to it without waiting for window: h2 gives a stream window only once its
+    /// connection has sent the HEADERS, so waiting made the request's first DATA a write (and
+    /// a wake-up of the call) of its own. That one chunk is all it may hold beyond the window.
+    sent: bool,
+    /// A chunk read from the client that waits for window on the current attempt's stream,
+    /// and whether it ends the body. Its client window is released once it is handed on, so
+    /// holding it here costs the client what h2's receive buffer did.
+    pending: Option<(Bytes, bool)>,
 }
 
 impl RequestPump {
@@ -454,6 +464,8 @@ impl RequestPump {
             trailers: None,
             read_all,
             done: false,
+            sent: false,
+            pending: None,
         }
     }
 
@@ -466,10 +478,18 @@ impl RequestPump {
     /// rest of the client's body.
     fn attach(&mut self, mut send: SendStream<Bytes>) {
         self.done = self.nothing_to_send();
+        self.sent = false;
+        if self.copy.is_some()
+            && let Some((chunk, _)) = self.pending.take()
+        {
+            // The copy holds it: it goes out with the replay.
+            let _ = self.client.flow_control().release_capacity(chunk.len());
+        }
         if let Some(copy) = &self.copy {
             let last = copy.len().saturating_sub(1);
             for (i, chunk) in copy.iter().enumerate() {
                 let end = i == last && self.read_all && self.trailers.is_none();
+                self.sent = true;
                 if send.send_data(chunk.clone(), end).is_err() {
                     break;
                 }
@@ -481,6 +501,7 @@ impl RequestPump {
             && let Some(trailers) = &self.trailers
         {
             let _ = send.send_trailers(trailers.clone());
+            self.sent = true;
             self.done = true;
         }
         self.upstream = Some(send);
@@ -511,56 +532,77 @@ impl RequestPump {
             let Some(upstream) = self.upstream.as_mut() else {
                 return Poll::Pending;
             };
-            if ready!(poll_window(upstream, cx)).is_err() {
+            let (data, end) = match self.pending.take() {
+                // A chunk read earlier goes on once its stream has window for it.
+                Some((data, end)) => match poll_window(upstream, cx) {
+                    Poll::Pending => {
+                        self.pending = Some((data, end));
+                        return Poll::Pending;
+                    }
+                    Poll::Ready(Err(())) => {
+                        self.pending = Some((data, end));
+                        self.upstream = None;
+                        return Poll::Ready(Err(PumpError::Upstream));
+                    }
+                    Poll::Ready(Ok(())) => (data, end),
+                },
+                None => match ready!(self.client.poll_data(cx)) {
+                    Some(Ok(data)) => {
+                        let end = self.client.is_end_stream();
+                        self.read_all = end;
+                        if let Some(copy) = &mut self.copy {
+                            self.copied += data.len();
+                            if self.copied > REPLAY_CAP {
+                                self.copy = None;
+                            } else {
+                                copy.push(data.clone());
+                            }
+                        }
+                        // The first chunk of an attempt, and an empty one (an END_STREAM),
+                        // need no window; any other waits for it.
+                        if self.sent && !data.is_empty() {
+                            self.pending = Some((data, end));
+                            continue;
+                        }
+                        (data, end)
+                    }
+                    Some(Err(error)) => {
+                        tracing::debug!(%error, "client request stream failed");
+                        return Poll::Ready(Err(PumpError::Client));
+                    }
+                    None => {
+                        let trailers = match ready!(self.client.poll_trailers(cx)) {
+                            Ok(trailers) => trailers,
+                            Err(error) => {
+                                tracing::debug!(%error, "client request trailers failed");
+                                return Poll::Ready(Err(PumpError::Client));
+                            }
+                        };
+                        self.read_all = true;
+                        let sent = match &trailers {
+                            Some(t) => upstream.send_trailers(t.clone()),
+                            None => upstream.send_data(Bytes::new(), true),
+                        };
+                        self.trailers = trailers;
+                        self.sent = true;
+                        if sent.is_err() {
+                            self.upstream = None;
+                            return Poll::Ready(Err(PumpError::Upstream));
+                        }
+                        self.done = true;
+                        continue;
+                    }
+                },
+            };
+            let len = data.len();
+            let sent = upstream.send_data(data, end);
+            self.sent = true;
+            let _ = self.client.flow_control().release_capacity(len);
+            if sent.is_err() {
                 self.upstream = None;
                 return Poll::Ready(Err(PumpError::Upstream));
             }
-            match ready!(self.client.poll_data(cx)) {
-                Some(Ok(data)) => {
-                    let len = data.len();
-                    let end = self.client.is_end_stream();
-                    self.read_all = end;
-                    if let Some(copy) = &mut self.copy {
-                        self.copied += len;
-                        if self.copied > REPLAY_CAP {
-                            self.copy = None;
-                        } else {
-                            copy.push(data.clone());
-                        }
-                    }
-                    let sent = upstream.send_data(data, end);
-                    let _ = self.client.flow_control().release_capacity(len);
-                    if sent.is_err() {
-                        self.upstream = None;
-                        return Poll::Ready(Err(PumpError::Upstream));
-                    }
-                    self.done = end;
-                }
-                Some(Err(error)) => {
-                    tracing::debug!(%error, "client request stream failed");
-                    return Poll::Ready(Err(PumpError::Client));
-                }
-                None => {
-                    let trailers = match ready!(self.client.poll_trailers(cx)) {
-                        Ok(trailers) => trailers,
-                        Err(error) => {
-                            tracing::debug!(%error, "client request trailers failed");
-                            return Poll::Ready(Err(PumpError::Client));
-                        }
-                    };
-                    self.read_all = true;
-                    let sent = match &trailers {
-                        Some(t) => upstream.send_trailers(t.clone()),
-                        None => upstream.send_data(Bytes::new(), true),
-                    };
-                    self.trailers = trailers;
-                    if sent.is_err() {
-                        self.upstream = None;
-                        return Poll::Ready(Err(PumpError::Upstream));
-                    }
-                    self.done = true;
-                }
-            }
+            self.done = end;
         }
     }
 }
@@ -740,11 +782,94 @@ impl ResponsePump<'_> {
 
 #[cfg(test)]
 mod tests {
+    use std::future::{Future as _, poll_fn};
+    use std::pin::Pin;
+    use std::task::Poll;
     use std::time::Duration;
 
     use bytes::Bytes;
+    use tokio::io::AsyncReadExt as _;
 
-    use super::{Replay, retry_pause};
+    use super::{Replay, RequestPump, retry_pause};
+
+    /// Frame types and flags of what `bytes` (a client's byte stream after its preface) holds.
+    fn frames(bytes: &[u8]) -> Vec<(u8, u8, usize)> {
+        let mut out = Vec::new();
+        let mut rest = bytes;
+        while rest.len() >= 9 {
+            let len = usize::from(rest[0]) << 16 | usize::from(rest[1]) << 8 | usize::from(rest[2]);
+            out.push((rest[3], rest[4], len));
+            rest = &rest[(9 + len).min(rest.len())..];
+        }
+        out
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_unary_request_goes_upstream_in_the_write_of_its_headers() {
+        const DATA: u8 = 0x0;
+        const HEADERS: u8 = 0x1;
+        const END_STREAM: u8 = 0x1;
+        // A client connection: an h2 client sends a request with a body to an h2 server, the
+        // balancer's side of it.
+        let (client_io, server_io) = tokio::io::duplex(1 << 16);
+        let client = tokio::spawn(async move {
+            let (mut tx, conn) = h2::client::handshake(client_io).await.unwrap();
+            tokio::spawn(conn);
+            let req = http::Request::post("http://pod/echo.Echo/Echo")
+                .body(())
+                .unwrap();
+            let (resp, mut body) = tx.send_request(req, false).unwrap();
+            body.send_data(Bytes::from_static(b"a message"), true)
+                .unwrap();
+            (tx, resp, body)
+        });
+        let mut server = h2::server::handshake(server_io).await.unwrap();
+        let (req, _respond) = server.accept().await.unwrap().unwrap();
+        let _client = client.await.unwrap();
+        tokio::spawn(async move { while server.accept().await.is_some() {} });
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        // The upstream connection, driven by hand; what it writes is read from `peer`.
+        let (up_io, mut peer) = tokio::io::duplex(1 << 16);
+        let (mut up, mut up_conn) = h2::client::handshake(up_io).await.unwrap();
+        let (head, body) = req.into_parts();
+        let (_response, send) = up
+            .send_request(http::Request::from_parts(head, ()), false)
+            .unwrap();
+        let mut pump = RequestPump::new(body);
+        pump.attach(send);
+        // The call's poll, then the connection's first.
+        poll_fn(|cx| {
+            let _ = pump.poll_pump(cx);
+            Poll::Ready(())
+        })
+        .await;
+        poll_fn(|cx| {
+            let _ = Pin::new(&mut up_conn).poll(cx);
+            Poll::Ready(())
+        })
+        .await;
+        let mut written = vec![0; 1 << 16];
+        let n = peer.read(&mut written).await.unwrap();
+        let written = &written[..n];
+        assert!(written.starts_with(h2_magic()), "the client preface first");
+        let kinds = frames(&written[h2_magic().len()..]);
+        assert!(
+            kinds.iter().any(|(t, _, _)| *t == HEADERS),
+            "the request's HEADERS: {kinds:?}"
+        );
+        assert!(
+            kinds
+                .iter()
+                .any(|(t, f, len)| *t == DATA && f & END_STREAM != 0 && *len == 9),
+            "its DATA with END_STREAM in the same write, not in one of its own: {kinds:?}"
+        );
+    }
+
+    fn h2_magic() -> &'static [u8] {
+        b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+    }
 
     #[test]
     fn a_replay_keeps_every_chunk_in_order() {
