@@ -386,23 +386,8 @@ fn metrics_service_and_servicemonitor_select_the_agent_metrics_port() {
 /// setup` checks for it). A missing kubectl fails the test rather than skipping it.
 #[test]
 fn kubectl_kustomize_renders_the_same_objects() {
-    let child = Command::new("kubectl")
-        .args(["kustomize"])
-        .arg(deploy_dir())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("kubectl must be installed to render deploy/ (run `cargo xtask setup`)");
-    let out = wait_bounded(child, Duration::from_secs(60));
-    assert!(
-        out.status.success(),
-        "kubectl kustomize deploy/ failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let rendered = parse_objects(
-        &String::from_utf8(out.stdout).expect("utf-8"),
-        "kustomize output",
-    );
+    let rendered = kustomize_output();
+    let rendered = parse_objects(&rendered, "kustomize output");
     let ids = |objs: &[Object]| objs.iter().map(Object::id).collect::<BTreeSet<_>>();
     assert_eq!(ids(&rendered), ids(&base()));
     for o in &rendered {

@@ -7,9 +7,10 @@ use std::{net::SocketAddrV4, path::Path, time::Duration};
 
 use skewless_testbed::{Place, fixtures::IdentBed};
 use testbed_agent::{
-    ADMIN, ECHO_PODS, TempPath, echo_bed, echo_bed_with, metric, services_in_status,
-    spawn_file_agent, spawn_long_client, status_json, status_json_at, status_text, wait_until,
-    write_services, write_services_full, write_services_ips,
+    ADMIN, ECHO_PODS, TempPath, balancer_address_line, echo_bed, echo_bed_with, metric,
+    services_in_status, spawn_file_agent, spawn_file_agent_at, spawn_long_client, status_json,
+    status_json_at, status_text, wait_until, write_services, write_services_full,
+    write_services_ips,
 };
 
 /// Starts the agent in the node with a raw redirect of the IdentBed VIP to its balancer
@@ -301,6 +302,15 @@ fn dual_stack_bed(octet: u8) -> DualStack {
 /// Starts the agent on `d`'s services file with the testbed's IPv6 balancer address (plus
 /// `extra` flags), attached to the client pod; waits until both families are redirected.
 fn spawn_dual_stack_agent(d: &mut DualStack, extra: &[&str]) {
+    start_dual_stack_agent(d, extra);
+    wait_until("both families are redirected", || {
+        services_in_status(&d.tb) == 2
+    });
+}
+
+/// Starts the agent on `d`'s services file with the testbed's IPv6 balancer address (plus
+/// `extra` flags), attached to the client pod.
+fn start_dual_stack_agent(d: &mut DualStack, extra: &[&str]) {
     let cgroup = d.tb.pod("client").unwrap().cgroup.display().to_string();
     let file = d.services.display().to_string();
     let ip6 = skewless_testbed::BALANCER_IP6.to_string();
@@ -318,9 +328,6 @@ fn spawn_dual_stack_agent(d: &mut DualStack, extra: &[&str]) {
     ];
     argv.extend_from_slice(extra);
     d.tb.spawn(Place::Node(0), &argv).unwrap();
-    wait_until("both families are redirected", || {
-        services_in_status(&d.tb) == 2
-    });
 }
 
 /// Waits up to 10 s for `/status` to show the Service's pod traffic all on one backend, and
@@ -840,21 +847,6 @@ fn status_is_local_by_default_while_metrics_and_probes_answer_other_hosts() {
     );
 }
 
-/// The balancer address on the node's `lo`, as `ip -o addr` shows it (with its label), if
-/// present.
-fn balancer_address_line(tb: &skewless_testbed::Testbed) -> Option<String> {
-    let out = tb
-        .run(
-            Place::Node(0),
-            &["ip", "-o", "-4", "addr", "show", "dev", "lo"],
-        )
-        .expect("ip addr runs in the node");
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .find(|l| l.contains(&format!(" {}/32 ", skewless_testbed::BALANCER_IP)))
-        .map(str::to_owned)
-}
-
 #[test]
 #[ignore = "privileged: needs root and the real kernel; run with `cargo xtask test`"]
 fn agent_adds_a_missing_balancer_address_and_the_last_agent_to_exit_removes_it() {
@@ -893,23 +885,7 @@ fn agent_adds_a_missing_balancer_address_and_the_last_agent_to_exit_removes_it()
     // A rolling update: a second agent starts, then the first exits. The address stays,
     // because the second one uses it.
     let second_admin = "127.0.0.1:9992";
-    let cgroup = tb.pod("client").unwrap().cgroup.display().to_string();
-    let file = services.display().to_string();
-    let second = tb
-        .spawn(
-            Place::Node(0),
-            &[
-                env!("CARGO_BIN_EXE_skewless"),
-                "agent",
-                "--services-file",
-                &file,
-                "--cgroup",
-                &cgroup,
-                "--admin-addr",
-                second_admin,
-            ],
-        )
-        .unwrap();
+    let second = spawn_file_agent_at(&mut tb, &services, second_admin, &[]);
     wait_until("the second agent redirects the Service", || {
         status_json_at(&tb, second_admin)["services"]
             .as_array()
@@ -1019,25 +995,8 @@ fn a_service_the_agent_cannot_serve_shows_in_status_metrics_and_readiness_until_
         .expect("sysctl in the node");
     };
     lo_ipv6(&d.tb, false);
-    let cgroup = d.tb.pod("client").unwrap().cgroup.display().to_string();
-    let file = d.services.display().to_string();
+    start_dual_stack_agent(&mut d, &[]);
     let ip6 = skewless_testbed::BALANCER_IP6.to_string();
-    d.tb.spawn(
-        Place::Node(0),
-        &[
-            env!("CARGO_BIN_EXE_skewless"),
-            "agent",
-            "--services-file",
-            &file,
-            "--cgroup",
-            &cgroup,
-            "--balancer-ip6",
-            &ip6,
-            "--admin-addr",
-            ADMIN,
-        ],
-    )
-    .unwrap();
     let vip6 = d.vip6.to_string();
     wait_until("the IPv6 port is reported not served", || {
         status_json(&d.tb)["unserved"]

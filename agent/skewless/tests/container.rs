@@ -32,7 +32,9 @@ use skewless_testbed::{
     container::{self, PodSpec},
     grpc,
 };
-use testbed_agent::{ECHO_PODS, TempPath, echo_bed_with, spawn_long_client, wait_until};
+use testbed_agent::{
+    ECHO_PODS, TempPath, balancer_address_line, echo_bed_with, spawn_long_client, wait_until,
+};
 
 const NODE: &str = "node-a";
 
@@ -379,19 +381,6 @@ fn attached_programs(cgroup: &Path) -> usize {
         .ok()
         .and_then(|v| v.as_array().map(Vec::len))
         .unwrap_or(0)
-}
-
-fn balancer_address_line(tb: &Testbed) -> Option<String> {
-    let out = tb
-        .run(
-            Place::Node(0),
-            &["ip", "-o", "-4", "addr", "show", "dev", "lo"],
-        )
-        .unwrap();
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .find(|l| l.contains(&format!(" {}/32 ", skewless_testbed::BALANCER_IP)))
-        .map(str::to_owned)
 }
 
 /// The calls of a `--log` client: (unix time, outcome).

@@ -387,6 +387,78 @@ fn millicores(q: &str, at: &str) -> Result<u64> {
     .ok_or_else(|| Error::Invalid(format!("{at}: {q}"), "not a CPU quantity"))
 }
 
+/// A container's `resources:`, CPU in millicores and memory in bytes.
+#[derive(Clone, Copy, Debug, Default)]
+struct Resources {
+    requests_cpu: Option<u64>,
+    requests_memory: Option<u64>,
+    limits_memory: Option<u64>,
+}
+
+impl Resources {
+    fn of(res: &Value, at: &str) -> Result<Self> {
+        known(res, at, &["requests", "limits"])?;
+        known(
+            &res["requests"],
+            &format!("{at}.requests"),
+            &["cpu", "memory"],
+        )?;
+        known(&res["limits"], &format!("{at}.limits"), &["memory"])?;
+        let q = |v: &Value, f: fn(&str, &str) -> Result<u64>, at: &str| {
+            v.as_str().map(|s| f(s, at)).transpose()
+        };
+        Ok(Self {
+            requests_cpu: q(&res["requests"]["cpu"], millicores, "requests.cpu")?,
+            requests_memory: q(&res["requests"]["memory"], memory_bytes, "requests.memory")?,
+            limits_memory: q(&res["limits"]["memory"], memory_bytes, "limits.memory")?,
+        })
+    }
+
+    /// What the kubelet puts in an env var with a resourceFieldRef: the quantity divided by
+    /// `divisor`, rounded up; an unset limit reads as the node's allocatable amount (here,
+    /// the machine's CPUs and memory), an unset request as 0.
+    fn env_value(&self, resource: &str, divisor: &str, at: &str) -> Result<String> {
+        let (value, divisor) = match resource {
+            "requests.cpu" => (self.requests_cpu.unwrap_or(0), millicores(divisor, at)?),
+            "limits.cpu" => (node_millicores(), millicores(divisor, at)?),
+            "requests.memory" => (
+                self.requests_memory.unwrap_or(0),
+                memory_bytes(divisor, at)?,
+            ),
+            "limits.memory" => (
+                self.limits_memory.unwrap_or_else(node_memory_bytes),
+                memory_bytes(divisor, at)?,
+            ),
+            _ => {
+                return Err(Error::Invalid(
+                    format!("{at}.resource: {resource}"),
+                    "a resource the translation does not know",
+                ));
+            }
+        };
+        if divisor == 0 {
+            return Err(Error::Invalid(at.to_owned(), "a zero divisor"));
+        }
+        Ok(value.div_ceil(divisor).to_string())
+    }
+}
+
+fn node_millicores() -> u64 {
+    std::thread::available_parallelism().map_or(1, |n| n.get() as u64) * 1000
+}
+
+fn node_memory_bytes() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .find_map(|l| l.strip_prefix("MemTotal:"))
+                .and_then(|v| v.trim().strip_suffix("kB"))
+                .and_then(|v| v.trim().parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb * 1024)
+}
+
 impl PodSpec {
     /// Reads the pod template of the DaemonSet in `yaml` and translates it for `node`.
     ///
@@ -455,6 +527,8 @@ impl PodSpec {
         )?;
         // image and imagePullPolicy: the caller runs its own image, never pulled.
         flags.push("--pull=never".to_owned());
+        let container_name = str_at(&c["name"], &format!("{at}.name"))?.to_owned();
+        let resources = Resources::of(&c["resources"], &format!("{at}.resources"))?;
         let mut env = BTreeMap::new();
         for (i, e) in c["env"].as_sequence().into_iter().flatten().enumerate() {
             let at = format!("{at}.env[{i}]");
@@ -462,8 +536,27 @@ impl PodSpec {
             let name = str_at(&e["name"], &at)?.to_owned();
             let value = if let Some(v) = e["value"].as_str() {
                 v.to_owned()
+            } else if !e["valueFrom"]["resourceFieldRef"].is_null() {
+                let at = format!("{at}.valueFrom.resourceFieldRef");
+                let r = &e["valueFrom"]["resourceFieldRef"];
+                known(r, &at, &["containerName", "resource", "divisor"])?;
+                if r["containerName"]
+                    .as_str()
+                    .is_some_and(|n| n != container_name)
+                {
+                    return Err(Error::Invalid(at, "another container's resources"));
+                }
+                resources.env_value(
+                    str_at(&r["resource"], &at)?,
+                    r["divisor"].as_str().unwrap_or("1"),
+                    &at,
+                )?
             } else {
-                known(&e["valueFrom"], &format!("{at}.valueFrom"), &["fieldRef"])?;
+                known(
+                    &e["valueFrom"],
+                    &format!("{at}.valueFrom"),
+                    &["fieldRef", "resourceFieldRef"],
+                )?;
                 let field = &e["valueFrom"]["fieldRef"];
                 known(field, &format!("{at}.valueFrom.fieldRef"), &["fieldPath"])?;
                 match field["fieldPath"].as_str() {
@@ -531,31 +624,15 @@ impl PodSpec {
         };
         spec.readiness = probe(&c["readinessProbe"], &format!("{at}.readinessProbe"))?;
         spec.liveness = probe(&c["livenessProbe"], &format!("{at}.livenessProbe"))?;
-        let res = &c["resources"];
-        known(res, &format!("{at}.resources"), &["requests", "limits"])?;
-        known(
-            &res["requests"],
-            &format!("{at}.resources.requests"),
-            &["cpu", "memory"],
-        )?;
-        known(
-            &res["limits"],
-            &format!("{at}.resources.limits"),
-            &["memory"],
-        )?;
-        if let Some(cpu) = res["requests"]["cpu"].as_str() {
+        if let Some(cpu) = resources.requests_cpu {
             // The kubelet's cpu.shares for a request: 1024 per core.
-            let shares = (millicores(cpu, "requests.cpu")? * 1024 / 1000).max(2);
-            flags.push(format!("--cpu-shares={shares}"));
+            flags.push(format!("--cpu-shares={}", (cpu * 1024 / 1000).max(2)));
         }
-        if let Some(mem) = res["requests"]["memory"].as_str() {
-            flags.push(format!(
-                "--memory-reservation={}",
-                memory_bytes(mem, "requests.memory")?
-            ));
+        if let Some(mem) = resources.requests_memory {
+            flags.push(format!("--memory-reservation={mem}"));
         }
-        if let Some(mem) = res["limits"]["memory"].as_str() {
-            flags.push(format!("--memory={}", memory_bytes(mem, "limits.memory")?));
+        if let Some(mem) = resources.limits_memory {
+            flags.push(format!("--memory={mem}"));
         }
         let sc = &c["securityContext"];
         let at_sc = format!("{at}.securityContext");
@@ -714,6 +791,10 @@ mod tests {
             "--cap-add=CAP_NET_ADMIN",
             "--volume=/tmp/cg:/run/skewless/cgroup:ro",
             "--env=NODE_NAME=node-a",
+            // resourceFieldRef: requests.cpu in millicores, memory in bytes, as the kubelet.
+            "--env=SKEWLESS_CPU_REQUEST_MILLICORES=100",
+            "--env=SKEWLESS_MEMORY_REQUEST_BYTES=67108864",
+            "--env=SKEWLESS_MEMORY_LIMIT_BYTES=268435456",
         ] {
             assert!(
                 spec.flags.iter().any(|f| f == flag),

@@ -198,6 +198,17 @@ pub fn spawn_file_agent_with(
     services: &std::path::Path,
     extra: &[&str],
 ) -> u32 {
+    spawn_file_agent_at(tb, services, ADMIN, extra)
+}
+
+/// [`spawn_file_agent_with`] serving its admin API at `admin` (a second agent beside the
+/// first, as in a rolling update).
+pub fn spawn_file_agent_at(
+    tb: &mut skewless_testbed::Testbed,
+    services: &std::path::Path,
+    admin: &str,
+    extra: &[&str],
+) -> u32 {
     let cgroup = tb.pod("client").unwrap().cgroup.display().to_string();
     let file = services.display().to_string();
     let mut argv = vec![
@@ -208,17 +219,32 @@ pub fn spawn_file_agent_with(
         "--cgroup",
         &cgroup,
         "--admin-addr",
-        ADMIN,
+        admin,
     ];
     argv.extend_from_slice(extra);
     let pid = tb.spawn(Place::Node(0), &argv).unwrap();
     tb.wait_for_tcp(
         Place::Node(0),
-        ADMIN.parse::<SocketAddrV4>().unwrap(),
+        admin.parse::<SocketAddrV4>().unwrap(),
         Duration::from_secs(10),
     )
     .expect("agent serves its admin API");
     pid
+}
+
+/// The balancer address on the node's `lo`, as `ip -o addr` shows it (with its label), if
+/// present.
+pub fn balancer_address_line(tb: &skewless_testbed::Testbed) -> Option<String> {
+    let out = tb
+        .run(
+            Place::Node(0),
+            &["ip", "-o", "-4", "addr", "show", "dev", "lo"],
+        )
+        .expect("ip addr runs in the node");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .find(|l| l.contains(&format!(" {}/32 ", skewless_testbed::BALANCER_IP)))
+        .map(str::to_owned)
 }
 
 /// A long-running pick_first grpcio client in the client pod: one connection, calls until
