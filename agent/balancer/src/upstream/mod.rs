@@ -32,8 +32,19 @@ impl Drop for AbortOnDrop {
 /// HTTP/2 flow-control window of one stream (both directions of the balancer): enough for
 /// a 4 MiB+ message to stream at loopback speed, small enough that a slow reader holds little.
 pub(crate) const STREAM_WINDOW: u32 = 1024 * 1024;
-/// HTTP/2 connection window: what one connection can have buffered across its streams.
+/// HTTP/2 connection window of a client connection (request mode): what one client can have
+/// in flight across its own streams.
 pub(crate) const CONNECTION_WINDOW: u32 = 4 * 1024 * 1024;
+/// HTTP/2 connection window of an upstream connection: the largest there is (2^31-1), so it
+/// is never the limit. An upstream connection carries the streams of many clients, and what
+/// h2 has received for a stream stays charged to the connection window until that stream's
+/// client has taken it: with a smaller window, one client that leaves its responses unread
+/// (4 MiB of them, at 1 MiB per stream) stopped the backend from sending anything on that
+/// connection to anyone else. At the maximum, the connection window exceeds what all its
+/// streams' windows can hold together (`max_streams_per_connection` x [`STREAM_WINDOW`]), so
+/// what a stream's reader leaves unread is bounded by that stream's window alone and blocks
+/// no other stream; memory stays bounded by the stream windows, as before.
+pub(crate) const UPSTREAM_CONNECTION_WINDOW: u32 = (1 << 31) - 1;
 /// Largest header list (headers or trailers) accepted from a peer, as hyper's default: gRPC
 /// metadata is small, and this bounds what one stream's headers can cost.
 pub(crate) const MAX_HEADER_LIST: u32 = 16 * 1024;
@@ -74,10 +85,11 @@ pub(crate) async fn connect(
         let (sender, mut conn) = h2::client::Builder::new()
             // Fixed windows. h2 sizes its budget for small DATA frames from the connection
             // window, so small adaptive windows got gRPC's many small frames the connection
-            // closed (ENHANCE_YOUR_CALM, too_many_data_frames) under load. The windows also
-            // bound what one connection can buffer.
+            // closed (ENHANCE_YOUR_CALM, too_many_data_frames) under load. The stream window
+            // bounds what one stream can buffer; the connection window never binds (see
+            // `UPSTREAM_CONNECTION_WINDOW`).
             .initial_window_size(STREAM_WINDOW)
-            .initial_connection_window_size(CONNECTION_WINDOW)
+            .initial_connection_window_size(UPSTREAM_CONNECTION_WINDOW)
             .max_header_list_size(MAX_HEADER_LIST)
             .max_send_buffer_size(MAX_SEND_BUFFER)
             .enable_push(false)
