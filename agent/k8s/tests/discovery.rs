@@ -323,7 +323,7 @@ async fn dropped_watch_resumes_from_its_resource_version_without_relist() {
     })
     .await;
     watches_open(&api).await;
-    let lists = api.list_requests("/apis/discovery.k8s.io/v1/endpointslices");
+    let lists = api.full_lists("/apis/discovery.k8s.io/v1/endpointslices");
     let watches = api.watch_requests("/apis/discovery.k8s.io/v1/endpointslices");
     api.drop_watches();
     api.apply(&mk_slice("web-a", "web", 4));
@@ -332,7 +332,7 @@ async fn dropped_watch_resumes_from_its_resource_version_without_relist() {
     })
     .await;
     assert_eq!(
-        api.list_requests("/apis/discovery.k8s.io/v1/endpointslices"),
+        api.full_lists("/apis/discovery.k8s.io/v1/endpointslices"),
         lists,
         "a dropped watch with a valid resourceVersion must resume, not relist"
     );
@@ -354,7 +354,7 @@ async fn gone_410_forces_a_relist_that_removes_missed_deletions() {
     })
     .await;
     watches_open(&api).await;
-    let lists = api.list_requests("/api/v1/services");
+    let lists = api.full_lists("/api/v1/services");
     // The deletion happens while the agent is not watching, and history is compacted, so the
     // DELETED event is lost: only the relist can notice.
     api.change_behind_watches(|c| {
@@ -366,7 +366,7 @@ async fn gone_410_forces_a_relist_that_removes_missed_deletions() {
     })
     .await;
     assert!(
-        api.list_requests("/api/v1/services") > lists,
+        api.full_lists("/api/v1/services") > lists,
         "410 Gone must make the watcher list again"
     );
 }
@@ -390,7 +390,7 @@ async fn short_watch_timeouts_and_bookmarks_do_not_cause_relists() {
         .await;
     }
     assert_eq!(
-        api.list_requests("/api/v1/services"),
+        api.full_lists("/api/v1/services"),
         1,
         "watches that end on timeout are resumed from the last bookmark"
     );

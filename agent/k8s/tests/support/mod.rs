@@ -2,16 +2,30 @@
 //! so tests exercise the real kube-rs `Client` and watchers.
 //!
 //! What it implements, as the real API server does:
-//! - `GET` list of services, endpointslices and nodes: a JSON `*List` with
-//!   `metadata.resourceVersion`;
+//! - `GET` list of services, endpointslices and nodes, cluster-wide or under
+//!   `/namespaces/{ns}/`: a JSON `*List` with `metadata.resourceVersion`; `limit` pages it,
+//!   with a `continue` token whose pages come from the first page's snapshot (a token that is
+//!   unknown or combined with `resourceVersion` is refused, `410` and `400`);
+//! - list `resourceVersion` semantics: unset or empty is a consistent (quorum) read;
+//!   `0` is served from the watch cache; `N` with `resourceVersionMatch=NotOlderThan` from the
+//!   cache once it has reached N (`504` if N is in the future); `Exact` only for the current
+//!   version (older ones are compacted: `410`);
 //! - `?watch=true&resourceVersion=N`: a chunked stream of newline-delimited WatchEvents for
-//!   changes after N; `allowWatchBookmarks` -> periodic `BOOKMARK` events; the stream ends
-//!   after `timeoutSeconds` (capped by [`FakeApi::set_max_watch`]); a resourceVersion older
-//!   than the last [`FakeApi::compact`] -> an `ERROR` event with a `410 Gone` Status (the
-//!   client must relist);
-//! - `fieldSelector=metadata.name=X` (nodes); `labelSelector` is ignored (test slices all carry
-//!   the label the agent selects on);
+//!   changes after N; `resourceVersion=0` or unset starts with every object as `ADDED`;
+//!   `allowWatchBookmarks` -> periodic `BOOKMARK` events; the stream ends after
+//!   `timeoutSeconds` (capped by [`FakeApi::set_max_watch`]); a resourceVersion older than the
+//!   last [`FakeApi::compact`] -> an `ERROR` event with a `410 Gone` Status (the client must
+//!   relist);
+//! - streaming lists (`sendInitialEvents=true`, which requires
+//!   `resourceVersionMatch=NotOlderThan`): every object as `ADDED`, then a `BOOKMARK` annotated
+//!   `k8s.io/initial-events-end`, then the changes; [`FakeApi::set_watch_list`] turns the
+//!   feature off (`422`, as Kubernetes 1.33 ships);
+//! - `fieldSelector=metadata.name=X`; `labelSelector` with `k=v`, `k==v`, `k!=v`, `k` and
+//!   `!k` terms, comma-separated;
 //! - `POST .../events`: recorded; a name that exists -> `409 AlreadyExists`.
+//!
+//! Every request is logged ([`FakeApi::requests`]); [`Request::is_quorum_read`] says which
+//! ones a real API server would serve by a consistent read of etcd rather than from its cache.
 //!
 //! Failure injection: [`FakeApi::drop_watches`] cuts every open watch mid-stream (the
 //! connection is aborted, no terminating chunk) and [`FakeApi::restart`] takes the whole server
@@ -23,7 +37,7 @@
 )]
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, HashMap, VecDeque},
     convert::Infallible,
     io,
     net::SocketAddr,
@@ -31,7 +45,7 @@ use std::{
     time::Duration,
 };
 
-use http::{Method, Request, Response, StatusCode};
+use http::{Method, Response, StatusCode};
 use http_body_util::{BodyExt, Full, StreamBody, combinators::BoxBody};
 use hyper::body::{Bytes, Frame, Incoming};
 use hyper_util::rt::TokioIo;
@@ -103,13 +117,29 @@ pub enum Kind {
 }
 
 impl Kind {
-    fn from_path(path: &str) -> Option<Self> {
-        match path {
-            "/api/v1/services" => Some(Kind::Service),
-            "/apis/discovery.k8s.io/v1/endpointslices" => Some(Kind::EndpointSlice),
-            "/api/v1/nodes" => Some(Kind::Node),
-            _ => None,
-        }
+    /// The kind and namespace of a collection path (cluster-wide or under `/namespaces/{ns}/`).
+    fn from_path(path: &str) -> Option<(Self, Option<String>)> {
+        let (prefix, rest) = if let Some(rest) = path.strip_prefix("/api/v1/") {
+            ("", rest)
+        } else if let Some(rest) = path.strip_prefix("/apis/discovery.k8s.io/v1/") {
+            ("discovery.k8s.io", rest)
+        } else {
+            return None;
+        };
+        let (ns, plural) = match rest.strip_prefix("namespaces/") {
+            Some(rest) => {
+                let (ns, plural) = rest.split_once('/')?;
+                (Some(ns.to_owned()), plural)
+            }
+            None => (None, rest),
+        };
+        let kind = match (prefix, plural) {
+            ("", "services") => Kind::Service,
+            ("discovery.k8s.io", "endpointslices") => Kind::EndpointSlice,
+            ("", "nodes") if ns.is_none() => Kind::Node,
+            _ => return None,
+        };
+        Some((kind, ns))
     }
 
     fn list_meta(self) -> (&'static str, &'static str) {
@@ -131,24 +161,98 @@ impl Kind {
 
 type ObjKey = (Kind, String, String);
 
+/// A stored object: its JSON, serialized once, and what selectors look at.
+#[derive(Clone)]
+struct Obj {
+    json: Bytes,
+    namespace: String,
+    name: String,
+    labels: BTreeMap<String, String>,
+}
+
+impl Obj {
+    fn new(v: &Value) -> Self {
+        let s = |p: &str| v["metadata"][p].as_str().unwrap_or_default().to_owned();
+        let labels = v["metadata"]["labels"]
+            .as_object()
+            .map(|m| {
+                m.iter()
+                    .map(|(k, v)| (k.clone(), v.as_str().unwrap_or_default().to_owned()))
+                    .collect()
+            })
+            .unwrap_or_default();
+        Self {
+            json: Bytes::from(serde_json::to_vec(v).expect("serialize object")),
+            namespace: s("namespace"),
+            name: s("name"),
+            labels,
+        }
+    }
+
+    fn value(&self) -> Value {
+        serde_json::from_slice(&self.json).expect("stored JSON")
+    }
+}
+
 struct Change {
     rv: u64,
     kind: Kind,
     type_: &'static str,
-    object: Value,
+    object: Obj,
+}
+
+/// One request the server received.
+#[derive(Clone, Debug)]
+pub struct Request {
+    pub method: String,
+    pub path: String,
+    /// Query parameters, decoded.
+    pub query: BTreeMap<String, String>,
+}
+
+impl Request {
+    /// A watch (`watch=true`).
+    pub fn is_watch(&self) -> bool {
+        self.query.get("watch").map(String::as_str) == Some("true")
+    }
+
+    /// A `GET` of a collection that is not a watch.
+    pub fn is_list(&self) -> bool {
+        self.method == "GET" && !self.is_watch() && Kind::from_path(&self.path).is_some()
+    }
+
+    /// Whether a real API server serves this list by a consistent read of etcd (a quorum
+    /// read) rather than from its watch cache: a list without a `resourceVersion` (or with an
+    /// empty one), or with `resourceVersionMatch=Exact`. `continue` pages follow the first
+    /// page. Watches are served from the cache.
+    pub fn is_quorum_read(&self) -> bool {
+        if !self.is_list() || self.query.contains_key("continue") {
+            return false;
+        }
+        let rv = self.query.get("resourceVersion").map(String::as_str);
+        let exact = self.query.get("resourceVersionMatch").map(String::as_str) == Some("Exact");
+        matches!(rv, None | Some("")) || exact
+    }
 }
 
 struct State {
     rv: u64,
-    objects: BTreeMap<ObjKey, Value>,
+    objects: BTreeMap<ObjKey, Obj>,
     log: Vec<Change>,
     /// Watches from a resourceVersion below this get `410 Gone`.
     compacted_below: u64,
     events: Vec<Value>,
-    /// (method, path and query) of every request, for assertions about relists.
-    requests: Vec<String>,
+    requests: Vec<Request>,
+    /// Open list snapshots by continue token: the rest of the items and the list's version.
+    continues: HashMap<String, (u64, VecDeque<Bytes>)>,
+    next_continue: u64,
     max_watch: Duration,
     bookmark_every: Duration,
+    /// Whether `sendInitialEvents` is served (the `WatchList` feature); off, such a watch is
+    /// refused with `422 Invalid`, as Kubernetes 1.33 does by default.
+    watch_list: bool,
+    /// How long each list waits between taking its snapshot and answering.
+    list_delay: Duration,
 }
 
 struct Shared {
@@ -185,8 +289,12 @@ impl FakeApi {
                 compacted_below: 0,
                 events: Vec::new(),
                 requests: Vec::new(),
+                continues: HashMap::new(),
+                next_continue: 0,
                 max_watch: Duration::from_secs(290),
                 bookmark_every: Duration::from_millis(200),
+                watch_list: true,
+                list_delay: Duration::ZERO,
             }),
             changed: watch::Sender::new(1),
             drop_gen: watch::Sender::new(0),
@@ -251,6 +359,29 @@ impl FakeApi {
         st.log.clear();
     }
 
+    /// Forgets the change history up to now and keeps only what is newer from then on; call
+    /// it now and then under a long stream of changes so the log stays small. Watches more
+    /// than `keep` changes behind get `410 Gone`.
+    pub fn trim_log(&self, keep: usize) {
+        let mut st = self.shared.state.lock().expect("state");
+        let n = st.log.len();
+        if n > keep {
+            st.log.drain(..n - keep);
+            st.compacted_below = st.log.first().map_or(st.rv + 1, |c| c.rv);
+        }
+    }
+
+    /// Serves streaming lists (`sendInitialEvents`) or refuses them with `422` (on by default).
+    pub fn set_watch_list(&self, on: bool) {
+        self.shared.state.lock().expect("state").watch_list = on;
+    }
+
+    /// Makes every list answer `d` after taking its snapshot, so changes made meanwhile are
+    /// newer than the list (a slow API server).
+    pub fn set_list_delay(&self, d: Duration) {
+        self.shared.state.lock().expect("state").list_delay = d;
+    }
+
     /// Aborts every open watch connection mid-stream.
     pub fn drop_watches(&self) {
         self.shared.drop_gen.send_modify(|g| *g += 1);
@@ -281,9 +412,31 @@ impl FakeApi {
         self.shared.state.lock().expect("state").events.clone()
     }
 
+    /// Every request so far, oldest first.
+    pub fn requests(&self) -> Vec<Request> {
+        self.shared.state.lock().expect("state").requests.clone()
+    }
+
     /// How many list (not watch) requests were made for a path, e.g. `/api/v1/services`.
     pub fn list_requests(&self, path: &str) -> usize {
         self.count_requests(path, false)
+    }
+
+    /// How many times a path's collection was listed in full: list requests that are not a
+    /// `continue` page, plus streaming lists (watches with `sendInitialEvents`).
+    pub fn full_lists(&self, path: &str) -> usize {
+        let st = self.shared.state.lock().expect("state");
+        st.requests
+            .iter()
+            .filter(|r| r.method == "GET" && r.path == path)
+            .filter(|r| {
+                if r.is_watch() {
+                    r.query.get("sendInitialEvents").map(String::as_str) == Some("true")
+                } else {
+                    !r.query.contains_key("continue")
+                }
+            })
+            .count()
     }
 
     /// How many watch requests were made for a path.
@@ -293,11 +446,15 @@ impl FakeApi {
 
     fn count_requests(&self, path: &str, watch: bool) -> usize {
         let st = self.shared.state.lock().expect("state");
-        let prefix = format!("GET {path}?");
         st.requests
             .iter()
-            .filter(|r| r.starts_with(&prefix) && r.contains("watch=true") == watch)
+            .filter(|r| r.method == "GET" && r.path == path && r.is_watch() == watch)
             .count()
+    }
+
+    /// The current resourceVersion.
+    pub fn resource_version(&self) -> u64 {
+        self.shared.state.lock().expect("state").rv
     }
 }
 
@@ -318,19 +475,26 @@ impl Changes<'_> {
     /// Creates or replaces an object.
     pub fn apply<K: serde::Serialize + kube::Resource<DynamicType = ()>>(&mut self, obj: &K) {
         let kind = kind_of::<K>();
-        let mut v = serde_json::to_value(obj).expect("serialize object");
+        let v = serde_json::to_value(obj).expect("serialize object");
+        self.apply_value(kind, v);
+    }
+
+    /// Creates or replaces an object given as JSON (`apiVersion` and `kind` are set here).
+    pub fn apply_value(&mut self, kind: Kind, mut v: Value) {
         let (api_version, k) = kind.object_meta();
         v["apiVersion"] = json!(api_version);
         v["kind"] = json!(k);
-        let key = obj_key(kind, &v);
         let st = &mut *self.st;
         st.rv += 1;
         let rv = st.rv;
         v["metadata"]["resourceVersion"] = json!(rv.to_string());
         if v["metadata"]["uid"].is_null() {
-            v["metadata"]["uid"] = json!(format!("uid-{}-{}", key.1, key.2));
+            let s = |p: &str| v["metadata"][p].as_str().unwrap_or_default().to_owned();
+            v["metadata"]["uid"] = json!(format!("uid-{}-{}", s("namespace"), s("name")));
         }
-        let type_ = if st.objects.insert(key, v.clone()).is_some() {
+        let obj = Obj::new(&v);
+        let key = (kind, obj.namespace.clone(), obj.name.clone());
+        let type_ = if st.objects.insert(key, obj.clone()).is_some() {
             "MODIFIED"
         } else {
             "ADDED"
@@ -339,7 +503,7 @@ impl Changes<'_> {
             rv,
             kind,
             type_,
-            object: v,
+            object: obj,
         });
     }
 
@@ -347,19 +511,28 @@ impl Changes<'_> {
     pub fn delete<K: serde::Serialize + kube::Resource<DynamicType = ()>>(&mut self, obj: &K) {
         let kind = kind_of::<K>();
         let v = serde_json::to_value(obj).expect("serialize object");
-        let key = obj_key(kind, &v);
+        let s = |p: &str| v["metadata"][p].as_str().unwrap_or_default().to_owned();
+        self.delete_key(kind, &s("namespace"), &s("name"));
+    }
+
+    /// Deletes an object by name (no-op if absent).
+    pub fn delete_key(&mut self, kind: Kind, namespace: &str, name: &str) {
         let st = &mut *self.st;
-        let Some(mut old) = st.objects.remove(&key) else {
+        let Some(old) = st
+            .objects
+            .remove(&(kind, namespace.to_owned(), name.to_owned()))
+        else {
             return;
         };
         st.rv += 1;
         let rv = st.rv;
-        old["metadata"]["resourceVersion"] = json!(rv.to_string());
+        let mut v = old.value();
+        v["metadata"]["resourceVersion"] = json!(rv.to_string());
         st.log.push(Change {
             rv,
             kind,
             type_: "DELETED",
-            object: old,
+            object: Obj::new(&v),
         });
     }
 }
@@ -371,11 +544,6 @@ fn kind_of<K: kube::Resource<DynamicType = ()>>() -> Kind {
         ("", "Node") => Kind::Node,
         (g, k) => panic!("fake API server does not serve {g}/{k}"),
     }
-}
-
-fn obj_key(kind: Kind, v: &Value) -> ObjKey {
-    let s = |p: &str| v["metadata"][p].as_str().unwrap_or_default().to_owned();
-    (kind, s("namespace"), s("name"))
 }
 
 /// Accepts connections until aborted; aborting drops the JoinSet, which aborts every
@@ -405,14 +573,14 @@ async fn serve(listener: TcpListener, shared: Arc<Shared>) {
 }
 
 fn full(status: StatusCode, v: &Value) -> Response<Body> {
+    bytes_response(status, Bytes::from(v.to_string()))
+}
+
+fn bytes_response(status: StatusCode, body: Bytes) -> Response<Body> {
     Response::builder()
         .status(status)
         .header("content-type", "application/json")
-        .body(
-            Full::new(Bytes::from(v.to_string()))
-                .map_err(|never| match never {})
-                .boxed(),
-        )
+        .body(Full::new(body).map_err(|never| match never {}).boxed())
         .expect("response")
 }
 
@@ -421,67 +589,227 @@ fn status(code: u16, reason: &str, message: &str) -> Value {
            "message": message, "reason": reason, "code": code})
 }
 
-fn query(req: &Request<Incoming>) -> BTreeMap<String, String> {
+fn error(code: u16, reason: &str, message: &str) -> Response<Body> {
+    full(
+        StatusCode::from_u16(code).expect("status code"),
+        &status(code, reason, message),
+    )
+}
+
+/// `%XX` and `+` decoding of one query component.
+fn decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        match b[i] {
+            b'+' => out.push(b' '),
+            b'%' if i + 2 < b.len() => {
+                let hex = std::str::from_utf8(&b[i + 1..i + 3]).unwrap_or("");
+                match u8::from_str_radix(hex, 16) {
+                    Ok(v) => {
+                        out.push(v);
+                        i += 2;
+                    }
+                    Err(_) => out.push(b'%'),
+                }
+            }
+            c => out.push(c),
+        }
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+fn query(req: &http::Request<Incoming>) -> BTreeMap<String, String> {
     req.uri()
         .query()
         .unwrap_or_default()
         .split('&')
         .filter_map(|kv| kv.split_once('='))
-        .map(|(k, v)| (k.to_owned(), v.replace("%3D", "=").replace("%2F", "/")))
+        .map(|(k, v)| (decode(k), decode(v)))
         .collect()
 }
 
-fn matches(q: &BTreeMap<String, String>, kind: Kind, obj: &Value) -> bool {
-    let Some(sel) = q.get("fieldSelector") else {
-        return true;
-    };
-    let _ = kind;
-    match sel.strip_prefix("metadata.name=") {
-        Some(name) => obj["metadata"]["name"].as_str() == Some(name),
-        None => true,
+/// A parsed `labelSelector` or `fieldSelector`.
+struct Selector {
+    labels: Vec<(String, Op)>,
+    name: Option<String>,
+}
+
+enum Op {
+    Eq(String),
+    Ne(String),
+    Exists,
+    Absent,
+}
+
+impl Selector {
+    fn parse(q: &BTreeMap<String, String>) -> Self {
+        let labels = q
+            .get("labelSelector")
+            .map(|sel| {
+                sel.split(',')
+                    .filter(|t| !t.is_empty())
+                    .map(|t| {
+                        if let Some((k, v)) = t.split_once("!=") {
+                            (k.to_owned(), Op::Ne(v.to_owned()))
+                        } else if let Some((k, v)) = t.split_once("==") {
+                            (k.to_owned(), Op::Eq(v.to_owned()))
+                        } else if let Some((k, v)) = t.split_once('=') {
+                            (k.to_owned(), Op::Eq(v.to_owned()))
+                        } else if let Some(k) = t.strip_prefix('!') {
+                            (k.to_owned(), Op::Absent)
+                        } else {
+                            (t.to_owned(), Op::Exists)
+                        }
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        let name = q
+            .get("fieldSelector")
+            .and_then(|s| s.strip_prefix("metadata.name="))
+            .map(str::to_owned);
+        Self { labels, name }
+    }
+
+    fn matches(&self, ns: Option<&str>, obj: &Obj) -> bool {
+        if ns.is_some_and(|ns| ns != obj.namespace) {
+            return false;
+        }
+        if self.name.as_ref().is_some_and(|n| *n != obj.name) {
+            return false;
+        }
+        self.labels.iter().all(|(k, op)| {
+            let v = obj.labels.get(k);
+            match op {
+                Op::Eq(want) => v == Some(want),
+                Op::Ne(want) => v != Some(want),
+                Op::Exists => v.is_some(),
+                Op::Absent => v.is_none(),
+            }
+        })
     }
 }
 
-async fn handle(shared: &Arc<Shared>, req: Request<Incoming>) -> Response<Body> {
+async fn handle(shared: &Arc<Shared>, req: http::Request<Incoming>) -> Response<Body> {
     let path = req.uri().path().to_owned();
     // Subscribed before the request is visible to tests, so a `drop_watches` issued after a
     // test saw this request always reaches the watch.
     let dropped = shared.drop_gen.subscribe();
-    shared.state.lock().expect("state").requests.push(format!(
-        "{} {}?{}",
-        req.method(),
-        path,
-        req.uri().query().unwrap_or_default()
-    ));
+    let q = query(&req);
+    shared.state.lock().expect("state").requests.push(Request {
+        method: req.method().to_string(),
+        path: path.clone(),
+        query: q.clone(),
+    });
     if req.method() == Method::POST && path.starts_with("/apis/events.k8s.io/v1/namespaces/") {
         return create_event(shared, req).await;
     }
-    let Some(kind) = Kind::from_path(&path) else {
-        return full(
-            StatusCode::NOT_FOUND,
-            &status(404, "NotFound", "no such path"),
-        );
+    let Some((kind, ns)) = Kind::from_path(&path) else {
+        return error(404, "NotFound", "no such path");
     };
-    let q = query(&req);
     if q.get("watch").map(String::as_str) == Some("true") {
-        return watch_response(shared, kind, &q, dropped);
+        return watch_response(shared, kind, ns, &q, dropped);
     }
-    let st = shared.state.lock().expect("state");
-    let items: Vec<&Value> = st
-        .objects
-        .iter()
-        .filter(|((k, _, _), v)| *k == kind && matches(&q, kind, v))
-        .map(|(_, v)| v)
-        .collect();
-    let (api_version, list_kind) = kind.list_meta();
-    full(
-        StatusCode::OK,
-        &json!({"apiVersion": api_version, "kind": list_kind,
-                "metadata": {"resourceVersion": st.rv.to_string()}, "items": items}),
-    )
+    let delay = shared.state.lock().expect("state").list_delay;
+    let response = list_response(shared, kind, ns.as_deref(), &q);
+    tokio::time::sleep(delay).await;
+    response
 }
 
-async fn create_event(shared: &Arc<Shared>, req: Request<Incoming>) -> Response<Body> {
+fn list_response(
+    shared: &Arc<Shared>,
+    kind: Kind,
+    ns: Option<&str>,
+    q: &BTreeMap<String, String>,
+) -> Response<Body> {
+    let mut st = shared.state.lock().expect("state");
+    let rv = q.get("resourceVersion").map(String::as_str).unwrap_or("");
+    let version_match = q.get("resourceVersionMatch").map(String::as_str);
+    let limit: Option<usize> = q
+        .get("limit")
+        .and_then(|l| l.parse().ok())
+        .filter(|l| *l > 0);
+    let (list_rv, items) = if let Some(token) = q.get("continue") {
+        if !rv.is_empty() || version_match.is_some() {
+            return error(
+                400,
+                "BadRequest",
+                "specifying resource version is not allowed when using continue",
+            );
+        }
+        match st.continues.remove(token) {
+            Some(snapshot) => snapshot,
+            None => return error(410, "Expired", "the provided continue parameter is too old"),
+        }
+    } else {
+        match (rv, version_match) {
+            ("" | "0", None | Some("NotOlderThan")) => {}
+            (n, None | Some("NotOlderThan")) => match n.parse::<u64>() {
+                Ok(n) if n <= st.rv => {}
+                Ok(_) => {
+                    return error(504, "Timeout", "Too large resource version");
+                }
+                Err(_) => return error(400, "BadRequest", "invalid resourceVersion"),
+            },
+            (n, Some("Exact")) => {
+                if n.parse::<u64>().ok() != Some(st.rv) {
+                    return error(410, "Expired", "too old resource version");
+                }
+            }
+            (_, Some(other)) => {
+                return error(
+                    422,
+                    "Invalid",
+                    &format!("unsupported resourceVersionMatch {other}"),
+                );
+            }
+        }
+        let sel = Selector::parse(q);
+        let items: VecDeque<Bytes> = st
+            .objects
+            .iter()
+            .filter(|((k, _, _), o)| *k == kind && sel.matches(ns, o))
+            .map(|(_, o)| o.json.clone())
+            .collect();
+        (st.rv, items)
+    };
+    let mut items = items;
+    let page: Vec<Bytes> = match limit {
+        Some(l) if l < items.len() => items.drain(..l).collect(),
+        _ => items.drain(..).collect(),
+    };
+    let mut meta = json!({"resourceVersion": list_rv.to_string()});
+    if !items.is_empty() {
+        st.next_continue += 1;
+        let token = format!("c{}", st.next_continue);
+        meta["continue"] = json!(token);
+        meta["remainingItemCount"] = json!(items.len());
+        st.continues.insert(token, (list_rv, items));
+    }
+    drop(st);
+    let (api_version, list_kind) = kind.list_meta();
+    let head = json!({"apiVersion": api_version, "kind": list_kind, "metadata": meta});
+    let head = head.to_string();
+    // `{"apiVersion":..,"kind":..,"metadata":{..},"items":[...]}`, items spliced in as stored.
+    let mut body = Vec::with_capacity(
+        head.len() + page.iter().map(Bytes::len).sum::<usize>() + page.len() + 16,
+    );
+    body.extend_from_slice(&head.as_bytes()[..head.len() - 1]);
+    body.extend_from_slice(b",\"items\":[");
+    for (i, item) in page.iter().enumerate() {
+        if i > 0 {
+            body.push(b',');
+        }
+        body.extend_from_slice(item);
+    }
+    body.extend_from_slice(b"]}");
+    bytes_response(StatusCode::OK, Bytes::from(body))
+}
+
+async fn create_event(shared: &Arc<Shared>, req: http::Request<Incoming>) -> Response<Body> {
     let Ok(body) = req.into_body().collect().await else {
         return full(StatusCode::BAD_REQUEST, &status(400, "BadRequest", "body"));
     };
@@ -503,9 +831,21 @@ async fn create_event(shared: &Arc<Shared>, req: Request<Incoming>) -> Response<
     full(StatusCode::CREATED, &ev)
 }
 
+/// One watch event line, the object spliced in as stored.
+fn event_line(type_: &str, object: &Bytes) -> Bytes {
+    let mut line = Vec::with_capacity(object.len() + 32);
+    line.extend_from_slice(b"{\"type\":\"");
+    line.extend_from_slice(type_.as_bytes());
+    line.extend_from_slice(b"\",\"object\":");
+    line.extend_from_slice(object);
+    line.extend_from_slice(b"}\n");
+    Bytes::from(line)
+}
+
 fn watch_response(
     shared: &Arc<Shared>,
     kind: Kind,
+    ns: Option<String>,
     q: &BTreeMap<String, String>,
     mut dropped: watch::Receiver<u64>,
 ) -> Response<Body> {
@@ -514,48 +854,89 @@ fn watch_response(
         .and_then(|v| v.parse().ok())
         .unwrap_or(0);
     let bookmarks = q.get("allowWatchBookmarks").map(String::as_str) == Some("true");
+    let initial_events = q.get("sendInitialEvents").map(String::as_str) == Some("true");
+    if initial_events {
+        let on = shared.state.lock().expect("state").watch_list;
+        if !on {
+            return error(
+                422,
+                "Invalid",
+                "sendInitialEvents is forbidden for watch unless the WatchList feature gate is enabled",
+            );
+        }
+        if q.get("resourceVersionMatch").map(String::as_str) != Some("NotOlderThan") {
+            return error(
+                422,
+                "Invalid",
+                "sendInitialEvents requires resourceVersionMatch=NotOlderThan",
+            );
+        }
+    }
     let asked = q
         .get("timeoutSeconds")
         .and_then(|v| v.parse().ok())
         .map_or(Duration::from_secs(290), Duration::from_secs);
+    let sel = Selector::parse(q);
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, io::Error>>(64);
     let shared = shared.clone();
-    let q = q.clone();
     tokio::spawn(async move {
-        let line = |v: Value| Ok(Frame::data(Bytes::from(format!("{v}\n"))));
+        let line = |b: Bytes| Ok(Frame::data(b));
         let (max_watch, bookmark_every, compacted_below) = {
             let st = shared.state.lock().expect("state");
             (st.max_watch, st.bookmark_every, st.compacted_below)
         };
-        if from != 0 && from < compacted_below {
+        if from != 0 && from < compacted_below && !initial_events {
             let gone = status(410, "Expired", &format!("too old resource version: {from}"));
             let _ = tx
-                .send(line(json!({"type": "ERROR", "object": gone})))
+                .send(line(Bytes::from(
+                    json!({"type": "ERROR", "object": gone}).to_string() + "\n",
+                )))
                 .await;
             return;
         }
         let deadline = tokio::time::Instant::now() + asked.min(max_watch);
         let mut changed = shared.changed.subscribe();
         let mut sent = from;
-        if from == 0 {
-            // "Any" semantics: start with every current object as ADDED.
-            let st = shared.state.lock().expect("state");
-            for ((k, _, _), v) in &st.objects {
-                if *k == kind && matches(&q, kind, v) {
-                    let _ = tx.try_send(line(json!({"type": "ADDED", "object": v})));
+        if from == 0 || initial_events {
+            // "Any" semantics, or a streaming list: start with every current object as ADDED.
+            let initial: Vec<Bytes> = {
+                let st = shared.state.lock().expect("state");
+                sent = st.rv;
+                st.objects
+                    .iter()
+                    .filter(|((k, _, _), o)| *k == kind && sel.matches(ns.as_deref(), o))
+                    .map(|(_, o)| event_line("ADDED", &o.json))
+                    .collect()
+            };
+            for l in initial {
+                if tx.send(line(l)).await.is_err() {
+                    return;
                 }
             }
-            sent = st.rv;
+            if initial_events {
+                let (api_version, k) = kind.object_meta();
+                let bm = json!({"type": "BOOKMARK", "object": {"apiVersion": api_version,
+                    "kind": k, "metadata": {"resourceVersion": sent.to_string(),
+                    "annotations": {"k8s.io/initial-events-end": "true"}}}});
+                if tx
+                    .send(line(Bytes::from(bm.to_string() + "\n")))
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+            }
         }
         let mut bookmark = tokio::time::interval(bookmark_every);
         loop {
-            let pending: Vec<Value> = {
+            let pending: Vec<Bytes> = {
                 let st = shared.state.lock().expect("state");
-                let out = st
-                    .log
+                // The log is in resourceVersion order: start after what was sent.
+                let first = st.log.partition_point(|c| c.rv <= sent);
+                let out = st.log[first..]
                     .iter()
-                    .filter(|c| c.rv > sent && c.kind == kind && matches(&q, kind, &c.object))
-                    .map(|c| json!({"type": c.type_, "object": c.object}))
+                    .filter(|c| c.kind == kind && sel.matches(ns.as_deref(), &c.object))
+                    .map(|c| event_line(c.type_, &c.object.json))
                     .collect();
                 sent = sent.max(st.rv);
                 out
@@ -575,7 +956,7 @@ fn watch_response(
                     let (api_version, k) = kind.object_meta();
                     let bm = json!({"type": "BOOKMARK", "object": {"apiVersion": api_version,
                         "kind": k, "metadata": {"resourceVersion": sent.to_string()}}});
-                    if tx.send(line(bm)).await.is_err() {
+                    if tx.send(line(Bytes::from(bm.to_string() + "\n"))).await.is_err() {
                         return;
                     }
                 }
