@@ -73,16 +73,23 @@ struct FuzzArgs {
 #[derive(clap::Args)]
 struct BenchArgs {
     /// Only the connect4 hook benchmark.
-    #[arg(long, conflicts_with_all = ["proxies_only", "scrape_only", "hostile_only", "observer_only"])]
+    #[arg(long, conflicts_with_all = ["proxies_only", "scrape_only", "hostile_only", "observer_only", "scale_only"])]
     hook_only: bool,
     /// Only the proxy comparison (no root needed).
-    #[arg(long, conflicts_with_all = ["scrape_only", "hostile_only", "observer_only"])]
+    #[arg(long, conflicts_with_all = ["scrape_only", "hostile_only", "observer_only", "scale_only"])]
     proxies_only: bool,
     /// Only the observer at node scale: the real agent (`dist` build) observing 10,000
     /// connections with 100,000 conntrack entries in its node, then a full connection map
     /// (needs root; about 2 minutes). Written to docs/benchmarks.md.
-    #[arg(long, conflicts_with_all = ["scrape_only", "hostile_only"])]
+    #[arg(long, conflicts_with_all = ["scrape_only", "hostile_only", "scale_only"])]
     observer_only: bool,
+    /// Only the agent at cluster scale: the real agent (`dist` build) against the fake API
+    /// server with 1,000-10,000 Services x 10-50 endpoints, 10 opted in: time and CPU to
+    /// ready, memory across churn and forced relists, CPU under slice churn, opt-in latency
+    /// (needs root; about 5 minutes). Written to docs/benchmarks.md. Pass
+    /// `-- --agent LABEL=PATH` to run another agent binary beside it.
+    #[arg(long, conflicts_with_all = ["scrape_only", "hostile_only"])]
+    scale_only: bool,
     /// Also build skewless-proxy at this git revision (into target/bench-baseline/, its own
     /// target directory) and run it beside this tree's as `skewless@REV`, compared run by run:
     /// the before/after figures of a data-path change, e.g. `--baseline ae9ca9d -- --targets
@@ -128,7 +135,8 @@ fn main() -> Result<()> {
                 || args.proxies_only
                 || args.scrape_only
                 || args.hostile_only
-                || args.observer_only;
+                || args.observer_only
+                || args.scale_only;
             if args.hook_only || !only {
                 hook_bench()?;
             }
@@ -140,6 +148,9 @@ fn main() -> Result<()> {
             }
             if args.observer_only || !only {
                 observer_bench(&args)?;
+            }
+            if args.scale_only || !only {
+                scale_bench(&args)?;
             }
             if args.proxies_only || !only {
                 proxy_bench(&args)?;
@@ -264,6 +275,57 @@ fn observer_bench(args: &BenchArgs) -> Result<()> {
         .arg("--command")
         .arg(shown);
     if args.observer_only {
+        cmd.args(&args.bench_args);
+    }
+    setup::run(&mut cmd)
+}
+
+/// The agent at cluster scale (skewless-bench's `skewless-scale-bench`): the `dist` agent
+/// against the fake API server; written to docs/benchmarks.md.
+fn scale_bench(args: &BenchArgs) -> Result<()> {
+    if !is_root() {
+        bail!("the scale benchmark needs root (the agent loads its eBPF programs); run as root");
+    }
+    println!("==> bench: the agent at cluster scale (1,000-10,000 Services, fake API server)");
+    // As for the observer: the agent alone, as it ships.
+    build(
+        "bench: building the agent",
+        &[
+            "--profile",
+            "dist",
+            "--package",
+            "skewless",
+            "--bin",
+            "skewless",
+        ],
+    )?;
+    // Optimized: it generates up to 1,000 slice changes a second beside the agent.
+    build(
+        "bench: building the scale benchmark",
+        &[
+            "--release",
+            "--package",
+            "skewless-bench",
+            "--bin",
+            "skewless-scale-bench",
+        ],
+    )?;
+    let mut shown = String::from("cargo xtask bench --scale-only");
+    if args.scale_only && !args.bench_args.is_empty() {
+        shown.push_str(" -- ");
+        shown.push_str(&shell_words(&args.bench_args));
+    }
+    let mut cmd = Command::new(target_dir().join("release/skewless-scale-bench"));
+    cmd.arg("--agent")
+        .arg(format!(
+            "this tree={}",
+            target_dir().join("dist/skewless").display()
+        ))
+        .arg("--write")
+        .arg(workspace_root().join("docs/benchmarks.md"))
+        .arg("--command")
+        .arg(shown);
+    if args.scale_only {
         cmd.args(&args.bench_args);
     }
     setup::run(&mut cmd)

@@ -153,7 +153,7 @@ fn note(problems: &str, outcome: &str) -> String {
 }
 
 /// Reference to the Service an Event is about.
-pub(crate) fn service_ref(svc: &k8s_openapi::api::core::v1::Service) -> ObjectReference {
+pub(crate) fn service_ref(svc: &crate::ServiceObject) -> ObjectReference {
     svc.object_ref(&())
 }
 

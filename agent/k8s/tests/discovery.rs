@@ -443,3 +443,206 @@ async fn endpointslice_change_is_published_within_100ms() {
         "p50 {p50:?} over the 100 ms target"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn opt_in_fetches_the_services_slices_and_opt_out_drops_them() {
+    let api = FakeApi::start().await;
+    api.apply(&mk_service("web", &[]));
+    api.apply(&mk_slice("web-a", "web", 2));
+    api.apply(&mk_slice("other-a", "other", 3));
+    let mut agent = start_agent(&api);
+    wait_for(&mut agent.synced, WAIT, "initial lists done", |s| {
+        s.then_some(())
+    })
+    .await;
+    assert!(agent.snapshots.borrow().is_empty());
+
+    api.apply(&mk_service("web", &[(annotations::MODE, "request")]));
+    wait_for(
+        &mut agent.snapshots,
+        WAIT,
+        "web published with its slice",
+        |s| ready(s, "web").filter(|n| *n == 2),
+    )
+    .await;
+    let fetch = api
+        .requests()
+        .into_iter()
+        .find(|r| r.path == "/apis/discovery.k8s.io/v1/namespaces/ns/endpointslices")
+        .expect("the opt-in lists the Service's slices in its namespace");
+    assert_eq!(
+        fetch.query.get("labelSelector").map(String::as_str),
+        Some("kubernetes.io/service-name=web"),
+        "by the service-name label: {fetch:?}"
+    );
+    assert!(!fetch.is_quorum_read(), "from the watch cache: {fetch:?}");
+
+    // Changes after the fetch arrive through the watch.
+    api.apply(&mk_slice("web-a", "web", 5));
+    wait_for(&mut agent.snapshots, WAIT, "5 endpoints", |s| {
+        ready(s, "web").filter(|n| *n == 5)
+    })
+    .await;
+    api.apply(&mk_service("web", &[]));
+    wait_for(&mut agent.snapshots, WAIT, "opted out", |s| {
+        s.is_empty().then_some(())
+    })
+    .await;
+    // Opting in again fetches again: the slices were dropped with the opt-out.
+    api.apply(&mk_slice("web-a", "web", 4));
+    api.apply(&mk_service("web", &[(annotations::MODE, "observe")]));
+    wait_for(
+        &mut agent.snapshots,
+        WAIT,
+        "web back with 4 endpoints",
+        |s| ready(s, "web").filter(|n| *n == 4),
+    )
+    .await;
+}
+
+/// A cluster of 600 slices (more than a page) and an opted-in `web`; returns the agent once
+/// `web` is published, after a relist and an opt-in's fetch.
+async fn list_relist_and_fetch(api: &FakeApi) -> Agent {
+    api.apply(&mk_node(NODE, "zone-1"));
+    api.apply(&mk_service("web", &[(annotations::MODE, "request")]));
+    api.change(|c| {
+        for i in 0..600 {
+            c.apply(&mk_slice(&format!("s-{i}"), &format!("svc-{i}"), 1));
+        }
+        c.apply(&mk_slice("web-a", "web", 2));
+    });
+    let mut agent = start_agent(api);
+    wait_for(&mut agent.snapshots, WAIT, "web published", |s| {
+        ready(s, "web").filter(|n| *n == 2)
+    })
+    .await;
+    watches_open(api).await;
+    // A relist: history compacted behind the watches, which then get 410 Gone.
+    let lists = api.full_lists("/api/v1/services");
+    api.change_behind_watches(|c| c.apply(&mk_slice("web-a", "web", 3)));
+    wait_for(&mut agent.snapshots, WAIT, "relisted", |s| {
+        ready(s, "web").filter(|n| *n == 3)
+    })
+    .await;
+    eventually(WAIT, "services relisted", || {
+        api.full_lists("/api/v1/services") > lists
+    })
+    .await;
+    // An opt-in's fetch.
+    api.apply(&mk_service("svc-7", &[(annotations::MODE, "request")]));
+    wait_for(&mut agent.snapshots, WAIT, "svc-7 published", |s| {
+        ready(s, "svc-7").filter(|n| *n == 1)
+    })
+    .await;
+    agent
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn initial_lists_relists_and_fetches_are_not_quorum_reads() {
+    let api = FakeApi::start().await;
+    let _agent = list_relist_and_fetch(&api).await;
+    let requests = api.requests();
+    let quorum: Vec<_> = requests.iter().filter(|r| r.is_quorum_read()).collect();
+    assert!(
+        quorum.is_empty(),
+        "no list may need a quorum read: {quorum:#?}"
+    );
+    let streamed: Vec<_> = requests
+        .iter()
+        .filter(|r| r.is_watch() && r.query.contains_key("sendInitialEvents"))
+        .collect();
+    for path in [
+        "/api/v1/services",
+        "/apis/discovery.k8s.io/v1/endpointslices",
+        "/api/v1/nodes",
+    ] {
+        assert!(
+            streamed.iter().filter(|r| r.path == path).count() >= 1,
+            "{path} is listed by a streaming list: {requests:#?}"
+        );
+    }
+    assert!(
+        streamed
+            .iter()
+            .filter(|r| r.path == "/api/v1/services")
+            .count()
+            >= 2,
+        "the relist is a streaming list too: {requests:#?}"
+    );
+    let lists: Vec<_> = requests.iter().filter(|r| r.is_list()).collect();
+    assert!(
+        lists.iter().all(|r| r.path.contains("/namespaces/")
+            && r.query.get("resourceVersionMatch").map(String::as_str) == Some("NotOlderThan")),
+        "the only lists are opt-ins' fetches, from the cache: {lists:#?}"
+    );
+    assert!(
+        requests.iter().filter(|r| r.is_watch()).all(|r| r
+            .query
+            .get("allowWatchBookmarks")
+            .map(String::as_str)
+            == Some("true")),
+        "every watch asks for bookmarks"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_api_server_without_streaming_lists_gets_paged_lists() {
+    let api = FakeApi::start().await;
+    api.set_watch_list(false);
+    let _agent = list_relist_and_fetch(&api).await;
+    let requests = api.requests();
+    let lists: Vec<_> = requests
+        .iter()
+        .filter(|r| r.is_list() && !r.path.contains("/namespaces/"))
+        .collect();
+    assert!(
+        lists.iter().any(|r| r.query.contains_key("continue")),
+        "the slice list is paged: {lists:#?}"
+    );
+    assert!(
+        lists.iter().all(|r| r.query.contains_key("continue")
+            || r.query.get("limit").map(String::as_str) == Some("500")),
+        "every list is paged: {lists:#?}"
+    );
+    assert!(
+        requests
+            .iter()
+            .filter(|r| r.is_watch() && r.query.contains_key("sendInitialEvents"))
+            .count()
+            <= 3,
+        "refused once per resource, then never asked again: {requests:#?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_change_made_while_an_opt_ins_fetch_is_in_flight_is_not_lost() {
+    let api = FakeApi::start().await;
+    api.apply(&mk_service("web", &[]));
+    api.apply(&mk_slice("web-a", "web", 2));
+    let mut agent = start_agent(&api);
+    wait_for(&mut agent.synced, WAIT, "initial lists done", |s| {
+        s.then_some(())
+    })
+    .await;
+    // The fetch's answer is older than the change below, which the watch delivers first.
+    api.set_list_delay(Duration::from_millis(500));
+    api.apply(&mk_service("web", &[(annotations::MODE, "request")]));
+    let fetches = || {
+        api.requests()
+            .iter()
+            .filter(|r| r.path == "/apis/discovery.k8s.io/v1/namespaces/ns/endpointslices")
+            .count()
+    };
+    eventually(WAIT, "the fetch is asked", || fetches() == 1).await;
+    api.apply(&mk_slice("web-a", "web", 5));
+    let first = wait_for(&mut agent.snapshots, WAIT, "web published", |s| {
+        ready(s, "web")
+    })
+    .await;
+    assert_eq!(
+        first, 5,
+        "published once, with the change made during the fetch on top of the list"
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(ready(&agent.snapshots.borrow(), "web"), Some(5));
+}

@@ -6,7 +6,7 @@ use std::{
     net::{IpAddr, SocketAddr},
 };
 
-use crate::service::{ServicePort, valid_port};
+use crate::service::{ServiceKey, ServicePort, valid_port};
 
 /// Identifies an EndpointSlice.
 #[derive(Clone, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -24,6 +24,15 @@ pub struct SliceInput {
     pub service_name: Option<String>,
     pub ports: Vec<SlicePortInput>,
     pub endpoints: Vec<EndpointInput>,
+}
+
+impl SliceInput {
+    /// The Service this slice belongs to, if any.
+    #[must_use]
+    pub fn owner(&self) -> Option<ServiceKey> {
+        let name = self.service_name.as_ref()?;
+        Some(ServiceKey::new(self.key.namespace.clone(), name.clone()))
+    }
 }
 
 /// One `ports[]` entry of a slice. Its `name` is the Service port's name; its `port` is the

@@ -83,13 +83,13 @@ fn changed(rx: &mut watch::Receiver<Snapshot>) -> bool {
 fn opted_in_service_is_published_with_its_endpoints() {
     let mut index = Index::new(Metrics::default());
     let mut rx = index.subscribe();
-    index.apply_slice(&mk_slice("web-a", "web", 8080, &["10.0.0.1", "10.0.0.2"]));
-    assert!(
-        !changed(&mut rx),
-        "a slice of a Service not opted in publishes nothing"
-    );
     index.apply_service(&mk_service("web", Some("request")));
     assert!(changed(&mut rx), "opting in must publish");
+    index.apply_slice(&mk_slice("web-a", "web", 8080, &["10.0.0.1", "10.0.0.2"]));
+    assert!(
+        changed(&mut rx),
+        "a slice of an opted-in Service must publish"
+    );
     let snap = rx.borrow().clone();
     assert_eq!(
         ready_addrs(&snap, "web"),
@@ -102,6 +102,157 @@ fn opted_in_service_is_published_with_its_endpoints() {
     assert_eq!(vips.len(), 1);
     assert_eq!(vips[0].addr, "10.96.0.10:80".parse().unwrap());
     assert_eq!(vips[0].mode, Mode::Request);
+}
+
+#[test]
+fn slices_of_services_not_opted_in_are_not_kept() {
+    let mut index = Index::new(Metrics::default());
+    let mut rx = index.subscribe();
+    index.apply_service(&mk_service("other", None));
+    index.apply_slice(&mk_slice("web-a", "web", 8080, &["10.0.0.1"]));
+    index.apply_slice(&mk_slice("other-a", "other", 8080, &["10.0.0.2"]));
+    assert!(!changed(&mut rx), "nothing opted in, nothing published");
+    assert_eq!(
+        index.slice_count(),
+        0,
+        "no slice of a Service without skewless.io/mode is kept"
+    );
+}
+
+#[test]
+fn opt_out_drops_the_services_slices() {
+    let mut index = Index::new(Metrics::default());
+    let rx = index.subscribe();
+    index.apply_service(&mk_service("web", Some("request")));
+    index.apply_slice(&mk_slice("web-a", "web", 8080, &["10.0.0.1"]));
+    index.apply_slice(&mk_slice("web-b", "web", 8080, &["10.0.0.2"]));
+    assert_eq!(index.slice_count(), 2);
+    index.apply_service(&mk_service("web", None));
+    assert_eq!(
+        index.slice_count(),
+        0,
+        "opt-out must drop the slices from memory"
+    );
+    assert!(rx.borrow().is_empty());
+    index.apply_service(&mk_service("web", Some("request")));
+    index.apply_slice(&mk_slice("web-c", "web", 8080, &["10.0.0.3"]));
+    index.delete_service(&mk_key("web"));
+    assert_eq!(
+        index.slice_count(),
+        0,
+        "deleting the Service drops its slices"
+    );
+}
+
+#[test]
+fn with_fetch_on_opt_in_a_new_opt_in_waits_for_its_slices() {
+    let mut index = Index::new(Metrics::default());
+    let mut rx = index.subscribe();
+    index.apply_service(&mk_service("early", Some("request")));
+    index.fetch_on_opt_in();
+    assert!(
+        index.take_fetches().is_empty(),
+        "Services wanted before are not fetched"
+    );
+    changed(&mut rx);
+    index.apply_service(&mk_service("web", Some("request")));
+    assert!(index.awaits_slices(&mk_key("web")));
+    assert!(
+        !changed(&mut rx),
+        "an opt-in waiting for its slices is not published"
+    );
+    index.apply_slice(&mk_slice("web-a", "web", 8080, &["10.0.0.9"]));
+    assert_eq!(
+        index.slice_count(),
+        0,
+        "the fetch brings its slices, not the stream"
+    );
+    assert_eq!(index.take_fetches(), vec![mk_key("web")]);
+    assert!(
+        index.take_fetches().is_empty(),
+        "each opt-in is fetched once"
+    );
+    index.reset_service_slices(
+        &mk_key("web"),
+        &[
+            mk_slice("web-a", "web", 8080, &["10.0.0.1"]),
+            mk_slice("x-a", "x", 8080, &["10.0.0.2"]),
+        ],
+    );
+    assert!(changed(&mut rx), "its slices in, it is published");
+    assert_eq!(
+        ready_addrs(&rx.borrow(), "web"),
+        vec!["10.0.0.1:8080".parse::<SocketAddr>().unwrap()]
+    );
+    assert_eq!(
+        index.slice_count(),
+        1,
+        "slices of another Service in the fetch are ignored"
+    );
+    index.apply_slice(&mk_slice("web-b", "web", 8080, &["10.0.0.3"]));
+    assert_eq!(
+        ready_addrs(&rx.borrow(), "web").len(),
+        2,
+        "then the stream's changes apply"
+    );
+
+    index.apply_service(&mk_service("gone", Some("request")));
+    index.apply_service(&mk_service("gone", None));
+    assert!(
+        index.take_fetches().is_empty(),
+        "an opt-out cancels its fetch"
+    );
+    index.reset_service_slices(
+        &mk_key("gone"),
+        &[mk_slice("gone-a", "gone", 8080, &["10.0.0.4"])],
+    );
+    assert_eq!(
+        index.slice_count(),
+        2,
+        "a late fetch of an opted-out Service is ignored"
+    );
+}
+
+#[test]
+fn incremental_relists_apply_as_they_go_and_sweep_at_the_end() {
+    let mut index = Index::new(Metrics::default());
+    let rx = index.subscribe();
+    for name in ["a", "b"] {
+        index.apply_service(&mk_service(name, Some("request")));
+    }
+    index.apply_slice(&mk_slice("a-1", "a", 8080, &["10.0.0.1"]));
+    index.apply_slice(&mk_slice("a-2", "a", 8080, &["10.0.0.2"]));
+    index.fetch_on_opt_in();
+
+    index.begin_services_relist();
+    index.apply_service(&mk_service("a", Some("connection")));
+    assert_eq!(
+        rx.borrow().get(&mk_key("a")).unwrap().mode,
+        Mode::Connection,
+        "applied at once"
+    );
+    assert_eq!(rx.borrow().len(), 2, "nothing is forgotten before the end");
+    index.end_services_relist();
+    assert!(
+        rx.borrow().get(&mk_key("b")).is_none(),
+        "b was not relisted"
+    );
+
+    index.begin_slices_relist();
+    index.apply_service(&mk_service("c", Some("request")));
+    index.reset_service_slices(&mk_key("c"), &[mk_slice("c-1", "c", 8080, &["10.0.0.3"])]);
+    index.apply_slice(&mk_slice("a-2", "a", 8080, &["10.0.0.5"]));
+    index.end_slices_relist();
+    assert_eq!(
+        ready_addrs(&rx.borrow(), "a"),
+        vec!["10.0.0.5:8080".parse::<SocketAddr>().unwrap()],
+        "a-1 was not relisted"
+    );
+    assert_eq!(
+        ready_addrs(&rx.borrow(), "c").len(),
+        1,
+        "a Service that opted in during the relist keeps what its fetch brought"
+    );
 }
 
 #[test]
