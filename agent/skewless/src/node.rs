@@ -72,26 +72,30 @@ pub struct BalancerAddress {
 }
 
 impl BalancerAddress {
-    /// Makes sure every one of `ips` is an address of the node, adding the missing ones to
-    /// `lo` as /32 (/128), and claims them.
+    /// A route netlink connection and `lo`'s index, with nothing claimed yet.
     ///
     /// # Errors
-    /// When netlink refuses (no CAP_NET_ADMIN) or a claim cannot be bound within 10 s.
-    pub async fn ensure(ips: &[IpAddr]) -> Result<Self, Error> {
+    /// When the netlink socket cannot be opened or the node has no `lo`.
+    pub async fn connect() -> Result<Self, Error> {
         let (connection, handle, _) = rtnetlink::new_connection().map_err(Error::Socket)?;
         tokio::spawn(connection);
         let lo = loopback_index(&handle).await?;
-        let mut this = Self {
+        Ok(Self {
             netlink: Netlink { handle, lo },
             claimed: Vec::new(),
-        };
-        for &ip in ips {
-            let claimed = this.claim(ip).await?;
-            this.claimed.push(claimed);
-        }
-        Ok(this)
+        })
     }
 
+    fn has(&self, ip: IpAddr) -> bool {
+        self.claimed.iter().any(|c| c.ip == ip)
+    }
+
+    /// Makes sure `ip` is an address of the node, adding it to `lo` as /32 (/128) when no
+    /// interface has it, and claims it.
+    ///
+    /// # Errors
+    /// When netlink refuses (no CAP_NET_ADMIN, IPv6 off) or the claim cannot be bound
+    /// within 10 s.
     async fn claim(&self, ip: IpAddr) -> Result<Claimed, Error> {
         let started = tokio::time::Instant::now();
         let mut added = false;
@@ -297,21 +301,37 @@ impl BalancerAddresses {
         }
     }
 
-    /// Claims the addresses (adding the missing ones), or, once claimed, adds back any that
-    /// was removed. A failure is logged and tried again on the next call; meanwhile the
-    /// balancers cannot bind, and their Services show as not served.
+    /// Claims each address not claimed yet (adding it when missing), and adds back any
+    /// claimed one that was removed. A failure is logged and tried again on the next call;
+    /// meanwhile the balancers of that address cannot bind, and their Services show as not
+    /// served. Each address stands alone: one that fails leaves the others served.
     pub async fn ensure(&self) {
         let mut claimed = self.claimed.lock().await;
-        match claimed.as_ref() {
-            Some(address) => address.repair().await,
-            None => match BalancerAddress::ensure(&self.ips).await {
+        if claimed.is_none() {
+            match BalancerAddress::connect().await {
                 Ok(address) => *claimed = Some(address),
+                Err(error) => {
+                    tracing::error!(error = %format!("{error:#}"), "cannot reach route netlink; the balancer address is not set up");
+                    return;
+                }
+            }
+        }
+        let Some(address) = claimed.as_mut() else {
+            return;
+        };
+        address.repair().await;
+        for &ip in &self.ips {
+            if address.has(ip) {
+                continue;
+            }
+            match address.claim(ip).await {
+                Ok(c) => address.claimed.push(c),
                 Err(error) => tracing::error!(
-                    ips = ?self.ips,
+                    %ip,
                     error = %format!("{error:#}"),
-                    "cannot set up the balancer address; Services cannot be served until it exists"
+                    "cannot set up the balancer address; its Services cannot be served until it exists"
                 ),
-            },
+            }
         }
     }
 
