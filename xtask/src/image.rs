@@ -12,6 +12,9 @@ use std::{path::PathBuf, process::Command, time::Instant};
 use anyhow::{Context as _, Result, ensure};
 use skewless_testbed::container::{self, Base, BaseOptions};
 
+/// Debian's bundle of the CAs this machine trusts (ca-certificates).
+const HOST_CA_BUNDLE: &str = "/etc/ssl/certs/ca-certificates.crt";
+
 /// The image must stay below this (the runtime base is ~5 MB; the rest is the agent).
 const MAX_IMAGE_BYTES: u64 = 40_000_000;
 
@@ -28,7 +31,9 @@ pub struct Args {
     /// Debian mirror for the base images [default: this machine's apt sources].
     #[arg(long, value_name = "URL")]
     mirror: Option<String>,
-    /// An extra CA certificate (PEM) trusted by apt and by the build (a proxy's CA).
+    /// CA certificates (PEM, one or a bundle) trusted by apt and by the build, e.g. a
+    /// TLS-inspecting proxy's [default: this machine's bundle, /etc/ssl/certs/ca-certificates.crt,
+    /// so the build trusts what the host's cargo trusts].
     #[arg(long, value_name = "FILE")]
     ca_cert: Option<PathBuf>,
     /// A cargo config file for the build, e.g. a crate source replacement or a registry
@@ -45,6 +50,10 @@ pub fn run(args: &Args) -> Result<()> {
         ca_cert,
         cargo_config,
     } = args;
+    let host_bundle = std::path::Path::new(HOST_CA_BUNDLE);
+    let ca_cert = ca_cert
+        .clone()
+        .or_else(|| host_bundle.is_file().then(|| host_bundle.to_owned()));
     let opts = BaseOptions {
         mirror: mirror.clone(),
         ca_cert: ca_cert.as_ref().map(|p| absolute(p)).transpose()?,
