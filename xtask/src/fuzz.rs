@@ -8,8 +8,19 @@
 //! `<crate>/fuzz/corpus/<target>` (not committed) and starts from the committed seeds in
 //! `<crate>/fuzz/seeds/<target>` when there are any; a finding is written to
 //! `<crate>/fuzz/artifacts/<target>/` and fails the tier.
+//!
+//! libFuzzer runs one process on one core, so the targets run [`LANES`] at a time, each for
+//! its full time: the same fuzzing per target in less wall time. Each target's output goes to
+//! `target/fuzz/logs/<target>.log`; a finding prints its tail.
 
-use std::{process::Command, time::Instant};
+use std::{
+    collections::VecDeque,
+    fs::File,
+    io::{BufRead as _, BufReader},
+    path::PathBuf,
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
 
 use anyhow::{Context as _, Result, ensure};
 
@@ -54,8 +65,13 @@ pub(crate) const TARGETS: &[(&str, &str, &str)] = &[
     ),
 ];
 
-/// Seconds per target in `cargo xtask test`: 7 targets, 3.5 minutes of fuzzing.
+/// Seconds per target in `cargo xtask test`: 7 targets, 3.5 minutes of fuzzing, in under 2
+/// minutes of wall time on two cores.
 pub(crate) const TEST_SECS: u64 = 30;
+
+/// Targets fuzzed at the same time: libFuzzer is single-threaded and these machines have two
+/// cores.
+pub(crate) const LANES: usize = 2;
 
 /// The command that fuzzes one target for `secs` seconds.
 fn command(dir: &str, target: &str, secs: u64) -> Command {
@@ -85,7 +101,9 @@ fn command(dir: &str, target: &str, secs: u64) -> Command {
     cmd
 }
 
-/// Fuzzes the targets whose name contains `filter` (all without one) for `secs` seconds each.
+/// Fuzzes the targets whose name contains `filter` (all without one) for `secs` seconds each,
+/// [`LANES`] at a time. Every fuzz directory is built first (one cargo build per directory,
+/// all its targets), so the fuzzing runs do not wait on each other's builds.
 ///
 /// # Errors
 /// When a target fails to build or finds a crash, hang or leak.
@@ -95,30 +113,160 @@ pub(crate) fn run(secs: u64, filter: Option<&str>) -> Result<()> {
         .filter(|(_, t, _)| filter.is_none_or(|f| t.contains(f)))
         .collect();
     ensure!(!chosen.is_empty(), "no fuzz target matches {filter:?}");
-    for (i, (dir, target, what)) in chosen.iter().enumerate() {
+    let root = workspace_root();
+    let mut dirs: Vec<&str> = chosen.iter().map(|(d, _, _)| *d).collect();
+    dirs.dedup();
+    for (i, dir) in dirs.iter().enumerate() {
         let started = Instant::now();
         println!(
-            "==> fuzz [{}/{}] {target} ({what}), {secs} s (a first build takes minutes)",
+            "==> fuzz build [{}/{}] {dir} (sanitizer build; a first build takes minutes)",
             i + 1,
-            chosen.len()
+            dirs.len()
         );
-        std::fs::create_dir_all(workspace_root().join(dir).join("corpus").join(target))
-            .context("creating the corpus directory")?;
-        let mut cmd = command(dir, target, secs);
-        let status = cmd
+        let mut build = build_command(dir);
+        let status = build
             .status()
-            .with_context(|| format!("could not start {cmd:?}"))?;
+            .with_context(|| format!("could not start {build:?}"))?;
         ensure!(
             status.success(),
-            "fuzz target {target} failed ({status}); the input is in {dir}/artifacts/{target}/, \
-             replay it with `RUSTC_BOOTSTRAP=1 cargo +stable fuzz run {target} --fuzz-dir {dir} <file>`"
+            "building the fuzz targets of {dir} failed ({status})"
         );
         println!(
-            "==> fuzz [{}/{}] {target}: no finding in {:.0?}",
+            "==> fuzz build [{}/{}] {dir}: done in {:.0?}",
             i + 1,
-            chosen.len(),
+            dirs.len(),
             started.elapsed()
         );
     }
+    let logs = root.join("target/fuzz/logs");
+    std::fs::create_dir_all(&logs).context("creating target/fuzz/logs")?;
+    let started = Instant::now();
+    let mut queue: VecDeque<_> = chosen.iter().copied().collect();
+    let mut running: Vec<Running> = Vec::new();
+    let total = chosen.len();
+    let mut done = 0;
+    while !queue.is_empty() || !running.is_empty() {
+        while running.len() < LANES
+            && let Some(&(dir, target, what)) = queue.pop_front()
+        {
+            std::fs::create_dir_all(root.join(dir).join("corpus").join(target))
+                .context("creating the corpus directory")?;
+            let log = logs.join(format!("{target}.log"));
+            let out = File::create(&log).with_context(|| format!("creating {}", log.display()))?;
+            let mut cmd = command(dir, target, secs);
+            cmd.stdout(out.try_clone()?)
+                .stderr(out)
+                .stdin(Stdio::null());
+            let child = cmd
+                .spawn()
+                .with_context(|| format!("could not start {cmd:?}"))?;
+            println!(
+                "==> fuzz {target} ({what}), {secs} s, log {}",
+                log.display()
+            );
+            running.push(Running {
+                child,
+                dir,
+                target,
+                log,
+                started: Instant::now(),
+            });
+        }
+        std::thread::sleep(Duration::from_millis(200));
+        let mut i = 0;
+        while i < running.len() {
+            let Some(status) = running[i].child.try_wait()? else {
+                i += 1;
+                continue;
+            };
+            let r = running.swap_remove(i);
+            done += 1;
+            if !status.success() {
+                for p in &mut running {
+                    let _ = p.child.kill();
+                    let _ = p.child.wait();
+                }
+                print_tail(&r.log, 40);
+                anyhow::bail!(
+                    "fuzz target {} failed ({status}); the input is in {}/artifacts/{}/, \
+                     replay it with `RUSTC_BOOTSTRAP=1 cargo +stable fuzz run {} --fuzz-dir {} <file>`",
+                    r.target,
+                    r.dir,
+                    r.target,
+                    r.target,
+                    r.dir
+                );
+            }
+            println!(
+                "==> fuzz [{done}/{total}] {}: no finding in {:.0?} ({})",
+                r.target,
+                r.started.elapsed(),
+                final_stats(&r.log)
+            );
+        }
+    }
+    println!(
+        "==> fuzz: {total} targets, {secs} s each, in {:.0?}",
+        started.elapsed()
+    );
     Ok(())
+}
+
+/// One fuzzing process and where its output goes.
+struct Running {
+    child: Child,
+    dir: &'static str,
+    target: &'static str,
+    log: PathBuf,
+    started: Instant,
+}
+
+/// `cargo fuzz build` of every target in `dir`, into the shared `target/fuzz`.
+fn build_command(dir: &str) -> Command {
+    let root = workspace_root();
+    let mut cmd = Command::new("rustup");
+    cmd.current_dir(&root)
+        .env("RUSTC_BOOTSTRAP", "1")
+        .args(["run", "stable", "cargo", "fuzz", "build"])
+        .arg("--fuzz-dir")
+        .arg(dir)
+        .arg("--target-dir")
+        .arg(root.join("target/fuzz"));
+    cmd
+}
+
+/// libFuzzer's run count and coverage from its final stats (`-print_final_stats=1`).
+fn final_stats(log: &std::path::Path) -> String {
+    let Ok(f) = File::open(log) else {
+        return "no log".into();
+    };
+    let stat = |line: &str, key: &str| {
+        line.strip_prefix(key)
+            .and_then(|r| r.split_whitespace().last())
+            .map(str::to_owned)
+    };
+    let (mut runs, mut cov) = (None, None);
+    for line in BufReader::new(f).lines().map_while(Result::ok) {
+        runs = stat(&line, "stat::number_of_executed_units:").or(runs);
+        if line.starts_with('#') && line.contains(" cov: ") {
+            cov = line
+                .split(" cov: ")
+                .nth(1)
+                .and_then(|r| r.split_whitespace().next())
+                .map(str::to_owned);
+        }
+    }
+    format!(
+        "{} runs, coverage {}",
+        runs.as_deref().unwrap_or("?"),
+        cov.as_deref().unwrap_or("?")
+    )
+}
+
+fn print_tail(log: &std::path::Path, lines: usize) {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let all: Vec<&str> = text.lines().collect();
+    for line in &all[all.len().saturating_sub(lines)..] {
+        println!("{line}");
+    }
 }

@@ -561,11 +561,19 @@ fn test(args: TestArgs) -> Result<()> {
             "sources",
         ]);
         tiers.push(("dependency policy (cargo deny)", deny));
+        // nextest runs every test in its own process, test binaries side by side, so a binary
+        // whose tests wait on sockets or timers does not hold up the others; doctests (which
+        // nextest does not run) follow with libtest.
         let mut unit_tests = cargo();
         unit_tests
-            .args(["test", "--workspace", "--"])
+            .args(["nextest", "run", "--workspace", "--no-tests=fail", "--"])
             .args(&test_args);
         tiers.push(("unit tests", unit_tests));
+        let mut doc_tests = cargo();
+        doc_tests
+            .args(["test", "--workspace", "--doc", "--"])
+            .args(&test_args);
+        tiers.push(("doctests", doc_tests));
         // This binary again, so the tier's output and failure go through the same runner.
         let mut fuzzing = Command::new(std::env::current_exe()?);
         fuzzing.args(["fuzz", "--secs", &fuzz::TEST_SECS.to_string()]);
@@ -586,13 +594,24 @@ fn test(args: TestArgs) -> Result<()> {
         let mut privileged_tests = cargo();
         // The privileged tests are the ones marked #[ignore = "privileged: ..."]; they run
         // here, on the real kernel, and nowhere else.
-        privileged_tests
-            .args(["test", "--workspace", "--", "--ignored", "--test-threads=2"])
-            .args(&test_args);
+        // Two at a time, as libtest's `--test-threads=2` ran them, but across binaries.
+        privileged_tests.args([
+            "nextest",
+            "run",
+            "--workspace",
+            "--run-ignored",
+            "only",
+            "--test-threads=2",
+        ]);
+        let mut left_out = Vec::new();
         for (test, why) in BARS_NOT_MET {
             println!("==> NOT RUN (its bar is not met): {test}: {why}");
-            privileged_tests.args(["--skip", test]);
+            left_out.push(format!("not test(={test})"));
         }
+        if !left_out.is_empty() {
+            privileged_tests.args(["-E", &left_out.join(" and ")]);
+        }
+        privileged_tests.arg("--").args(&test_args);
         tiers.push(("privileged tests (real kernel)", privileged_tests));
     }
     let total = tiers.len();
@@ -625,27 +644,74 @@ struct TestCounts {
     failed: u64,
 }
 
-/// Runs a tier, echoing its output, and adds up libtest's `test result:` lines.
+/// Runs a tier, echoing its output, and adds up libtest's `test result:` lines and nextest's
+/// `Summary` line (nextest reports on stderr).
 fn run_counting(cmd: &mut Command, counts: &mut TestCounts) -> Result<()> {
     use std::io::{BufRead as _, BufReader};
     let mut child = cmd
         .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
         .spawn()
         .map_err(|e| anyhow::anyhow!("could not start {cmd:?}: {e}"))?;
+    let stderr = child.stderr.take().map(|err| {
+        std::thread::spawn(move || {
+            let mut counts = TestCounts::default();
+            for line in BufReader::new(err).lines().map_while(Result::ok) {
+                eprintln!("{line}");
+                count_line(&line, &mut counts);
+            }
+            counts
+        })
+    });
     if let Some(out) = child.stdout.take() {
         for line in BufReader::new(out).lines() {
             let line = line?;
             println!("{line}");
-            if let Some(rest) = line.strip_prefix("test result: ") {
-                let (passed, failed) = parse_test_result(rest);
-                counts.passed += passed;
-                counts.failed += failed;
-            }
+            count_line(&line, counts);
         }
+    }
+    if let Some(from_stderr) = stderr.and_then(|t| t.join().ok()) {
+        counts.passed += from_stderr.passed;
+        counts.failed += from_stderr.failed;
     }
     let status = child.wait()?;
     anyhow::ensure!(status.success(), "{cmd:?} exited with {status}");
     Ok(())
+}
+
+/// Adds a libtest `test result:` line or a nextest `Summary` line to `counts`.
+fn count_line(line: &str, counts: &mut TestCounts) {
+    let (passed, failed) = if let Some(rest) = line.strip_prefix("test result: ") {
+        parse_test_result(rest)
+    } else if let Some(rest) = line.trim_start().strip_prefix("Summary [") {
+        parse_nextest_summary(rest)
+    } else {
+        return;
+    };
+    counts.passed += passed;
+    counts.failed += failed;
+}
+
+/// Parses the part after `Summary [` of nextest's closing line, e.g.
+/// `  1.234s] 418 tests run: 415 passed, 3 failed, 51 skipped`.
+fn parse_nextest_summary(rest: &str) -> (u64, u64) {
+    let Some((_, tally)) = rest.split_once(" run: ") else {
+        return (0, 0);
+    };
+    // `N passed (1 slow, 2 leaky), N failed, N timed out, N skipped`: a count is the word
+    // before its name.
+    let words: Vec<&str> = tally
+        .split_whitespace()
+        .map(|w| w.trim_matches(|c: char| c == ',' || c == '(' || c == ')'))
+        .collect();
+    let field = |name: &str| -> u64 {
+        words
+            .windows(2)
+            .filter(|w| w[1] == name)
+            .filter_map(|w| w[0].parse::<u64>().ok())
+            .sum()
+    };
+    (field("passed"), field("failed") + field("timed"))
 }
 
 /// Parses the part after `test result: ` of libtest's summary, e.g.
@@ -706,7 +772,7 @@ fn is_root() -> bool {
 mod tests {
     use clap::Parser as _;
 
-    use super::{Cli, Cmd, parse_test_result, shell_words};
+    use super::{Cli, Cmd, parse_nextest_summary, parse_test_result, shell_words};
 
     #[test]
     fn bench_arguments_with_spaces_are_shown_quoted() {
@@ -753,6 +819,30 @@ mod tests {
         };
         assert_eq!(args.baseline, ["ae9ca9d"]);
         assert!(Cli::try_parse_from(["xtask", "bench", "--hook-only", "--proxies-only"]).is_err());
+    }
+
+    #[test]
+    fn nextest_summaries_are_counted() {
+        assert_eq!(
+            parse_nextest_summary(" 117.841s] 418 tests run: 415 passed, 3 failed, 51 skipped"),
+            (415, 3)
+        );
+        assert_eq!(
+            parse_nextest_summary(" 2.000s] 12 tests run: 12 passed, 1 skipped"),
+            (12, 0)
+        );
+        assert_eq!(
+            parse_nextest_summary(
+                " 9.1s] 5 tests run: 3 passed (1 slow, 1 leaky), 2 failed, 0 skipped"
+            ),
+            (3, 2),
+            "a passed count followed by notes"
+        );
+        assert_eq!(
+            parse_nextest_summary(" 9.1s] 4 tests run: 3 passed, 1 timed out, 0 skipped"),
+            (3, 1),
+            "a timed-out test is a failure"
+        );
     }
 
     #[test]

@@ -58,6 +58,9 @@ const BPF_LINKER_VERSION: &str = "0.13.0";
 /// cargo-fuzz version the fuzz tier runs (`cargo xtask fuzz`, `cargo xtask test`).
 const CARGO_FUZZ_VERSION: &str = "0.13.2";
 
+/// cargo-nextest version the unit and privileged tiers run (these machines ship it).
+const CARGO_NEXTEST_VERSION: &str = "0.9.143";
+
 /// cargo-deny version the dependency-policy tier runs (`deny.toml`, `cargo xtask test`).
 const CARGO_DENY_VERSION: &str = "0.20.2";
 
@@ -138,6 +141,12 @@ const STEPS: &[Step] = &[
         needed_by: &[Test, Fuzz],
         missing: missing_cargo_fuzz,
         install: install_cargo_fuzz,
+    },
+    Step {
+        name: "cargo-nextest (runs the unit and privileged tests)",
+        needed_by: &[Test],
+        missing: || missing_cargo_subcommand("nextest", CARGO_NEXTEST_VERSION),
+        install: || install_cargo_subcommand("nextest", CARGO_NEXTEST_VERSION),
     },
     Step {
         name: "cargo-deny (the dependency-policy tier)",

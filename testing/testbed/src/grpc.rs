@@ -29,6 +29,10 @@ pub fn script(name: &str) -> PathBuf {
 /// Generates the Python stubs of the echo proto into `target/py-gen` and returns that
 /// directory (pass it as `--gen` to the scripts).
 ///
+/// Test processes run side by side and each asks for the stubs: under a lock on
+/// `target/py-gen.lock`, they are written only when missing or older than the proto, so no
+/// process rewrites a file another one's Python is importing.
+///
 /// # Errors
 /// When grpc_tools fails (is the venv installed? `cargo xtask setup`).
 pub fn generate_stubs() -> Result<PathBuf> {
@@ -39,7 +43,19 @@ pub fn generate_stubs() -> Result<PathBuf> {
         source,
     };
     std::fs::create_dir_all(&out).map_err(|e| io(&out, e))?;
+    let lock_path = root.join("target/py-gen.lock");
+    let lock = std::fs::File::create(&lock_path).map_err(|e| io(&lock_path, e))?;
+    lock.lock().map_err(|e| io(&lock_path, e))?;
     let proto_dir = root.join("proto");
+    let proto = proto_dir.join("skewless/echo/v1/echo.proto");
+    // Written after the stubs: their generation finished, from a proto no newer than it.
+    let stamp = out.join("generated");
+    let modified = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+    if let (Some(made), Some(source)) = (modified(&stamp), modified(&proto))
+        && made >= source
+    {
+        return Ok(out);
+    }
     checked_output(
         Command::new(python())
             .args(["-m", "grpc_tools.protoc"])
@@ -55,6 +71,7 @@ pub fn generate_stubs() -> Result<PathBuf> {
             std::fs::write(&init, b"").map_err(|e| io(&init, e))?;
         }
     }
+    std::fs::write(&stamp, b"").map_err(|e| io(&stamp, e))?;
     Ok(out)
 }
 
