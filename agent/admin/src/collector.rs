@@ -418,9 +418,14 @@ impl Collector for AgentCollector {
         family(
             &mut encoder,
             names::SERVICE_UNSERVED,
-            s.unserved
+            s.services
                 .iter()
-                .map(|u| (service_labels(&u.service, &u.vip), gauge(1))),
+                .map(|x| (service_labels(&x.service, &x.vip), gauge(0)))
+                .chain(
+                    s.unserved
+                        .iter()
+                        .map(|u| (service_labels(&u.service, &u.vip), gauge(1))),
+                ),
         )?;
         family(
             &mut encoder,
@@ -855,6 +860,8 @@ mod tests {
             "skewless_client_protocol_errors_total{service=\"ns/echo\",vip=\"10.0.0.1:80\",reason=\"ping_flood\"} 1\n",
             // An opted-in Service port the agent cannot serve.
             "skewless_service_unserved{service=\"ns/down\",vip=\"10.0.0.9:80\"} 1\n",
+            // A served one is 0, so the alert's series always exists.
+            "skewless_service_unserved{service=\"ns/echo\",vip=\"10.0.0.1:80\"} 0\n",
             // The observed Service's ready backends, the balanced one's from its balancer.
             "skewless_service_ready_backends{service=\"ns/obs\",vip=\"10.0.0.2:80\"} 2\n",
             "skewless_service_ready_backends{service=\"ns/echo\",vip=\"10.0.0.1:80\"} 1\n",

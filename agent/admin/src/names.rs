@@ -238,7 +238,7 @@ pub const SERVICE_UNSERVED: Family = Family::new(
     "service_unserved",
     Kind::Gauge,
     SERVICE,
-    "One for each opted-in Service port this agent should balance but cannot (its listener or redirect failed; `skewless status` says why): its clients go plain L4",
+    "Whether an opted-in Service port this agent should balance cannot be served: 1 while its listener or redirect fails (`skewless status` says why) and its clients go plain L4, 0 while it is served",
 );
 pub const SERVICE_READY_BACKENDS: Family = Family::new(
     "service_ready_backends",
