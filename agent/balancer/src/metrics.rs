@@ -137,7 +137,7 @@ label_enum! {
 label_enum! {
     /// Why a client connection is rotated (told to go away with a GOAWAY), in both modes: a
     /// bounded set (a metric label). The server's lifecycle stops a connection for `MaxAge` and
-    /// `Drain` (see [`crate::server::Stop`]); connection mode's controller also for `Skew`,
+    /// `Drain` (see [`crate::server::Stop`]), both modes for `Idle`; connection mode's controller also for `Skew`,
     /// `BackendRemoved` and `NotServing`.
     pub enum RotationReason {
         /// Its backend holds more than its share (connection mode).
@@ -150,6 +150,8 @@ label_enum! {
         MaxAge => "max_age",
         /// The balancer is draining (opt-out, agent shutdown).
         Drain => "drain",
+        /// It carried no stream (and no keepalive PING) for the idle timeout.
+        Idle => "idle",
     }
 }
 
@@ -405,7 +407,14 @@ mod tests {
         let labels = |all: &[&'static str]| all.to_vec();
         assert_eq!(
             labels(&RotationReason::ALL.map(RotationReason::label)),
-            ["skew", "backend_removed", "not_serving", "max_age", "drain"],
+            [
+                "skew",
+                "backend_removed",
+                "not_serving",
+                "max_age",
+                "drain",
+                "idle"
+            ],
             "label values are a contract with the dashboards and alerts"
         );
         assert_eq!(
@@ -441,7 +450,7 @@ mod tests {
         let mut s = a.snapshot();
         s.add(&b.snapshot());
         assert_eq!(s.failures, [0, 2, 0, 0, 1]);
-        assert_eq!(s.rotations, [0, 0, 0, 0, 1]);
+        assert_eq!(s.rotations, [0, 0, 0, 0, 1, 0]);
         assert_eq!(s.latency.count(), 2);
     }
 

@@ -29,6 +29,11 @@ pub trait Lifecycle {
     fn max_connection_age(&self) -> Option<Duration>;
     /// How long streams may run on after a connection (or the whole server) is wound down.
     fn drain_grace(&self) -> Duration;
+    /// A connection that carried no stream and received no PING for this long after its
+    /// preface is wound down (GOAWAY, counted as an `idle` rotation); `None`: never.
+    fn idle_timeout(&self) -> Option<Duration> {
+        None
+    }
 }
 
 /// Why a client connection is asked to wind down: [`RotationReason::Drain`] (the server is

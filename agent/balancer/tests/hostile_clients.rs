@@ -653,3 +653,103 @@ async fn a_client_whose_preface_comes_after_its_max_age_is_wound_down_with_a_goa
     drop(c);
     bed.stop().await;
 }
+
+/// Reads frames from `c` until a GOAWAY comes; its error code, and the kinds before it. Each
+/// PING gets its ACK, as a client's stack answers (`ack_pings`).
+async fn until_go_away(c: &mut TcpStream, ack_pings: bool) -> (ErrorCode, Vec<Kind>) {
+    let mut kinds = Vec::new();
+    loop {
+        let mut header = [0u8; HEADER_LEN];
+        tokio::time::timeout(Duration::from_secs(24 * 3600), c.read_exact(&mut header))
+            .await
+            .expect("the balancer never sends a GOAWAY")
+            .unwrap_or_else(|e| panic!("closed without a GOAWAY after {kinds:?}: {e}"));
+        let head = Head::decode(&header);
+        let mut payload = vec![0u8; head.len as usize];
+        c.read_exact(&mut payload).await.expect("the payload");
+        if head.kind == Kind::GoAway {
+            let g = GoAway::decode(&head, &payload).expect("a GOAWAY");
+            return (g.error_code, kinds);
+        }
+        if ack_pings && head.kind == Kind::Ping && !head.is_ack() {
+            c.write_all(&frame(Kind::Ping, flags::ACK, 0, &payload))
+                .await
+                .expect("PING ACK");
+        }
+        kinds.push(head.kind);
+    }
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn an_idle_connection_gets_a_goaway_after_the_idle_timeout_and_keepalive_pings_keep_it() {
+    // Paused time: ten minutes of idleness cost nothing. Two clients send their preface: one
+    // then nothing (GOAWAY(NO_ERROR) between the idle timeout and an eighth of it later), one
+    // a keepalive PING every 4 minutes for 30 minutes (kept all along), then nothing.
+    for mode in [Mode::Request, Mode::Connection] {
+        let bed = Bed::mode(mode).await;
+        let idle = skewless_balancer::config::DEFAULT_IDLE_TIMEOUT;
+        let t0 = tokio::time::Instant::now();
+        let mut quiet = TcpStream::connect(bed.addr).await.expect("connects");
+        quiet.write_all(&start()).await.expect("preface");
+        let mut pinging = TcpStream::connect(bed.addr).await.expect("connects");
+        pinging.write_all(&start()).await.expect("preface");
+        // The pinging client: a PING every 4 minutes for 30 minutes, what comes back read.
+        let (mut rd, mut wr) = pinging.into_split();
+        let reader = tokio::spawn(async move {
+            let mut header = [0u8; HEADER_LEN];
+            loop {
+                if rd.read_exact(&mut header).await.is_err() {
+                    return None;
+                }
+                let head = Head::decode(&header);
+                let mut payload = vec![0u8; head.len as usize];
+                if rd.read_exact(&mut payload).await.is_err() {
+                    return None;
+                }
+                if head.kind == Kind::GoAway {
+                    return Some(tokio::time::Instant::now());
+                }
+            }
+        });
+        let pinger = tokio::spawn(async move {
+            let mut last = tokio::time::Instant::now();
+            while tokio::time::Instant::now() < t0 + Duration::from_secs(30 * 60) {
+                wr.write_all(&ping()).await.expect("keepalive PING");
+                last = tokio::time::Instant::now();
+                tokio::time::sleep(Duration::from_secs(4 * 60)).await;
+            }
+            (last, wr)
+        });
+        let (code, _) = until_go_away(&mut quiet, false).await;
+        let waited = t0.elapsed();
+        assert_eq!(code, ErrorCode::NO_ERROR, "{mode:?}: a graceful GOAWAY");
+        assert!(
+            waited >= idle && waited <= idle + idle / 8 + Duration::from_secs(1),
+            "{mode:?}: GOAWAY at the idle timeout ({idle:?}), within an eighth of it: {waited:?}"
+        );
+        assert_eq!(
+            rotations(&bed.metrics(), RotationReason::Idle),
+            1,
+            "{mode:?}: counted as an idle rotation, and the pinging client kept"
+        );
+        let (last_ping, wr) = pinger.await.expect("pinger");
+        let go_away_at = tokio::time::timeout(Duration::from_secs(3600), reader)
+            .await
+            .expect("the pinging client is wound down once it stops")
+            .expect("reader")
+            .expect("with a GOAWAY");
+        assert!(
+            go_away_at >= last_ping + idle,
+            "{mode:?}: kept while it pinged, wound down an idle timeout after its last PING: \
+             {:?} after it",
+            go_away_at - last_ping
+        );
+        assert_eq!(
+            rotations(&bed.metrics(), RotationReason::Idle),
+            2,
+            "{mode:?}"
+        );
+        drop((quiet, wr));
+        bed.stop().await;
+    }
+}

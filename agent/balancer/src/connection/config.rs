@@ -26,6 +26,10 @@ pub struct ConnectionConfig {
     pub health_service: Option<String>,
     /// Client connections older than this (+-10% jitter) are rotated.
     pub max_connection_age: Option<Duration>,
+    /// A relayed connection with no stream open, and no PING from the client, for this long
+    /// (checked every eighth of it) is rotated, counted as `idle`; as request mode's
+    /// `Config::idle_timeout` (the same default). Applies to connections accepted afterwards.
+    pub idle_timeout: Option<Duration>,
     /// How long a rotated connection's streams may run on before they are reset, and how long
     /// a drain waits for connections.
     pub drain_grace: Duration,
@@ -48,6 +52,7 @@ impl Default for ConnectionConfig {
             ready_timeout: Duration::from_secs(1),
             health_service: None,
             max_connection_age: None,
+            idle_timeout: Some(crate::request::config::DEFAULT_IDLE_TIMEOUT),
             drain_grace: Duration::from_secs(10),
             ping_timeout: Duration::from_secs(10),
             failure_threshold: 1,
@@ -67,5 +72,9 @@ impl crate::server::Lifecycle for ConnectionConfig {
     /// sockets.
     fn drain_grace(&self) -> Duration {
         self.drain_grace + DRAIN_MARGIN
+    }
+
+    fn idle_timeout(&self) -> Option<Duration> {
+        self.idle_timeout
     }
 }

@@ -327,6 +327,7 @@ async fn serve(shared: Arc<Shared>, mut client: TcpStream, mut stop: Stop<Connec
         RelaySettings {
             ping_timeout: config.ping_timeout,
             drain_grace: config.drain_grace,
+            idle_timeout: config.idle_timeout,
             ..RelaySettings::default()
         }
     };

@@ -17,6 +17,7 @@ pub struct RotationCounts {
     pub not_serving: u64,
     pub max_age: u64,
     pub drain: u64,
+    pub idle: u64,
 }
 
 impl RotationCounts {
@@ -29,6 +30,7 @@ impl RotationCounts {
             RotationReason::NotServing => self.not_serving,
             RotationReason::MaxAge => self.max_age,
             RotationReason::Drain => self.drain,
+            RotationReason::Idle => self.idle,
         }
     }
 
@@ -41,6 +43,7 @@ impl RotationCounts {
             not_serving: get(RotationReason::NotServing),
             max_age: get(RotationReason::MaxAge),
             drain: get(RotationReason::Drain),
+            idle: get(RotationReason::Idle),
         }
     }
 

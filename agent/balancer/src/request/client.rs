@@ -6,12 +6,13 @@
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use bytes::Bytes;
 use tokio::net::TcpStream;
 use tokio::sync::watch;
 
-use crate::metrics::ClientErrorReason;
+use crate::metrics::{ClientErrorReason, RotationReason};
 use crate::request::config::Config;
 use crate::request::flood_guard::{Cut, FloodLimits, Guard};
 use crate::request::pool::Pool;
@@ -37,6 +38,10 @@ impl Lifecycle for Config {
 
     fn drain_grace(&self) -> std::time::Duration {
         self.drain_grace
+    }
+
+    fn idle_timeout(&self) -> Option<std::time::Duration> {
+        self.idle_timeout
     }
 }
 
@@ -71,6 +76,7 @@ async fn serve(pool: Arc<Pool>, stream: TcpStream, mut stop: Stop<Config>) {
     let preface_deadline = tokio::time::Instant::now() + HANDSHAKE_TIMEOUT;
     let (preface_done, mut preface_in) = tokio::sync::oneshot::channel();
     let (cut_tx, mut cut_rx) = tokio::sync::oneshot::channel();
+    let pinged = Arc::new(AtomicBool::new(false));
     let handshake = h2::server::Builder::new()
         // Fixed windows; see `upstream::STREAM_WINDOW`.
         .initial_window_size(upstream::STREAM_WINDOW)
@@ -86,6 +92,7 @@ async fn serve(pool: Arc<Pool>, stream: TcpStream, mut stop: Stop<Config>) {
                 pool.counters.floods.clone(),
                 preface_done,
                 cut_tx,
+                pinged.clone(),
             ),
             Close::Linger,
         ));
@@ -133,8 +140,14 @@ async fn serve(pool: Arc<Pool>, stream: TcpStream, mut stop: Stop<Config>) {
             Ok(stop.stopped().await)
         };
         tokio::pin!(wind_down);
+        // The idle check: every eighth of the idle timeout (as configured at each check), the
+        // connection is idle since the last check that saw a stream or a PING.
+        let mut idle_since = tokio::time::Instant::now();
+        let mut next_check = idle_check_after(&pool, idle_since);
         loop {
+            let mut check_idle = false;
             tokio::select! {
+                () = sleep_until(next_check) => check_idle = true,
                 Ok(cut) = &mut cut_rx => {
                     if cut == Cut::BadPreface {
                         pool.metrics.client_error(ClientErrorReason::Malformed);
@@ -167,6 +180,24 @@ async fn serve(pool: Arc<Pool>, stream: TcpStream, mut stop: Stop<Config>) {
                     }
                 },
             }
+            if check_idle {
+                let now = tokio::time::Instant::now();
+                if conn.has_streams() || pinged.swap(false, Ordering::Relaxed) {
+                    idle_since = now;
+                } else if pool
+                    .config()
+                    .idle_timeout
+                    .is_some_and(|t| now.saturating_duration_since(idle_since) >= t)
+                    // Before the handshake deadline, that deadline applies (past it, a connection
+                    // still open has its preface in).
+                    && now >= preface_deadline
+                {
+                    tracing::debug!("client connection idle, winding it down");
+                    pool.metrics.rotated(RotationReason::Idle);
+                    break;
+                }
+                next_check = idle_check_after(&pool, now);
+            }
         }
         conn
     };
@@ -193,6 +224,18 @@ async fn serve(pool: Arc<Pool>, stream: TcpStream, mut stop: Stop<Config>) {
         tracing::debug!("grace period over, closing client connection");
         conn.abrupt_shutdown(h2::Reason::NO_ERROR);
         flush_go_away(&mut conn).await;
+    }
+}
+
+/// When the next idle check is due after `now`: an eighth of the idle timeout in effect.
+fn idle_check_after(pool: &Pool, now: tokio::time::Instant) -> Option<tokio::time::Instant> {
+    pool.config().idle_timeout.map(|t| now + t / 8)
+}
+
+async fn sleep_until(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
     }
 }
 

@@ -63,6 +63,12 @@ pub struct Config {
     /// Client connections older than this (+-10% jitter) get a graceful GOAWAY, so long-lived
     /// clients reconnect now and then (and a new agent takes them over after an upgrade).
     pub max_connection_age: Option<Duration>,
+    /// A client connection with no stream open, and no PING from the client, for this long
+    /// (checked every eighth of it) gets a graceful GOAWAY, counted as an `idle` rotation: a
+    /// client that went away without closing (or never uses its connection) holds nothing for
+    /// ever. A gRPC client's keepalive PINGs keep its connection (they say the client wants
+    /// it). `None`: no idle timeout.
+    pub idle_timeout: Option<Duration>,
 }
 
 impl Default for Config {
@@ -82,9 +88,16 @@ impl Default for Config {
             retry_backoff: Duration::from_millis(25),
             drain_grace: Duration::from_secs(10),
             max_connection_age: None,
+            idle_timeout: Some(DEFAULT_IDLE_TIMEOUT),
         }
     }
 }
+
+/// Default idle timeout of a client connection, both modes: ten minutes, twice the five
+/// minutes gRPC servers allow between keepalive PINGs by default (grpc-go's and grpc-java's
+/// enforcement policy), so a client that pings as often as a default server allows keeps its
+/// connection.
+pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// Tuning of the picker (see the `picker` module docs for the algorithm).
 #[derive(Debug, Clone)]

@@ -21,7 +21,7 @@
 
 use std::io;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use skewless_frame::{Follower, Kind};
 use tokio::{sync::oneshot, time::Instant};
@@ -60,6 +60,9 @@ pub(crate) struct FloodGuard {
     settings_seen: bool,
     /// A frame came by after the magic.
     first_seen: bool,
+    /// A PING (not an ACK) came by since this was last cleared: the client keeps its
+    /// connection alive (see `Config::idle_timeout`).
+    pub(crate) pinged: bool,
 }
 
 impl FloodGuard {
@@ -71,6 +74,7 @@ impl FloodGuard {
             tripped: None,
             settings_seen: false,
             first_seen: false,
+            pinged: false,
         }
     }
 
@@ -91,6 +95,7 @@ impl FloodGuard {
             tripped,
             settings_seen,
             first_seen,
+            pinged,
         } = self;
         // An error (a broken preface) ends the following; the headers before it count.
         let _ = frames.each_head(bytes, |head| {
@@ -108,6 +113,7 @@ impl FloodGuard {
             if !matches!(head.kind, Kind::Ping | Kind::Settings | Kind::RstStream) {
                 return;
             }
+            *pinged |= head.kind == Kind::Ping && !head.is_ack();
             let now = *now.get_or_insert_with(&clock);
             *tripped = budgets.spend(&head, now).map(Cut::Flood);
         });
@@ -145,6 +151,8 @@ pub(crate) struct Guard {
     counters: Arc<FloodCounters>,
     preface_done: Option<oneshot::Sender<()>>,
     cut: Option<oneshot::Sender<Cut>>,
+    /// Set when the client sends a PING, cleared by the connection's idle check.
+    pinged: Arc<AtomicBool>,
 }
 
 impl Guard {
@@ -153,12 +161,14 @@ impl Guard {
         counters: Arc<FloodCounters>,
         preface_done: oneshot::Sender<()>,
         cut: oneshot::Sender<Cut>,
+        pinged: Arc<AtomicBool>,
     ) -> Self {
         Self {
             guard: FloodGuard::new(limits, Instant::now()),
             counters,
             preface_done: Some(preface_done),
             cut: Some(cut),
+            pinged,
         }
     }
 }
@@ -170,6 +180,9 @@ impl ReadTap for Guard {
 
     fn read(&mut self, bytes: &[u8]) -> io::Result<()> {
         let cut = self.guard.feed(bytes, Instant::now);
+        if std::mem::take(&mut self.guard.pinged) {
+            self.pinged.store(true, Ordering::Relaxed);
+        }
         if self.guard.settings_seen
             && let Some(done) = self.preface_done.take()
         {

@@ -242,6 +242,8 @@ pub(super) struct Conn {
     ours_behind: Option<u32>,
     /// PING ACKs the client sent (wrapping): a write that carries one carries no stream.
     client_ping_acks: u32,
+    /// PINGs (not ACKs) the client sent (wrapping): keepalives, for the idle check.
+    pub(super) client_pings: u32,
     /// When the final GOAWAY went out (for the refusal's trace line).
     final_at: Option<Instant>,
     /// Header block open in each direction (stream id).
@@ -279,6 +281,7 @@ impl Conn {
             backend_settings: 0,
             ours_behind: None,
             client_ping_acks: 0,
+            client_pings: 0,
             final_at: None,
             client_block: None,
             backend_block: None,
@@ -468,6 +471,8 @@ impl Conn {
                 let ping = Ping::decode(head, payload)?;
                 if ping.ack {
                     self.client_ping_acks = self.client_ping_acks.wrapping_add(1);
+                } else {
+                    self.client_pings = self.client_pings.wrapping_add(1);
                 }
                 if ping.ack && ping.opaque == OUR_PING {
                     self.ping_acked = true;

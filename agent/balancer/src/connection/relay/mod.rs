@@ -83,6 +83,9 @@ pub struct RelaySettings {
     /// How long a new client connection may take to send its connection preface and first
     /// SETTINGS frame (request mode's handshake timeout).
     pub handshake_timeout: Duration,
+    /// With no stream open and no PING from the client for this long (checked every eighth of
+    /// it), the connection is rotated (`RotationReason::Idle`); `None`: never.
+    pub idle_timeout: Option<Duration>,
 }
 
 impl Default for RelaySettings {
@@ -93,6 +96,7 @@ impl Default for RelaySettings {
             buffer_size: 32 * 1024,
             max_streams: 8192,
             handshake_timeout: Duration::from_secs(10),
+            idle_timeout: None,
         }
     }
 }

@@ -656,10 +656,41 @@ pub(super) async fn run<C: Io, B: Io>(
     // Quiescing (a lazy client's rotation): since when, and until when at most.
     let mut quiesce_started = None;
     let mut quiesce_deadline = None;
+    // The idle check (see `RelaySettings::idle_timeout`): every eighth of the timeout, the
+    // connection is idle since the last check that saw a stream or a client PING.
+    let idle_every = settings.idle_timeout.map(|t| t / 8);
+    let mut idle_check = idle_every.map(|every| Instant::now() + every);
+    let mut idle_since = Instant::now();
+    let mut seen = (shared.stats.requests(), r.conn.client_pings);
     let outcome = loop {
         let open = r.conn.phase == Phase::Open;
         let event = tokio::select! {
             biased;
+            () = sleep_until(idle_check.filter(|_| open)) => {
+                let now = Instant::now();
+                idle_check = idle_every.map(|every| now + every);
+                let now_seen = (shared.stats.requests(), r.conn.client_pings);
+                if r.conn.open_streams() > 0 || now_seen != seen || !r.c2b.started {
+                    seen = now_seen;
+                    idle_since = now;
+                    continue;
+                }
+                if settings.idle_timeout.is_some_and(|t| now - idle_since >= t) {
+                    if let Some(m) = &shared.metrics {
+                        m.rotated(RotationReason::Idle);
+                    }
+                    let at_once = r.conn.rotate(RotationReason::Idle);
+                    tracing::debug!(quiesce = !at_once, "connection idle, rotating");
+                    if at_once {
+                        [ping_deadline, grace_deadline, settle_deadline] =
+                            announced(now, settings, ping_timeout);
+                    } else {
+                        quiesce_started = Some(now);
+                        quiesce_deadline = Some(now + QUIESCE_TIMEOUT);
+                    }
+                }
+                continue;
+            }
             () = shared.rotate_asked.notified(), if open => {
                 let reason = super::reason_of(shared.rotate.load(Ordering::Relaxed))
                     .unwrap_or(RotationReason::Drain);
