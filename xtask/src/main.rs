@@ -239,19 +239,8 @@ fn observer_bench(args: &BenchArgs) -> Result<()> {
     println!(
         "==> bench: the observer at node scale (100,000 conntrack entries, 10,000 connections)"
     );
-    // Two builds: the agent alone, as it ships (built with other packages, cargo would unify
-    // their dependencies' features and build a different agent); the driver needs no speed.
-    build(
-        "bench: building the agent",
-        &[
-            "--profile",
-            "dist",
-            "--package",
-            "skewless",
-            "--bin",
-            "skewless",
-        ],
-    )?;
+    // Two builds: the agent alone, as it ships; the driver needs no speed.
+    build_dist_agent()?;
     build(
         "bench: building the observer benchmark",
         &[
@@ -280,14 +269,9 @@ fn observer_bench(args: &BenchArgs) -> Result<()> {
     setup::run(&mut cmd)
 }
 
-/// The agent at cluster scale (skewless-bench's `skewless-scale-bench`): the `dist` agent
-/// against the fake API server; written to docs/benchmarks.md.
-fn scale_bench(args: &BenchArgs) -> Result<()> {
-    if !is_root() {
-        bail!("the scale benchmark needs root (the agent loads its eBPF programs); run as root");
-    }
-    println!("==> bench: the agent at cluster scale (1,000-10,000 Services, fake API server)");
-    // As for the observer: the agent alone, as it ships.
+/// The agent alone, as it ships (`target/dist/skewless`): built with other packages, cargo would
+/// unify their dependencies' features and build a different agent.
+fn build_dist_agent() -> Result<()> {
     build(
         "bench: building the agent",
         &[
@@ -298,7 +282,17 @@ fn scale_bench(args: &BenchArgs) -> Result<()> {
             "--bin",
             "skewless",
         ],
-    )?;
+    )
+}
+
+/// The agent at cluster scale (skewless-bench's `skewless-scale-bench`): the `dist` agent
+/// against the fake API server; written to docs/benchmarks.md.
+fn scale_bench(args: &BenchArgs) -> Result<()> {
+    if !is_root() {
+        bail!("the scale benchmark needs root (the agent loads its eBPF programs); run as root");
+    }
+    println!("==> bench: the agent at cluster scale (1,000-10,000 Services, fake API server)");
+    build_dist_agent()?;
     // Optimized: it generates up to 1,000 slice changes a second beside the agent.
     build(
         "bench: building the scale benchmark",

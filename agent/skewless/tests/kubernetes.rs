@@ -105,14 +105,7 @@ fn start_agent(api: &FakeApi, name: &str) -> (AgentProcess, String) {
         std::env::temp_dir().join(format!("skewless-kube-test-{name}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let kubeconfig = dir.join("kubeconfig");
-    std::fs::write(
-        &kubeconfig,
-        format!(
-            "apiVersion: v1\nkind: Config\nclusters: [{{name: fake, cluster: {{server: \"{}\"}}}}]\nusers: [{{name: fake, user: {{}}}}]\ncontexts: [{{name: fake, context: {{cluster: fake, user: fake}}}}]\ncurrent-context: fake\n",
-            api.url()
-        ),
-    )
-    .unwrap();
+    std::fs::write(&kubeconfig, api.kubeconfig()).unwrap();
     let admin = free_admin_addr();
     let child = Command::new(env!("CARGO_BIN_EXE_skewless"))
         .args([

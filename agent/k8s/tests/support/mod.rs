@@ -313,6 +313,14 @@ impl FakeApi {
         format!("http://{}", self.addr)
     }
 
+    /// A kubeconfig for this server (plain HTTP, no auth), for an agent process.
+    pub fn kubeconfig(&self) -> String {
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters: [{{name: fake, cluster: {{server: \"{}\"}}}}]\nusers: [{{name: fake, user: {{}}}}]\ncontexts: [{{name: fake, context: {{cluster: fake, user: fake}}}}]\ncurrent-context: fake\n",
+            self.url()
+        )
+    }
+
     /// A real kube `Client` pointed at this server (plain HTTP, no auth).
     pub fn client(&self) -> kube::Client {
         let url: http::Uri = format!("http://{}", self.addr).parse().expect("url");

@@ -250,13 +250,16 @@ struct Agent {
     child: Child,
     pid: u32,
     admin: String,
-    _dir: tempfile::TempDir,
+    dir: tempfile::TempDir,
 }
 
 impl Drop for Agent {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        if let Ok(keep) = std::env::var("SCALE_BENCH_KEEP_LOG") {
+            let _ = std::fs::copy(self.dir.path().join("agent.log"), keep);
+        }
     }
 }
 
@@ -269,13 +272,7 @@ fn free_port() -> anyhow::Result<u16> {
 fn start_agent(path: &PathBuf, api: &FakeApi) -> anyhow::Result<Agent> {
     let dir = tempfile::tempdir()?;
     let kubeconfig = dir.path().join("kubeconfig");
-    std::fs::write(
-        &kubeconfig,
-        format!(
-            "apiVersion: v1\nkind: Config\nclusters: [{{name: fake, cluster: {{server: \"{}\"}}}}]\nusers: [{{name: fake, user: {{}}}}]\ncontexts: [{{name: fake, context: {{cluster: fake, user: fake}}}}]\ncurrent-context: fake\n",
-            api.url()
-        ),
-    )?;
+    std::fs::write(&kubeconfig, api.kubeconfig())?;
     let admin = format!("127.0.0.1:{}", free_port()?);
     let log = File::create(dir.path().join("agent.log"))?;
     let child = Command::new(path)
@@ -290,7 +287,10 @@ fn start_agent(path: &PathBuf, api: &FakeApi) -> anyhow::Result<Agent> {
             &admin,
         ])
         .env("KUBECONFIG", &kubeconfig)
-        .env("RUST_LOG", "warn")
+        .env(
+            "RUST_LOG",
+            std::env::var("SCALE_BENCH_AGENT_LOG").unwrap_or_else(|_| "warn".to_owned()),
+        )
         .env_remove("KUBERNETES_SERVICE_HOST")
         .stdin(Stdio::null())
         .stdout(Stdio::null())
@@ -301,7 +301,7 @@ fn start_agent(path: &PathBuf, api: &FakeApi) -> anyhow::Result<Agent> {
         pid: child.id(),
         child,
         admin,
-        _dir: dir,
+        dir,
     })
 }
 
