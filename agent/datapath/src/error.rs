@@ -13,6 +13,8 @@ pub enum Error {
     MissingProgram(&'static str),
     #[error("eBPF object has no map {0:?}")]
     MissingMap(&'static str),
+    #[error("the programs' log ring buffer")]
+    Logs(#[source] aya_log::Error),
     #[error("program {name:?}")]
     Program {
         name: &'static str,

@@ -19,6 +19,8 @@
 //!   `exclude.rs`).
 //! - [`Datapath::beat`]: the heartbeat the hooks need fresh to redirect (`heartbeat.rs`).
 //! - [`Datapath::counters`]: the programs' counters, one value per [`Counter`].
+//! - [`Datapath::take_logs`]: the programs' log lines about their rare failures, to forward
+//!   into the agent's tracing (`logs.rs`).
 //! - [`Datapath::connections`]: every client TCP connection of the attached pods, IPv4 and
 //!   IPv6 (`sock_ops`, with a `cgroup_skb` ingress program keeping byte counts live);
 //!   [`conntrack`] resolves the backend each one is pinned to when a DNAT hides it.
@@ -33,6 +35,7 @@ mod counters;
 mod error;
 mod exclude;
 mod heartbeat;
+mod logs;
 mod programs;
 mod redirect;
 mod wire;
@@ -44,8 +47,8 @@ use aya::{
     maps::{Array, HashMap, MapData, PerCpuArray},
 };
 use skewless_common::{
-    CONNS_MAP, COUNTERS_MAP, Conn, EXCLUDED_CGROUPS_MAP, HEARTBEAT_MAP, REDIRECT4_CAPACITY,
-    REDIRECT4_MAP, REDIRECT6_CAPACITY, REDIRECT6_MAP,
+    BPF_EXIST, CONNS_MAP, COUNTERS_MAP, Conn, EXCLUDED_CGROUPS_MAP, HEARTBEAT_MAP,
+    INSERT_FLAGS_MAP, REDIRECT4_CAPACITY, REDIRECT4_MAP, REDIRECT6_CAPACITY, REDIRECT6_MAP,
 };
 use tracing::info;
 
@@ -54,6 +57,7 @@ pub use connections::Connection;
 pub use counters::{Counter, Counters};
 pub use error::Error;
 pub use exclude::own_cgroup;
+pub use logs::ProgramLogs;
 pub use programs::{ProgramStats, enable_stats};
 
 use crate::{programs::take_map, redirect::RedirectMap};
@@ -67,6 +71,9 @@ pub struct Datapath {
     counters: PerCpuArray<MapData, u64>,
     conns: HashMap<MapData, u64, Conn>,
     excluded: HashMap<MapData, u64, u32>,
+    insert_flags: Array<MapData, u64>,
+    /// Until [`Datapath::take_logs`]; taken from the object before the programs load.
+    logs: Option<ProgramLogs>,
 }
 
 impl std::fmt::Debug for Datapath {
@@ -89,6 +96,8 @@ impl Datapath {
         let mut ebpf = EbpfLoader::new()
             .load(programs::OBJECT)
             .map_err(Error::Load)?;
+        // Before the programs load: they refer to the log map, which must stay open.
+        let logs = ProgramLogs::take(&mut ebpf)?;
         programs::load_all(&mut ebpf)?;
         let redirect4 = RedirectMap::take(&mut ebpf, REDIRECT4_MAP, REDIRECT4_CAPACITY)?;
         let redirect6 = RedirectMap::take(&mut ebpf, REDIRECT6_MAP, REDIRECT6_CAPACITY)?;
@@ -96,6 +105,7 @@ impl Datapath {
         let counters = take_map(&mut ebpf, COUNTERS_MAP)?;
         let conns = take_map(&mut ebpf, CONNS_MAP)?;
         let excluded = take_map(&mut ebpf, EXCLUDED_CGROUPS_MAP)?;
+        let insert_flags = take_map(&mut ebpf, INSERT_FLAGS_MAP)?;
         info!("eBPF programs loaded");
         Ok(Self {
             ebpf,
@@ -105,6 +115,30 @@ impl Datapath {
             counters,
             conns,
             excluded,
+            insert_flags,
+            logs: Some(logs),
         })
+    }
+
+    /// The reader of the programs' log lines (once; `None` after): forward them with
+    /// [`ProgramLogs::drain`] whenever its file descriptor is readable.
+    pub fn take_logs(&mut self) -> Option<ProgramLogs> {
+        self.logs.take()
+    }
+
+    /// For tests of the failure paths: from now on the programs insert their records
+    /// (`ORIGDST`, `ORIGDST6`, `CONNS`) with `BPF_EXIST`, so the kernel refuses every new
+    /// socket's record (ENOENT), as it would a failing update; connects still go through
+    /// (redirected, fail open for getpeername) and go unobserved.
+    ///
+    /// # Errors
+    /// When the map cannot be written.
+    pub fn provoke_insert_failures(&mut self) -> Result<(), Error> {
+        self.insert_flags
+            .set(0, BPF_EXIST, 0)
+            .map_err(|source| Error::Map {
+                name: INSERT_FLAGS_MAP,
+                source,
+            })
     }
 }

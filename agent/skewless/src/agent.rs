@@ -108,6 +108,11 @@ pub struct Args {
     /// Its memory limit, in bytes.
     #[arg(long, env = "SKEWLESS_MEMORY_LIMIT_BYTES")]
     memory_limit_bytes: Option<u64>,
+    /// For tests of the programs' failure paths: make the kernel refuse their record inserts
+    /// (connects still go through; getpeername shows the balancer, connections go
+    /// unobserved), so the failures are counted and logged.
+    #[arg(long, hide = true)]
+    provoke_map_update_failures: bool,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -168,6 +173,7 @@ pub async fn run(args: Args) -> Result<()> {
         cpu_limit_millicores,
         memory_request_bytes,
         memory_limit_bytes,
+        provoke_map_update_failures,
     } = args;
     let resources = skewless_admin::json::Resources {
         cpu_request_cores: cpu_request_millicores.map(|m| m as f64 / 1000.0),
@@ -176,7 +182,17 @@ pub async fn run(args: Args) -> Result<()> {
         memory_limit_bytes,
     };
     let cgroups = attach_points(cgroups, pod_cgroup_root.as_deref())?;
-    let datapath = Arc::new(Mutex::new(load_datapath(&cgroups, &redirects)?));
+    let mut datapath = load_datapath(&cgroups, &redirects)?;
+    if provoke_map_update_failures {
+        tracing::warn!("provoking the programs' map update failures (a test flag)");
+        datapath.provoke_insert_failures()?;
+    }
+    // The programs' lines about their rare failures, into this log.
+    if let Some(logs) = datapath.take_logs() {
+        logs.forward()
+            .context("starting the thread that forwards the programs' log lines")?;
+    }
+    let datapath = Arc::new(Mutex::new(datapath));
     let addresses = Arc::new(BalancerAddresses::new(
         std::iter::once(IpAddr::V4(balancer_ip))
             .chain(balancer_ip6.map(IpAddr::V6))

@@ -80,6 +80,99 @@ fn agent_redirects_reports_status_and_fails_open_when_killed() {
 
 #[test]
 #[ignore = "privileged: needs root and the real kernel; run with `cargo xtask test`"]
+fn a_provoked_map_update_failure_is_logged_by_the_programs_rate_limited_and_connects_still_work() {
+    use std::os::unix::fs::MetadataExt as _;
+    const CONNECTS: usize = 40;
+    let mut bed = IdentBed::new().expect("testbed builds (needs root)");
+    let vip = IdentBed::vip();
+    let client = bed.tb.pod("client").unwrap().clone();
+    let cgroup = client.cgroup.display().to_string();
+    let redirect = format!("{vip}={}", IdentBed::balancer());
+    let argv = [
+        env!("CARGO_BIN_EXE_skewless"),
+        "agent",
+        "--cgroup",
+        &cgroup,
+        "--redirect",
+        &redirect,
+        "--admin-addr",
+        ADMIN,
+        "--provoke-map-update-failures",
+    ];
+    let log = TempPath::new(format!("skewless-test-agent-log-{}.txt", bed.tb.id()));
+    let mut cmd = bed.tb.command(Place::Node(0), &argv).unwrap();
+    cmd.stderr(std::fs::File::create(&*log).unwrap());
+    bed.tb.spawn_command(&mut cmd).unwrap();
+    bed.tb
+        .wait_for_tcp(
+            Place::Node(0),
+            ADMIN.parse::<SocketAddrV4>().unwrap(),
+            Duration::from_secs(10),
+        )
+        .expect("agent serves its admin API");
+
+    // Every record insert fails: connects are still redirected (the hooks fail open), each
+    // failure is counted, and the programs log a few of them with what a counter cannot say.
+    let started = std::time::Instant::now();
+    let probed = bed.probe("client", vip, CONNECTS).unwrap();
+    let elapsed = started.elapsed();
+    assert!(
+        probed.only("balancer"),
+        "every connect still reaches the balancer: {probed:?}"
+    );
+    let origdst = metric(&bed.tb, "skewless_origdst_update_failed_total");
+    let records = metric(&bed.tb, "skewless_observed_record_failed_total");
+    assert!(
+        origdst >= CONNECTS as f64 && records >= CONNECTS as f64,
+        "every failure is counted: {origdst} original destinations, {records} records"
+    );
+    let read = || std::fs::read_to_string(&*log).unwrap_or_default();
+    wait_until("the programs' lines reach the agent's log", || {
+        let text = read();
+        text.contains("not kept for getpeername") && text.contains("unobserved: record not kept")
+    });
+    let text = read();
+    let lines = |what: &str| -> Vec<String> {
+        text.lines()
+            .filter(|l| l.contains("skewless_ebpf") && l.contains(what))
+            .map(str::to_owned)
+            .collect()
+    };
+    let kept = lines("not kept for getpeername");
+    let unobserved = lines("unobserved: record not kept");
+    let cgroup_id = std::fs::metadata(&client.cgroup).unwrap().ino();
+    assert!(
+        kept[0].contains(&format!("original destination {vip} "))
+            && kept[0].contains("map update failed: -2")
+            && kept[0].contains(&format!("cgroup {cgroup_id}")),
+        "the line names the Service address, the errno (ENOENT) and the pod's cgroup: {}",
+        kept[0]
+    );
+    assert!(
+        unobserved[0].contains(&format!("pod connection {}:", client.ip))
+            && unobserved[0].contains(&format!("-> {}:", IdentBed::balancer().ip())),
+        "the line names the connection's addresses: {}",
+        unobserved[0]
+    );
+    // Rate-limited in the kernel: at most one line per kind, CPU and second.
+    let cpus = std::thread::available_parallelism().map_or(1, usize::from);
+    let bound = cpus * (elapsed.as_secs() as usize + 2);
+    assert!(
+        kept.len() <= bound && unobserved.len() <= bound,
+        "{} and {} lines for {CONNECTS} failures each in {elapsed:?} on {cpus} CPUs",
+        kept.len(),
+        unobserved.len()
+    );
+    eprintln!(
+        "{CONNECTS} connects in {elapsed:?}: {} + {} lines logged; first: {}",
+        kept.len(),
+        unobserved.len(),
+        kept[0]
+    );
+}
+
+#[test]
+#[ignore = "privileged: needs root and the real kernel; run with `cargo xtask test`"]
 fn agent_never_redirects_connects_from_its_own_cgroup() {
     let mut bed = IdentBed::new().expect("testbed builds (needs root)");
     let vip = IdentBed::vip();

@@ -49,6 +49,15 @@ pub const COUNTERS_MAP: &str = "COUNTERS";
 /// Name of the map of observed client TCP connections (socket cookie `u64` -> [`Conn`]),
 /// written by the `sock_ops` program for every active IPv4 or IPv6 connection from an attached
 /// cgroup, and kept current by the `conn_ingress` (cgroup_skb) program.
+/// Array map (one `u64`): the flags of the programs' record inserts (`ORIGDST`, `ORIGDST6`,
+/// `CONNS`). 0 (`BPF_ANY`) always; a test sets `BPF_EXIST` to make the kernel refuse those
+/// inserts and so provoke the programs' rare failure paths for real.
+pub const INSERT_FLAGS_MAP: &str = "INSERT_FLAGS";
+/// `BPF_EXIST`: update only an existing entry (a new socket's insert fails with ENOENT).
+pub const BPF_EXIST: u64 = 2;
+/// The programs' log throttle: at most one line per failure kind, CPU and this long.
+pub const LOG_EVERY_NS: u64 = 1_000_000_000;
+
 pub const CONNS_MAP: &str = "CONNS";
 /// Capacity of [`CONNS_MAP`]. It is an LRU map: when full, the least recently updated
 /// connection (usually a closed one) is evicted, so recording never blocks a connection.

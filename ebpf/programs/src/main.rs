@@ -47,12 +47,14 @@ mod programs {
         maps::{Array, HashMap, LruHashMap, PerCpuArray},
         programs::{SkBuffContext, SockAddrContext, SockOpsContext},
     };
+    use aya_log_ebpf::error;
     use skewless_common::{
         CONNS_CAPACITY, CONNS_MAP, COUNTERS_LEN, COUNTERS_MAP, Conn, Counter,
         EXCLUDED_CGROUPS_CAPACITY, EXCLUDED_CGROUPS_MAP, FAMILY_INET, FAMILY_INET6, HEARTBEAT_MAP,
-        HEARTBEAT_STALE_NS, ORIGDST_CAPACITY, ORIGDST_MAP, ORIGDST6_CAPACITY, ORIGDST6_MAP,
-        REDIRECT4_CAPACITY, REDIRECT4_MAP, REDIRECT6_CAPACITY, REDIRECT6_MAP, Redirect, Redirect4,
-        Redirect6, ServiceKey, ServiceKey4, ServiceKey6, same_name,
+        HEARTBEAT_STALE_NS, INSERT_FLAGS_MAP, LOG_EVERY_NS, ORIGDST_CAPACITY, ORIGDST_MAP,
+        ORIGDST6_CAPACITY, ORIGDST6_MAP, REDIRECT4_CAPACITY, REDIRECT4_MAP, REDIRECT6_CAPACITY,
+        REDIRECT6_MAP, Redirect, Redirect4, Redirect6, ServiceKey, ServiceKey4, ServiceKey6,
+        same_name,
     };
 
     /// Verdict for cgroup sock_addr programs: 1 lets the syscall proceed (with whatever address
@@ -94,6 +96,45 @@ mod programs {
         HashMap::with_max_entries(EXCLUDED_CGROUPS_CAPACITY, 0), as EXCLUDED_CGROUPS_MAP);
     named_map!(COUNTERS: PerCpuArray<u64> =
         PerCpuArray::with_max_entries(COUNTERS_LEN, 0), as COUNTERS_MAP);
+    named_map!(INSERT_FLAGS: Array<u64> = Array::with_max_entries(1, 0), as INSERT_FLAGS_MAP);
+
+    /// The rare failures the programs log (besides counting them): an index of `LOGGED`.
+    #[derive(Clone, Copy)]
+    enum Failure {
+        OrigDst = 0,
+        ConnRecord = 1,
+        CbFlags = 2,
+    }
+
+    /// When each [`Failure`] was last logged on this CPU (ns, `bpf_ktime_get_ns`).
+    #[map]
+    static LOGGED: PerCpuArray<u64> = PerCpuArray::with_max_entries(3, 0);
+
+    /// Whether a line about `failure` may be written now: at most one per kind and CPU every
+    /// [`LOG_EVERY_NS`], so a failure that repeats on every connect costs its counter and a
+    /// timestamp check, and the agent's log a line a second. Only failure paths call this.
+    #[inline(always)]
+    fn may_log(failure: Failure) -> bool {
+        let Some(last) = LOGGED.get_ptr_mut(failure as u32) else {
+            return false;
+        };
+        // SAFETY: bpf_ktime_get_ns has no preconditions.
+        let now = unsafe { bpf_ktime_get_ns() };
+        // SAFETY: this CPU's slot; hooks run to completion on one CPU, so nothing races.
+        unsafe {
+            if *last != 0 && now.saturating_sub(*last) < LOG_EVERY_NS {
+                return false;
+            }
+            *last = now;
+        }
+        true
+    }
+
+    /// The flags of the record inserts: `BPF_ANY` unless a test provokes failures.
+    #[inline(always)]
+    fn insert_flags() -> u64 {
+        INSERT_FLAGS.get(0).copied().unwrap_or(0)
+    }
 
     #[inline(always)]
     fn count(counter: Counter) {
@@ -130,6 +171,46 @@ mod programs {
         // SAFETY: bpf_get_current_cgroup_id has no preconditions.
         let id = unsafe { bpf_get_current_cgroup_id() };
         EXCLUDED_CGROUPS.get_ptr(id).is_some()
+    }
+
+    /// A Service address in a log line: IPv4 (`REDIRECT4`'s keys) or IPv6 (`REDIRECT6`'s), both
+    /// in network order.
+    trait LogAddr {
+        fn log_origdst_failed(&self, ctx: &SockAddrContext, port: u16, errno: i32);
+    }
+
+    impl LogAddr for u32 {
+        #[inline(always)]
+        fn log_origdst_failed(&self, ctx: &SockAddrContext, port: u16, errno: i32) {
+            // SAFETY: bpf_get_current_cgroup_id has no preconditions.
+            let cgroup = unsafe { bpf_get_current_cgroup_id() };
+            error!(
+                ctx,
+                "redirected connect: original destination {:i}:{} not kept for getpeername (map update failed: {}); cgroup {}",
+                u32::from_be(*self),
+                port,
+                errno,
+                cgroup
+            );
+        }
+    }
+
+    impl LogAddr for [u32; 4] {
+        #[inline(always)]
+        fn log_origdst_failed(&self, ctx: &SockAddrContext, port: u16, errno: i32) {
+            // SAFETY: bpf_get_current_cgroup_id has no preconditions.
+            let cgroup = unsafe { bpf_get_current_cgroup_id() };
+            // SAFETY: four words in network order are the address's sixteen bytes in order.
+            let bytes: [u8; 16] = unsafe { core::mem::transmute(*self) };
+            error!(
+                ctx,
+                "redirected connect: original destination [{:i}]:{} not kept for getpeername (map update failed: {}); cgroup {}",
+                bytes,
+                port,
+                errno,
+                cgroup
+            );
+        }
     }
 
     /// A sock_addr program's context, read and written only through raw field pointers: no
@@ -224,7 +305,8 @@ mod programs {
     /// socket's cookie in `origdst` for getpeername, points the connect at the balancer
     /// (`set_addr` writes the address) and returns true.
     #[inline(always)]
-    fn redirect<A: Copy>(
+    fn redirect<A: Copy + LogAddr>(
+        ctx: &SockAddrContext,
         sa: &SockAddr,
         redirects: &HashMap<ServiceKey<A>, Redirect<A>>,
         origdst: &LruHashMap<u64, ServiceKey<A>>,
@@ -245,8 +327,12 @@ mod programs {
             count(Counter::ConnectExcluded);
             return false;
         }
-        if origdst.insert(sa.cookie(), key, 0).is_err() {
+        if let Err(errno) = origdst.insert(sa.cookie(), key, insert_flags()) {
             count(Counter::OrigDstUpdateFailed);
+            if may_log(Failure::OrigDst) {
+                key.addr
+                    .log_origdst_failed(ctx, u16::from_be(key.port), errno);
+            }
         }
         set_addr(sa, target.addr);
         sa.set_port(target.port);
@@ -285,7 +371,7 @@ mod programs {
         count(Counter::Connect4Seen);
         let sa = SockAddr::new(&ctx);
         let key = ServiceKey4::new(sa.ip4(), sa.port());
-        if redirect(&sa, &REDIRECT4, &ORIGDST, key, SockAddr::set_ip4) {
+        if redirect(&ctx, &sa, &REDIRECT4, &ORIGDST, key, SockAddr::set_ip4) {
             count(Counter::Connect4Redirected);
         }
         ALLOW
@@ -299,12 +385,19 @@ mod programs {
         if ip6[0] == 0 && ip6[1] == 0 && ip6[2] == V4_MAPPED_WORD {
             // A dual-stack socket reaching an IPv4 Service: only the IPv4 word changes.
             let key = ServiceKey4::new(ip6[3], sa.port());
-            if redirect(&sa, &REDIRECT4, &ORIGDST, key, SockAddr::set_ip6_mapped) {
+            if redirect(
+                &ctx,
+                &sa,
+                &REDIRECT4,
+                &ORIGDST,
+                key,
+                SockAddr::set_ip6_mapped,
+            ) {
                 count(Counter::Connect6Redirected);
             }
         } else {
             let key = ServiceKey6::new(ip6, sa.port());
-            if redirect(&sa, &REDIRECT6, &ORIGDST6, key, SockAddr::set_ip6) {
+            if redirect(&ctx, &sa, &REDIRECT6, &ORIGDST6, key, SockAddr::set_ip6) {
                 count(Counter::Connect6NativeRedirected);
             }
         }
@@ -445,13 +538,51 @@ mod programs {
             bytes_acked: ops.bytes_acked,
             bytes_received: ops.bytes_received,
         };
-        if CONNS.insert(cookie, conn, 0).is_err() {
+        if let Err(errno) = CONNS.insert(cookie, conn, insert_flags()) {
             count(Counter::ConnUpdateFailed);
+            if may_log(Failure::ConnRecord) {
+                log_conn_failure(ctx, "record not kept (map update failed)", &conn, errno);
+            }
             return;
         }
         let flags = ctx.cb_flags() | BPF_SOCK_OPS_STATE_CB_FLAG | BPF_SOCK_OPS_RTT_CB_FLAG;
-        if ctx.set_cb_flags(flags as i32).is_err() {
+        if let Err(errno) = ctx.set_cb_flags(flags as i32) {
             count(Counter::ConnCbFlagsFailed);
+            if may_log(Failure::CbFlags) {
+                log_conn_failure(ctx, "state and RTT callbacks not set", &conn, errno);
+            }
+        }
+    }
+
+    /// Logs a pod connection the hooks could not observe: what failed, its addresses (IPv4
+    /// ones; for IPv6 its ports) and its socket cookie. (The ESTABLISHED callback of a
+    /// connect runs in softirq, where the current task's cgroup is not the socket's.)
+    #[inline(always)]
+    fn log_conn_failure(ctx: &SockOpsContext, what: &str, conn: &Conn, errno: i32) {
+        // SAFETY: sock_ops programs may call bpf_get_socket_cookie on their context.
+        let cookie = unsafe { bpf_get_socket_cookie(ctx.ops.cast()) };
+        if conn.family == FAMILY_INET {
+            error!(
+                ctx,
+                "pod connection {:i}:{} -> {:i}:{} unobserved: {} ({}); socket cookie {}",
+                u32::from_be(conn.local_addr[0]),
+                conn.local_port,
+                u32::from_be(conn.remote_addr[0]),
+                conn.remote_port,
+                what,
+                errno,
+                cookie
+            );
+        } else {
+            error!(
+                ctx,
+                "pod IPv6 connection from port {} to port {} unobserved: {} ({}); socket cookie {}",
+                conn.local_port,
+                conn.remote_port,
+                what,
+                errno,
+                cookie
+            );
         }
     }
 
