@@ -171,6 +171,9 @@ label_enum! {
         RstStreamFlood => "rst_stream_flood",
         /// More open streams than the balancer tracks on one connection.
         TooManyStreams => "too_many_streams",
+        /// Closed at its accept: the balancer had its most client connections open
+        /// (`max_client_connections`).
+        ConnectionLimit => "connection_limit",
     }
 }
 
@@ -241,6 +244,12 @@ impl ServiceMetrics {
     /// Counts a client connection closed for what the client sent (or failed to send).
     pub fn client_error(&self, reason: ClientErrorReason) {
         self.client_errors[reason.index()].fetch_add(1, Relaxed);
+    }
+
+    /// Client connections open now.
+    #[must_use]
+    pub fn open_connections(&self) -> u64 {
+        self.client_connections.load(Relaxed)
     }
 
     /// A client connection opened; the guard counts it closed (and its lifetime) on drop.
@@ -429,7 +438,8 @@ mod tests {
                 "ping_flood",
                 "settings_flood",
                 "rst_stream_flood",
-                "too_many_streams"
+                "too_many_streams",
+                "connection_limit"
             ]
         );
         assert_eq!(

@@ -34,6 +34,11 @@ pub trait Lifecycle {
     fn idle_timeout(&self) -> Option<Duration> {
         None
     }
+    /// Most client connections open at once; one accepted beyond is closed at once, before
+    /// anything is read from it, and counted (`connection_limit`).
+    fn max_client_connections(&self) -> usize {
+        usize::MAX
+    }
 }
 
 /// Why a client connection is asked to wind down: [`RotationReason::Drain`] (the server is
@@ -197,8 +202,17 @@ pub async fn serve<N: NewConnection>(
             drop(stream);
             continue;
         }
-        let _ = stream.set_nodelay(true);
         let metrics = new.metrics();
+        let cap = new.config().borrow().max_client_connections();
+        if usize::try_from(metrics.open_connections()).unwrap_or(usize::MAX) >= cap {
+            // Closed with FIN before any byte is read: the client sees its connection end
+            // and reconnects after its backoff; the clients already served keep all they have.
+            metrics.client_error(crate::metrics::ClientErrorReason::ConnectionLimit);
+            tracing::debug!(%peer, cap, "connection refused: at the client connection limit");
+            crate::linger::close(stream);
+            continue;
+        }
+        let _ = stream.set_nodelay(true);
         let open = metrics.connection_opened();
         let stop = Stop {
             config: new.config(),

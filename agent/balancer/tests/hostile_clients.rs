@@ -349,8 +349,14 @@ async fn both_modes<F: std::future::Future<Output = ()>>(case: impl Fn(Mode) -> 
     }
 }
 
-/// Checks that exactly one client connection was closed, for `reason`.
-fn assert_cut_off_once(bed: &Bed, mode: Mode, reason: ClientErrorReason) {
+/// Checks that exactly one client connection was closed, for `reason` (counted by the time
+/// its client saw the close, or a moment after: h2 counts once the connection's task sees the
+/// end it wrote).
+async fn assert_cut_off_once(bed: &Bed, mode: Mode, reason: ClientErrorReason) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
+    while bed.client_errors(reason) == 0 && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     assert_eq!(
         bed.client_errors(reason),
         1,
@@ -369,7 +375,7 @@ async fn a_ping_flood_is_cut_off_with_enhance_your_calm_and_counted_and_other_cl
     both_modes(|mode| async move {
         let (sent, bed) =
             flooded_while_serving(mode, start(), |_| ping(), ErrorCode::ENHANCE_YOUR_CALM).await;
-        assert_cut_off_once(&bed, mode, ClientErrorReason::PingFlood);
+        assert_cut_off_once(&bed, mode, ClientErrorReason::PingFlood).await;
         eprintln!("{mode:?}: PING flood cut off after {sent} frames written");
         bed.stop().await;
     })
@@ -388,7 +394,7 @@ async fn a_settings_flood_is_cut_off_with_enhance_your_calm_and_counted_and_othe
             ErrorCode::ENHANCE_YOUR_CALM,
         )
         .await;
-        assert_cut_off_once(&bed, mode, ClientErrorReason::SettingsFlood);
+        assert_cut_off_once(&bed, mode, ClientErrorReason::SettingsFlood).await;
         eprintln!("{mode:?}: SETTINGS flood cut off after {sent} frames written");
         bed.stop().await;
     })
@@ -415,7 +421,7 @@ async fn an_rst_stream_flood_on_a_closed_stream_is_cut_off_with_enhance_your_cal
             ErrorCode::ENHANCE_YOUR_CALM,
         )
         .await;
-        assert_cut_off_once(&bed, mode, ClientErrorReason::RstStreamFlood);
+        assert_cut_off_once(&bed, mode, ClientErrorReason::RstStreamFlood).await;
         eprintln!("{mode:?}: RST_STREAM flood cut off after {sent} frames written");
         bed.stop().await;
     })
@@ -440,7 +446,7 @@ async fn a_hundred_thousand_streams_on_one_connection_are_cut_off_and_counted() 
             sent <= 100_000,
             "{mode:?}: cut off before 100,000 streams, after {sent} were written"
         );
-        assert_cut_off_once(&bed, mode, ClientErrorReason::TooManyStreams);
+        assert_cut_off_once(&bed, mode, ClientErrorReason::TooManyStreams).await;
         eprintln!("{mode:?}: stream flood cut off after {sent} HEADERS written");
         bed.stop().await;
     })
@@ -489,7 +495,7 @@ async fn a_settings_ack_instead_of_the_preface_is_closed_at_once_and_counted() {
             "{mode:?}: {} of {calls} calls failed",
             failed.len()
         );
-        assert_cut_off_once(&bed, mode, ClientErrorReason::Malformed);
+        assert_cut_off_once(&bed, mode, ClientErrorReason::Malformed).await;
         bed.stop().await;
     })
     .await;
@@ -750,6 +756,83 @@ async fn an_idle_connection_gets_a_goaway_after_the_idle_timeout_and_keepalive_p
             "{mode:?}"
         );
         drop((quiet, wr));
+        bed.stop().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_past_the_cap_are_closed_at_once_and_counted_and_served_ones_lose_nothing() {
+    // A cap of 50: a good client and 49 connections that sent their preface hold it; the next
+    // connection is closed at once, counted, and the good client keeps calling. One holder
+    // leaves: a new connection is served again.
+    for mode in [Mode::Request, Mode::Connection] {
+        let bed = Bed::serving(
+            mode,
+            Config {
+                max_client_connections: 50,
+                ..Config::default()
+            },
+            ConnectionConfig {
+                max_client_connections: 50,
+                ..ConnectionConfig::default()
+            },
+        )
+        .await;
+        let stop = Arc::new(AtomicBool::new(false));
+        let good = good_client(bed.addr, stop.clone());
+        let mut holders = Vec::new();
+        for _ in 0..49 {
+            let mut c = TcpStream::connect(bed.addr).await.expect("connects");
+            c.write_all(&start()).await.expect("preface");
+            holders.push(c);
+        }
+        let open = |bed: &Bed| bed.metrics().client_connections;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while open(&bed) < 50 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(open(&bed), 50, "{mode:?}: the cap is reached");
+        let t0 = tokio::time::Instant::now();
+        let mut extra = TcpStream::connect(bed.addr)
+            .await
+            .expect("the TCP connect succeeds");
+        extra.write_all(&start()).await.expect("preface");
+        let mut got = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(5), extra.read_to_end(&mut got))
+            .await
+            .expect("the connection past the cap is closed");
+        assert!(
+            got.is_empty() && t0.elapsed() < Duration::from_secs(2),
+            "{mode:?}: closed at once, nothing spoken: {} bytes after {:?}",
+            got.len(),
+            t0.elapsed()
+        );
+        assert_eq!(
+            bed.client_errors(ClientErrorReason::ConnectionLimit),
+            1,
+            "{mode:?}: counted"
+        );
+        drop(holders.pop());
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while open(&bed) >= 50 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let mut again = TcpStream::connect(bed.addr).await.expect("connects");
+        again.write_all(&start()).await.expect("preface");
+        let mut header = [0u8; HEADER_LEN];
+        tokio::time::timeout(Duration::from_secs(5), again.read_exact(&mut header))
+            .await
+            .expect("served again below the cap")
+            .expect("the server's first frame");
+        assert_eq!(Head::decode(&header).kind, Kind::Settings, "{mode:?}");
+        stop.store(true, Ordering::Relaxed);
+        let (calls, failed) = good.await.expect("good client");
+        assert!(
+            failed.is_empty(),
+            "{mode:?}: {} of {calls} calls failed",
+            failed.len()
+        );
+        drop((holders, again));
         bed.stop().await;
     }
 }

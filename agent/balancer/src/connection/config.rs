@@ -30,6 +30,10 @@ pub struct ConnectionConfig {
     /// (checked every eighth of it) is rotated, counted as `idle`; as request mode's
     /// `Config::idle_timeout` (the same default). Applies to connections accepted afterwards.
     pub idle_timeout: Option<Duration>,
+    /// Most client connections relayed at once by this balancer (one per Service, shared by
+    /// the workers); one accepted beyond is closed at once, before a backend is connected, and
+    /// counted (`connection_limit`); as request mode's `Config::max_client_connections`.
+    pub max_client_connections: usize,
     /// How long a rotated connection's streams may run on before they are reset, and how long
     /// a drain waits for connections.
     pub drain_grace: Duration,
@@ -53,6 +57,7 @@ impl Default for ConnectionConfig {
             health_service: None,
             max_connection_age: None,
             idle_timeout: Some(crate::request::config::DEFAULT_IDLE_TIMEOUT),
+            max_client_connections: crate::request::config::DEFAULT_MAX_CLIENT_CONNECTIONS,
             drain_grace: Duration::from_secs(10),
             ping_timeout: Duration::from_secs(10),
             failure_threshold: 1,
@@ -76,5 +81,9 @@ impl crate::server::Lifecycle for ConnectionConfig {
 
     fn idle_timeout(&self) -> Option<Duration> {
         self.idle_timeout
+    }
+
+    fn max_client_connections(&self) -> usize {
+        self.max_client_connections
     }
 }

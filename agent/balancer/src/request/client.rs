@@ -43,6 +43,10 @@ impl Lifecycle for Config {
     fn idle_timeout(&self) -> Option<std::time::Duration> {
         self.idle_timeout
     }
+
+    fn max_client_connections(&self) -> usize {
+        self.max_client_connections
+    }
 }
 
 impl NewConnection for crate::Balancer {

@@ -69,6 +69,11 @@ pub struct Config {
     /// ever. A gRPC client's keepalive PINGs keep its connection (they say the client wants
     /// it). `None`: no idle timeout.
     pub idle_timeout: Option<Duration>,
+    /// Most client connections this balancer serves at once (one balancer per Service port and
+    /// data-plane worker); one accepted beyond is closed at once and counted as
+    /// `skewless_client_protocol_errors_total{reason="connection_limit"}`. Bounds what idle or
+    /// hostile connections can cost (about 25 KiB each when idle).
+    pub max_client_connections: usize,
 }
 
 impl Default for Config {
@@ -89,6 +94,7 @@ impl Default for Config {
             drain_grace: Duration::from_secs(10),
             max_connection_age: None,
             idle_timeout: Some(DEFAULT_IDLE_TIMEOUT),
+            max_client_connections: DEFAULT_MAX_CLIENT_CONNECTIONS,
         }
     }
 }
@@ -98,6 +104,11 @@ impl Default for Config {
 /// enforcement policy), so a client that pings as often as a default server allows keeps its
 /// connection.
 pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// Default cap on client connections per balancer, both modes: far above what the pods of one
+/// node open to one Service (a few per pod), low enough that the connections at the cap fit
+/// the agent's memory (request mode ~25 KiB per idle connection: 50 MiB at the cap).
+pub const DEFAULT_MAX_CLIENT_CONNECTIONS: usize = 2048;
 
 /// Tuning of the picker (see the `picker` module docs for the algorithm).
 #[derive(Debug, Clone)]
