@@ -37,6 +37,8 @@ mod conn;
 mod detect;
 mod pipe;
 mod preface;
+mod rotation;
+mod streams;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, Ordering};

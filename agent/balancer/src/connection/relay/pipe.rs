@@ -19,7 +19,8 @@ use skewless_frame::{ErrorCode, FrameError, HEADER_LEN, Head, PREFACE};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::time::Instant;
 
-use super::conn::{Action, Conn, Out, Phase, ProtocolError, Side};
+use super::conn::{Action, Conn, Out, ProtocolError, Side};
+use super::rotation::Phase;
 use super::{RelaySettings, RotationReason, Shared, detect};
 use crate::linger::LINGER;
 
@@ -455,14 +456,16 @@ impl Relay {
                     self.break_backend(e);
                 }
             }
-            if std::mem::take(&mut self.conn.quiesce_acked) && self.conn.phase == Phase::Quiescing {
+            if std::mem::take(&mut self.conn.rotation.quiesce_acked)
+                && self.conn.rotation.phase == Phase::Quiescing
+            {
                 self.conn.announce();
                 return Poll::Ready(Ok(Event::Announced));
             }
             progress |= self.conn.settle_step();
-            if self.conn.ping_acked {
-                self.conn.ping_acked = false;
-                if self.conn.phase == Phase::Announced {
+            if self.conn.rotation.ping_acked {
+                self.conn.rotation.ping_acked = false;
+                if self.conn.rotation.phase == Phase::Announced {
                     return Poll::Ready(Ok(Event::PingAcked));
                 }
             }
@@ -496,7 +499,7 @@ impl Relay {
         }
         tracing::debug!(
             error = %e,
-            phase = ?self.conn.phase,
+            phase = ?self.conn.rotation.phase,
             open = self.conn.open_streams(),
             held_bytes = self.b2c.end - self.b2c.start,
             "backend connection failed, delivering what it sent"
@@ -514,7 +517,7 @@ impl Relay {
             return Some(RelayEnd::Closed);
         }
         let quiet = |p: &Pipe, out: &Out| p.pass == 0 && p.flushed(out);
-        let rotated = self.conn.phase == Phase::Final
+        let rotated = self.conn.rotation.phase == Phase::Final
             && self.conn.open_streams() == 0
             && self.conn.client_block.is_none()
             && self.conn.backend_block.is_none()
@@ -525,7 +528,7 @@ impl Relay {
         }
         Some(match self.grace_over {
             Some(reset) => RelayEnd::GraceExpired { reset },
-            None => RelayEnd::Rotated(self.conn.reason.unwrap_or(RotationReason::Drain)),
+            None => RelayEnd::Rotated(self.conn.rotation.reason.unwrap_or(RotationReason::Drain)),
         })
     }
 
@@ -663,7 +666,7 @@ pub(super) async fn run<C: Io, B: Io>(
     let mut idle_since = Instant::now();
     let mut seen = (shared.stats.requests(), r.conn.client_pings);
     let outcome = loop {
-        let open = r.conn.phase == Phase::Open;
+        let open = r.conn.rotation.phase == Phase::Open;
         let event = tokio::select! {
             biased;
             () = sleep_until(idle_check.filter(|_| open)) => {
@@ -747,7 +750,7 @@ pub(super) async fn run<C: Io, B: Io>(
                 r.conn.finalize();
                 continue;
             }
-            () = sleep_until(settle_deadline.filter(|_| r.conn.phase == Phase::Settling)) => {
+            () = sleep_until(settle_deadline.filter(|_| r.conn.rotation.phase == Phase::Settling)) => {
                 settle_deadline = None;
                 tracing::debug!(
                     open = r.conn.open_streams(),
@@ -775,7 +778,7 @@ pub(super) async fn run<C: Io, B: Io>(
             }
             Ok(Event::PingAcked) => {
                 ping_deadline = None;
-                r.conn.settle();
+                r.conn.rotation.settle();
             }
             Ok(Event::HalfClosed) => {
                 half_closed_deadline = Some(Instant::now() + settings.drain_grace);
@@ -795,7 +798,7 @@ pub(super) async fn run<C: Io, B: Io>(
     // last stream once the client's GOAWAY reached it, possibly before the relay has passed
     // that stream's end to a slowly reading client), and the end names why the connection
     // ended: the rotation asked for it, and nothing was lost.
-    let outcome = match (outcome, r.conn.reason) {
+    let outcome = match (outcome, r.conn.rotation.reason) {
         (Ok(RelayEnd::Closed), Some(reason)) if r.conn.open_streams() == 0 => {
             Ok(RelayEnd::Rotated(reason))
         }
@@ -806,7 +809,7 @@ pub(super) async fn run<C: Io, B: Io>(
         Err(error) => tracing::debug!(
             %error,
             source = std::error::Error::source(error).map(ToString::to_string),
-            phase = ?r.conn.phase,
+            phase = ?r.conn.rotation.phase,
             open = r.conn.open_streams(),
             "relay failed"
         ),
