@@ -10,6 +10,7 @@ pub(crate) mod flood_guard;
 pub mod picker;
 mod pool;
 mod proxy;
+mod retry;
 mod retry_budget;
 pub mod status;
 

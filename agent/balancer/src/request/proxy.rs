@@ -26,6 +26,7 @@ use crate::grpc::{self, Code};
 use crate::metrics::{FailureReason, ServiceMetrics};
 use crate::request::picker::Outcome;
 use crate::request::pool::{Lease, Pool};
+use crate::request::retry::{self, Decision, Failed, NoRetry, not_processed, retried_outcome};
 use crate::request::status::Counters;
 
 /// Why a request could not be forwarded; becomes a gRPC status for the client.
@@ -223,13 +224,7 @@ async fn forward(
     // One look at the live config per request (`reconfigure` may swap it meanwhile).
     let config = pool.config();
     let max_attempts = config.max_attempts.max(1);
-    let retryable_method = {
-        let path = head.uri.path();
-        config
-            .retryable_methods
-            .iter()
-            .any(|m| path == m.as_str() || (m.ends_with('/') && path.starts_with(m.as_str())))
-    };
+    let retryable_method = retry::retryable_method(&config, head.uri.path());
     // What every attempt sends (extensions are not forwarded).
     let mut template = Request::from_parts(head, ());
     template.extensions_mut().clear();
@@ -295,22 +290,17 @@ async fn forward(
             Err(Some(error)) => error,
         };
         request.detach();
-        // Configured-retryable (idempotent) methods are retried after any transport failure,
-        // others only when the upstream provably did not process them.
-        let retryable = attempts < max_attempts && (retryable_method || not_processed(&error));
-        if retryable && !request.replayable() {
-            tracing::debug!("request body cannot be replayed, not retrying");
-        }
-        if retryable && request.replayable() {
-            // A request the upstream did not process goes again at once; one it was
-            // processing waits its backoff first, if that ends before the deadline.
-            let pause = (!not_processed(&error))
-                .then(|| retry_pause(&config, attempts, pool.random_unit()));
-            let in_time = match (pause, deadline) {
-                (Some(pause), Some(deadline)) => Instant::now() + pause < deadline,
-                _ => true,
-            };
-            if in_time && pool.withdraw_retry_token() {
+        let failed = Failed {
+            attempts,
+            max_attempts,
+            retryable_method,
+            not_processed: not_processed(&error),
+            replayable: request.replayable(),
+        };
+        match retry::decide(&failed, &config, Instant::now(), deadline, || {
+            pool.random_unit()
+        }) {
+            Decision::Retry { pause } if pool.withdraw_retry_token() => {
                 Counters::bump(&pool.counters.retries);
                 tracing::debug!(addr = %lease.addr, %error, ?pause, "retrying on another endpoint");
                 tried.push(lease.id);
@@ -322,24 +312,16 @@ async fn forward(
                 }
                 continue;
             }
-            if in_time {
-                Counters::bump(&pool.counters.retries_refused_by_budget);
+            Decision::Retry { .. } => Counters::bump(&pool.counters.retries_refused_by_budget),
+            Decision::Fail(NoRetry::NotReplayable) => {
+                tracing::debug!("request body cannot be replayed, not retrying");
             }
+            Decision::Fail(_) => {}
         }
         tracing::debug!(addr = %lease.addr, ?error, "upstream failed the request");
         lease.finish(Outcome::Failure);
         return Err(ForwardError::Upstream(error));
     }
-}
-
-/// The pause before retry number `attempts` (1 for the first retry) of a request an upstream
-/// was processing: uniform in [1/2, 1] x `retry_backoff x 2^(attempts-1)`; `unit` is uniform
-/// in [0, 1).
-fn retry_pause(config: &crate::Config, attempts: u32, unit: f64) -> std::time::Duration {
-    let ceiling = config
-        .retry_backoff
-        .saturating_mul(1 << attempts.saturating_sub(1).min(16));
-    ceiling.mul_f64(0.5 + unit / 2.0)
 }
 
 /// The request one attempt sends: the client's, with an absolute URI as h2 requires (a client
@@ -364,33 +346,6 @@ fn upstream_request(template: &Request<()>, endpoint: std::net::SocketAddr) -> R
         Uri::from_parts(parts).unwrap_or_else(|_| uri.clone())
     };
     req
-}
-
-/// What a retried attempt says about its endpoint. A graceful GOAWAY (the server rotating or
-/// shutting down its connection) says nothing: the endpoint stays as it was. Anything else, a
-/// REFUSED_STREAM included, is a failure of the endpoint: otherwise an endpoint that refuses
-/// every stream would look cheap (it answers at once and holds nothing in flight), attract
-/// every first attempt and drain the retry budget, until calls fail; counted as failures, it
-/// is ejected after `failure_threshold` of them like any failing endpoint.
-fn retried_outcome(error: &h2::Error) -> Outcome {
-    if graceful_go_away(error) {
-        Outcome::Cancelled
-    } else {
-        Outcome::Failure
-    }
-}
-
-/// The stream was cut by the upstream's graceful GOAWAY (NO_ERROR).
-fn graceful_go_away(h2: &h2::Error) -> bool {
-    h2.is_go_away() && h2.is_remote() && h2.reason() == Some(Reason::NO_ERROR)
-}
-
-/// Whether the upstream provably did not process the request: it refused the stream
-/// (REFUSED_STREAM), or the stream was cut by a graceful GOAWAY (NO_ERROR). h2 fails a stream
-/// with a remote NO_ERROR GOAWAY when its id is above the GOAWAY's last-stream-id (or it was
-/// still queued, never sent); a graceful server finishes every stream at or below it.
-fn not_processed(error: &h2::Error) -> bool {
-    error.reason() == Some(Reason::REFUSED_STREAM) || graceful_go_away(error)
 }
 
 fn outcome_of(status: StatusCode, trailers: Option<&HeaderMap>) -> Outcome {
@@ -785,12 +740,11 @@ mod tests {
     use std::future::{Future as _, poll_fn};
     use std::pin::Pin;
     use std::task::Poll;
-    use std::time::Duration;
 
     use bytes::Bytes;
     use tokio::io::AsyncReadExt as _;
 
-    use super::{Replay, RequestPump, retry_pause};
+    use super::{Replay, RequestPump};
 
     /// Frame types and flags of what `bytes` (a client's byte stream after its preface) holds.
     fn frames(bytes: &[u8]) -> Vec<(u8, u8, usize)> {
@@ -883,31 +837,5 @@ mod tests {
             let kept: Vec<&[u8]> = replay.iter().map(|b| &b[..]).collect();
             assert_eq!(kept, chunks[..=i], "every chunk so far, in the order read");
         }
-    }
-
-    #[test]
-    fn retry_pauses_double_per_retry_with_jitter_in_the_upper_half() {
-        let config = crate::Config {
-            retry_backoff: Duration::from_millis(20),
-            ..crate::Config::default()
-        };
-        let ms = |attempts, unit| retry_pause(&config, attempts, unit).as_secs_f64() * 1e3;
-        assert!(
-            (ms(1, 0.0) - 10.0).abs() < 1e-6,
-            "first retry: at least half of 20 ms"
-        );
-        assert!(ms(1, 0.999) < 20.0, "first retry: under 20 ms");
-        assert!(
-            (ms(2, 0.0) - 20.0).abs() < 1e-6,
-            "second retry: half of 40 ms"
-        );
-        assert!(
-            (ms(3, 0.5) - 60.0).abs() < 1e-6,
-            "third retry: 3/4 of 80 ms"
-        );
-        assert!(
-            retry_pause(&config, u32::MAX, 0.999) < Duration::from_secs(24 * 3600),
-            "the exponent is capped"
-        );
     }
 }
