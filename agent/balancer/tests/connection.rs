@@ -14,28 +14,19 @@ use rand::SeedableRng as _;
 use rand::rngs::SmallRng;
 use skewless_balancer::connection::{ConnectionBalancer, ConnectionConfig, RotationConfig};
 use skewless_balancer::{Endpoint, EndpointState};
-use skewless_echo::SpawnedEcho;
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{oneshot, watch};
+use tokio::net::TcpStream;
+use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-struct Bed {
-    addr: SocketAddr,
-    balancer: ConnectionBalancer,
-    endpoints: watch::Sender<Vec<Endpoint>>,
-    shutdown: Option<oneshot::Sender<()>>,
-    task: JoinHandle<()>,
-}
+mod support;
+use support::{endpoints, pods};
+
+/// A connection-mode balancer serving a loopback port.
+type Bed = support::Serving<ConnectionBalancer>;
 
 impl Bed {
     async fn stop(mut self) {
-        if let Some(tx) = self.shutdown.take() {
-            let _ = tx.send(());
-        }
-        tokio::time::timeout(Duration::from_secs(30), &mut self.task)
-            .await
-            .expect("serve returns within the drain grace")
-            .expect("serve task");
+        self.stop_within(Duration::from_secs(30)).await;
     }
 }
 
@@ -70,54 +61,7 @@ async fn bed_with(
     endpoints: Vec<Endpoint>,
     balancer: impl FnOnce(watch::Receiver<Vec<Endpoint>>) -> ConnectionBalancer,
 ) -> Bed {
-    // `RUST_LOG=skewless_balancer=debug cargo test ...` shows the balancer's view of a test.
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_test_writer()
-        .try_init();
-    let (tx, rx) = watch::channel(endpoints);
-    let balancer = balancer(rx);
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    let (shutdown_tx, shutdown_rx) = oneshot::channel::<()>();
-    let b = balancer.clone();
-    let task = tokio::spawn(async move {
-        skewless_balancer::server::serve(
-            &b,
-            listener,
-            async {
-                let _ = shutdown_rx.await;
-            },
-            |_| true,
-        )
-        .await
-        .expect("serve");
-    });
-    Bed {
-        addr,
-        balancer,
-        endpoints: tx,
-        shutdown: Some(shutdown_tx),
-        task,
-    }
-}
-
-async fn pods(n: usize) -> Vec<SpawnedEcho> {
-    let mut v = Vec::new();
-    for i in 0..n {
-        v.push(
-            SpawnedEcho::start("127.0.0.1:0".parse().expect("addr"), &format!("pod-{i}"))
-                .await
-                .expect("echo starts"),
-        );
-    }
-    v
-}
-
-fn endpoints(pods: &[SpawnedEcho]) -> Vec<Endpoint> {
-    pods.iter()
-        .map(|p| Endpoint::new(p.addr, p.name.clone()))
-        .collect()
+    support::serve(endpoints, balancer).await
 }
 
 /// What one client saw.

@@ -10,16 +10,15 @@ use std::time::Duration;
 use skewless_balancer::Endpoint;
 use skewless_balancer::connection::{ConnectionBalancer, ConnectionConfig};
 use skewless_balancer::metrics::{ClientErrorReason, RotationReason};
-use skewless_frame::{HEADER_LEN, Head, Kind, PREFACE, Settings, flags};
+use skewless_frame::{Head, Kind, PREFACE, Settings, flags};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-/// Long enough never to fire in a passing test; under paused time it fires only when
-/// everything is idle, that is when the balancer is stuck.
-const STUCK: Duration = Duration::from_secs(3600);
+mod support;
+use support::{STUCK, hello, next_frame};
 
 struct Bed {
     addr: SocketAddr,
@@ -48,19 +47,11 @@ impl Bed {
     }
 
     fn client_errors(&self, reason: ClientErrorReason) -> u64 {
-        let i = ClientErrorReason::ALL
-            .iter()
-            .position(|r| *r == reason)
-            .expect("a reason");
-        self.balancer.metrics().client_errors[i]
+        support::client_errors(&self.balancer.metrics(), reason)
     }
 
     fn rotations(&self, reason: RotationReason) -> u64 {
-        let i = RotationReason::ALL
-            .iter()
-            .position(|r| *r == reason)
-            .expect("a reason");
-        self.balancer.metrics().rotations[i]
+        support::rotations(&self.balancer.metrics(), reason)
     }
 
     async fn stop(mut self) {
@@ -115,12 +106,6 @@ async fn bed_with(config: ConnectionConfig) -> Bed {
     }
 }
 
-fn hello() -> Vec<u8> {
-    let mut v = PREFACE.to_vec();
-    Settings::encode(false, &[], &mut v);
-    v
-}
-
 /// Reads until the balancer closes `s`; what came before.
 async fn until_closed(s: &mut TcpStream) -> Vec<u8> {
     let mut got = Vec::new();
@@ -129,19 +114,6 @@ async fn until_closed(s: &mut TcpStream) -> Vec<u8> {
         .expect("the balancer never closes the client")
         .expect("read");
     got
-}
-
-/// The next frame `s` carries.
-async fn next_frame(s: &mut TcpStream) -> (Head, Vec<u8>) {
-    let mut header = [0u8; HEADER_LEN];
-    tokio::time::timeout(STUCK, s.read_exact(&mut header))
-        .await
-        .expect("the balancer is stuck")
-        .expect("a frame header");
-    let head = Head::decode(&header);
-    let mut payload = vec![0u8; head.len as usize];
-    s.read_exact(&mut payload).await.expect("the payload");
-    (head, payload)
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]

@@ -10,46 +10,27 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use bytes::BytesMut;
 use skewless_balancer::connection::{ConnectionBalancer, ConnectionConfig};
 use skewless_balancer::metrics::{ClientErrorReason, RotationReason, ServiceSnapshot};
 use skewless_balancer::{Balancer, Config, Endpoint};
 use skewless_echo::SpawnedEcho;
 use skewless_echo::pb::EchoRequest;
 use skewless_echo::pb::echo_client::EchoClient;
-use skewless_frame::{ErrorCode, GoAway, HEADER_LEN, Head, Kind, PREFACE, Ping, flags};
+use skewless_frame::{ErrorCode, GoAway, HEADER_LEN, Head, Kind, PREFACE, flags};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{oneshot, watch};
+use tokio::net::TcpStream;
 use tonic::transport::Channel;
+
+mod support;
+use support::{Serving, client_errors, frame, hello, pods, rotations};
 
 /// Frames the flooder may send before the test calls the balancer unbounded.
 const MAX_FRAMES: usize = 2_000_000;
 /// Frames per write.
 const CHUNK: usize = 2_000;
 
-fn frame(kind: Kind, flags: u8, stream_id: u32, payload: &[u8]) -> Vec<u8> {
-    let len = u32::try_from(payload.len()).expect("small");
-    let mut b = Head::new(kind, flags, stream_id, len).encode().to_vec();
-    b.extend_from_slice(payload);
-    b
-}
-
 fn ping() -> Vec<u8> {
-    let mut b = BytesMut::new();
-    Ping {
-        ack: false,
-        opaque: [7; 8],
-    }
-    .encode(&mut b);
-    b.to_vec()
-}
-
-/// The preface and an empty SETTINGS, as every client starts.
-fn start() -> Vec<u8> {
-    let mut b = PREFACE.to_vec();
-    b.extend(frame(Kind::Settings, 0, 0, &[]));
-    b
+    support::ping(false, [7; 8])
 }
 
 /// Which balancer a bed serves.
@@ -59,19 +40,15 @@ enum Mode {
     Connection,
 }
 
-#[derive(Clone)]
 enum Served {
-    Request(Arc<Balancer>),
-    Connection(ConnectionBalancer),
+    Request(Serving<Balancer>),
+    Connection(Serving<ConnectionBalancer>),
 }
 
 struct Bed {
     addr: SocketAddr,
     served: Served,
     _pod: SpawnedEcho,
-    _endpoints: watch::Sender<Vec<Endpoint>>,
-    stop: Option<oneshot::Sender<()>>,
-    task: tokio::task::JoinHandle<()>,
 }
 
 impl Bed {
@@ -88,51 +65,31 @@ impl Bed {
     }
 
     async fn serving(mode: Mode, config: Config, connection: ConnectionConfig) -> Self {
-        let _ = tracing_subscriber::fmt()
-            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-            .with_test_writer()
-            .try_init();
-        let pod = SpawnedEcho::start("127.0.0.1:0".parse().expect("addr"), "pod-0")
-            .await
-            .expect("echo starts");
-        let (tx, rx) = watch::channel(vec![Endpoint::new(pod.addr, "pod-0")]);
-        let served = match mode {
-            Mode::Request => Served::Request(Arc::new(Balancer::new(config, rx))),
-            Mode::Connection => Served::Connection(ConnectionBalancer::new(connection, rx)),
+        let pod = pods(1).await.pop().expect("a pod");
+        let endpoints = vec![Endpoint::new(pod.addr, "pod-0")];
+        let (addr, served) = match mode {
+            Mode::Request => {
+                let s = support::serve(endpoints, |rx| Balancer::new(config, rx)).await;
+                (s.addr, Served::Request(s))
+            }
+            Mode::Connection => {
+                let s =
+                    support::serve(endpoints, |rx| ConnectionBalancer::new(connection, rx)).await;
+                (s.addr, Served::Connection(s))
+            }
         };
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let addr = listener.local_addr().expect("addr");
-        let (stop, stopped) = oneshot::channel::<()>();
-        let s = served.clone();
-        let task = tokio::spawn(async move {
-            let shutdown = async {
-                let _ = stopped.await;
-            };
-            let served = match &s {
-                Served::Request(b) => {
-                    skewless_balancer::server::serve(&**b, listener, shutdown, |_| true).await
-                }
-                Served::Connection(b) => {
-                    skewless_balancer::server::serve(b, listener, shutdown, |_| true).await
-                }
-            };
-            served.expect("serve");
-        });
         Self {
             addr,
             served,
             _pod: pod,
-            _endpoints: tx,
-            stop: Some(stop),
-            task,
         }
     }
 
     /// The Service's numbers.
     fn metrics(&self) -> ServiceSnapshot {
         match &self.served {
-            Served::Request(b) => b.metrics(),
-            Served::Connection(b) => b.metrics(),
+            Served::Request(s) => s.balancer.metrics(),
+            Served::Connection(s) => s.balancer.metrics(),
         }
     }
 
@@ -146,7 +103,7 @@ impl Bed {
             _ => 0,
         };
         let counted = match &self.served {
-            Served::Request(b) => flood(b.counters()),
+            Served::Request(s) => flood(s.balancer.counters()),
             Served::Connection(_) => 0,
         };
         counted + client_errors(&self.metrics(), reason)
@@ -160,14 +117,24 @@ impl Bed {
             .sum()
     }
 
-    async fn stop(mut self) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
+    /// Starts the drain.
+    fn start_drain(&mut self) {
+        match &mut self.served {
+            Served::Request(s) => s.start_drain(),
+            Served::Connection(s) => s.start_drain(),
         }
-        tokio::time::timeout(Duration::from_secs(15), &mut self.task)
-            .await
-            .expect("the balancer drains")
-            .expect("serve task");
+    }
+
+    /// The drain is over within `within`.
+    async fn drained_within(&mut self, within: Duration) {
+        match &mut self.served {
+            Served::Request(s) => s.stop_within(within).await,
+            Served::Connection(s) => s.stop_within(within).await,
+        }
+    }
+
+    async fn stop(mut self) {
+        self.drained_within(Duration::from_secs(15)).await;
     }
 }
 
@@ -326,22 +293,6 @@ async fn flooded_while_serving(
     (sent, bed)
 }
 
-fn client_errors(s: &ServiceSnapshot, reason: ClientErrorReason) -> u64 {
-    let i = ClientErrorReason::ALL
-        .iter()
-        .position(|r| *r == reason)
-        .expect("a reason");
-    s.client_errors[i]
-}
-
-fn rotations(s: &ServiceSnapshot, reason: RotationReason) -> u64 {
-    let i = RotationReason::ALL
-        .iter()
-        .position(|r| *r == reason)
-        .expect("a reason");
-    s.rotations[i]
-}
-
 /// Runs `case` for each mode, one after the other.
 async fn both_modes<F: std::future::Future<Output = ()>>(case: impl Fn(Mode) -> F) {
     for mode in [Mode::Request, Mode::Connection] {
@@ -374,7 +325,7 @@ async fn assert_cut_off_once(bed: &Bed, mode: Mode, reason: ClientErrorReason) {
 async fn a_ping_flood_is_cut_off_with_enhance_your_calm_and_counted_and_other_clients_are_served() {
     both_modes(|mode| async move {
         let (sent, bed) =
-            flooded_while_serving(mode, start(), |_| ping(), ErrorCode::ENHANCE_YOUR_CALM).await;
+            flooded_while_serving(mode, hello(), |_| ping(), ErrorCode::ENHANCE_YOUR_CALM).await;
         assert_cut_off_once(&bed, mode, ClientErrorReason::PingFlood).await;
         eprintln!("{mode:?}: PING flood cut off after {sent} frames written");
         bed.stop().await;
@@ -389,7 +340,7 @@ async fn a_settings_flood_is_cut_off_with_enhance_your_calm_and_counted_and_othe
         let settings = frame(Kind::Settings, 0, 0, &[]);
         let (sent, bed) = flooded_while_serving(
             mode,
-            start(),
+            hello(),
             move |_| settings.clone(),
             ErrorCode::ENHANCE_YOUR_CALM,
         )
@@ -406,7 +357,7 @@ async fn an_rst_stream_flood_on_a_closed_stream_is_cut_off_with_enhance_your_cal
     // One stream (GET /, a static-table header block), then RST_STREAM on it again and
     // again: h2 ignores a reset of a closed stream, so only the guard can stop this.
     both_modes(|mode| async move {
-        let mut opening = start();
+        let mut opening = hello();
         opening.extend(frame(
             Kind::Headers,
             flags::END_HEADERS | flags::END_STREAM,
@@ -441,7 +392,7 @@ async fn a_hundred_thousand_streams_on_one_connection_are_cut_off_and_counted() 
             frame(Kind::Headers, flags::END_HEADERS, id, &[0x82, 0x86, 0x84])
         };
         let (sent, bed) =
-            flooded_while_serving(mode, start(), headers, ErrorCode::ENHANCE_YOUR_CALM).await;
+            flooded_while_serving(mode, hello(), headers, ErrorCode::ENHANCE_YOUR_CALM).await;
         assert!(
             sent <= 100_000,
             "{mode:?}: cut off before 100,000 streams, after {sent} were written"
@@ -578,7 +529,7 @@ async fn a_drain_closes_clients_without_a_preface_at_once_and_counts_them_draine
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert_eq!(bed.metrics().client_connections, 4, "all four accepted");
     let t0 = tokio::time::Instant::now();
-    let _ = bed.stop.take().expect("not drained yet").send(());
+    bed.start_drain();
     for c in &mut clients {
         // h2's SETTINGS (a server sends its own preface at once), then FIN.
         let mut got = Vec::new();
@@ -587,10 +538,7 @@ async fn a_drain_closes_clients_without_a_preface_at_once_and_counts_them_draine
             .expect("the balancer never closes the client")
             .expect("FIN, not a reset");
     }
-    tokio::time::timeout(Duration::from_secs(3600), &mut bed.task)
-        .await
-        .expect("the drain never ends")
-        .expect("serve task");
+    bed.drained_within(Duration::from_secs(3600)).await;
     assert!(
         t0.elapsed() < Duration::from_secs(1),
         "closed and the drain over at once, not at the 10 s handshake timeout: {:?}",
@@ -624,7 +572,7 @@ async fn a_client_whose_preface_comes_after_its_max_age_is_wound_down_with_a_goa
     let mut c = TcpStream::connect(bed.addr).await.expect("connects");
     tokio::time::sleep(Duration::from_secs(3)).await;
     let t0 = tokio::time::Instant::now();
-    c.write_all(&start()).await.expect("the preface, late");
+    c.write_all(&hello()).await.expect("the preface, late");
     let mut kinds = Vec::new();
     loop {
         let mut header = [0u8; skewless_frame::HEADER_LEN];
@@ -696,9 +644,9 @@ async fn an_idle_connection_gets_a_goaway_after_the_idle_timeout_and_keepalive_p
         let idle = skewless_balancer::config::DEFAULT_IDLE_TIMEOUT;
         let t0 = tokio::time::Instant::now();
         let mut quiet = TcpStream::connect(bed.addr).await.expect("connects");
-        quiet.write_all(&start()).await.expect("preface");
+        quiet.write_all(&hello()).await.expect("preface");
         let mut pinging = TcpStream::connect(bed.addr).await.expect("connects");
-        pinging.write_all(&start()).await.expect("preface");
+        pinging.write_all(&hello()).await.expect("preface");
         // The pinging client: a PING every 4 minutes for 30 minutes, what comes back read.
         let (mut rd, mut wr) = pinging.into_split();
         let reader = tokio::spawn(async move {
@@ -783,7 +731,7 @@ async fn connections_past_the_cap_are_closed_at_once_and_counted_and_served_ones
         let mut holders = Vec::new();
         for _ in 0..49 {
             let mut c = TcpStream::connect(bed.addr).await.expect("connects");
-            c.write_all(&start()).await.expect("preface");
+            c.write_all(&hello()).await.expect("preface");
             holders.push(c);
         }
         let open = |bed: &Bed| bed.metrics().client_connections;
@@ -796,7 +744,7 @@ async fn connections_past_the_cap_are_closed_at_once_and_counted_and_served_ones
         let mut extra = TcpStream::connect(bed.addr)
             .await
             .expect("the TCP connect succeeds");
-        extra.write_all(&start()).await.expect("preface");
+        extra.write_all(&hello()).await.expect("preface");
         let mut got = Vec::new();
         let _ = tokio::time::timeout(Duration::from_secs(5), extra.read_to_end(&mut got))
             .await
@@ -818,7 +766,7 @@ async fn connections_past_the_cap_are_closed_at_once_and_counted_and_served_ones
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         let mut again = TcpStream::connect(bed.addr).await.expect("connects");
-        again.write_all(&start()).await.expect("preface");
+        again.write_all(&hello()).await.expect("preface");
         let mut header = [0u8; HEADER_LEN];
         tokio::time::timeout(Duration::from_secs(5), again.read_exact(&mut header))
             .await

@@ -17,6 +17,8 @@ use tokio::time::Instant;
 use tonic::Code;
 use tonic::transport::Channel;
 
+mod support;
+
 /// The Echo method, as `skewless.io/retryable-methods` lists it.
 const ECHO: &str = "/skewless.echo.v1.Echo/Echo";
 /// The callers' deadline (the seed's: retries must fit inside it).
@@ -156,10 +158,7 @@ static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(())
 
 async fn run(scenario: Scenario) -> Outcome {
     let _one = ONE_AT_A_TIME.lock().await;
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_test_writer()
-        .try_init();
+    support::init_tracing();
     let mut pods = Pods::start(6);
     let config = Config {
         retryable_methods: if scenario.retryable {

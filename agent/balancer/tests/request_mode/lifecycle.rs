@@ -1,0 +1,330 @@
+//! Client connections: drain, max connection age, workers, rotated and broken connections.
+
+use super::*;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_drains_in_flight_calls_then_stops() {
+    let pods = pods(1).await;
+    pods[0].control.set_delay(Duration::from_millis(300));
+    let b = balancer(Config::default(), endpoints(&pods)).await;
+    let mut c = client(b.addr).await;
+    let call = tokio::spawn(async move { c.echo(req(b"d")).await });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let addr = b.addr;
+    b.stop().await;
+    let r = call.await.expect("task");
+    assert!(
+        r.is_ok(),
+        "a call in flight when draining starts completes: {r:?}"
+    );
+    assert!(
+        tokio::net::TcpStream::connect(addr).await.is_err(),
+        "no new connections after the drain"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_connection_age_rotates_client_connections_and_fails_no_call_it_received() {
+    let pods = pods(2).await;
+    let config = Config {
+        max_connection_age: Some(Duration::from_millis(200)),
+        ..Config::default()
+    };
+    let b = balancer(config, endpoints(&pods)).await;
+    // Count the client connections the balancer accepts: a counting TCP relay in front of it.
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let relay_addr = listener.local_addr().expect("addr");
+    let counted = relay(listener, b.addr);
+    let accepted = counted.accepted.clone();
+    let c = client(relay_addr).await;
+    let stop_at = tokio::time::Instant::now() + Duration::from_millis(1000);
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        let mut c = c.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut failed = Vec::new();
+            while tokio::time::Instant::now() < stop_at {
+                if let Err(status) = c.echo(req(b"a")).await {
+                    failed.push(status);
+                }
+            }
+            failed
+        }));
+    }
+    let mut failed = Vec::new();
+    for t in tasks {
+        failed.extend(t.await.expect("task"));
+    }
+    // tonic's Channel does not transparently retry calls the server provably did not process
+    // (grpc-go and grpc-java do): a call that its connection never sent ("connection closed",
+    // "connection was not ready")
+    // or that was above the GOAWAY's last stream id (a remote NO_ERROR GOAWAY) fails in this
+    // client. Every other failure is the balancer's.
+    let unprocessed = |s: &tonic::Status| {
+        let d = format!("{s:?}");
+        (s.code() == Code::Cancelled
+            && (d.contains("connection closed") || d.contains("connection was not ready")))
+            || d.contains("GoAway(b\"\", NO_ERROR, Remote)")
+    };
+    let ours: Vec<_> = failed.iter().filter(|s| !unprocessed(s)).collect();
+    assert!(
+        ours.is_empty(),
+        "rotation fails no call that reached the balancer: {:?}",
+        ours.first()
+    );
+    assert!(
+        failed.len() <= 8 * 5,
+        "only calls racing a GOAWAY fail in tonic: {}",
+        failed.len()
+    );
+    let n = accepted.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(
+        n >= 3,
+        "a 200 ms max age over 1 s makes the client reconnect: {n} connections"
+    );
+    b.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_connection_age_set_live_rotates_open_client_connections() {
+    let pods = pods(1).await;
+    let b = balancer(Config::default(), endpoints(&pods)).await;
+    // Count the client connections the balancer accepts: a counting TCP relay in front of it.
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let relay_addr = listener.local_addr().expect("addr");
+    let counted = relay(listener, b.addr);
+    let accepted = counted.accepted.clone();
+    let mut c = client(relay_addr).await;
+    let calls_for = |c: &mut EchoClient<Channel>, d: Duration| {
+        let mut c = c.clone();
+        async move {
+            let stop_at = tokio::time::Instant::now() + d;
+            while tokio::time::Instant::now() < stop_at {
+                // One caller, a call every 10 ms: a call racing our GOAWAY can fail in tonic
+                // (see max_connection_age_rotates_...), which this test does not count.
+                let _ = c.echo(req(b"a")).await;
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    };
+    calls_for(&mut c, Duration::from_millis(500)).await;
+    let before = accepted.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(before, 1, "no max age: one client connection");
+    b.balancer.reconfigure(Config {
+        max_connection_age: Some(Duration::from_millis(200)),
+        ..Config::default()
+    });
+    calls_for(&mut c, Duration::from_millis(1000)).await;
+    let after = accepted.load(std::sync::atomic::Ordering::Relaxed);
+    // At least one rotation (>= 3 on an idle machine; a busy one makes the calls, and so the
+    // reconnects, sparse).
+    assert!(
+        after >= 2,
+        "a 200 ms max age set on the live balancer rotates the open connection: {after} connections"
+    );
+    b.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_serve_one_port_with_a_balancer_each_and_stop_on_request() {
+    let pods = pods(2).await;
+    let workers = skewless_balancer::Workers::start(2, "e2e-worker").expect("workers");
+    let (_tx, rx) = watch::channel(endpoints(&pods));
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let (failed_tx, mut failed) = mpsc::unbounded_channel();
+    let served = workers
+        .serve(
+            "127.0.0.1:0".parse().unwrap(),
+            || Balancer::new(Config::default(), rx.clone()),
+            &stop_rx,
+            |_| true,
+            move |error| {
+                let _ = failed_tx.send(error.to_string());
+            },
+        )
+        .expect("serve");
+    assert_eq!(served.balancers.len(), 2, "one balancer per worker");
+    // Separate connections land on either worker (the kernel hashes them): every one of them
+    // is served, and the workers' statistics add up to every call.
+    for _ in 0..8 {
+        let mut c = client(served.addr).await;
+        for _ in 0..5 {
+            c.echo(req(b"w")).await.expect("served by a worker");
+        }
+    }
+    let stats =
+        skewless_balancer::EndpointStats::merge_workers(served.balancers.iter().map(|b| b.stats()));
+    assert_eq!(
+        stats.iter().map(|e| e.requests).sum::<u64>(),
+        40,
+        "{stats:?}"
+    );
+    stop_tx.send(true).unwrap();
+    for task in served.tasks {
+        tokio::time::timeout(Duration::from_secs(10), task)
+            .await
+            .expect("a worker's balancer drains and ends on stop")
+            .expect("task");
+    }
+    assert!(failed.try_recv().is_err(), "no accept loop failed");
+    for p in pods {
+        p.stop().await.expect("stop");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_a_client_sends_after_its_connection_is_rotated_is_read_not_reset() {
+    // A client whose last frames cross the balancer's final GOAWAY (grpcio opens streams until
+    // it has read it) must not meet a reset: on its next write it would fail its streams
+    // ("Stream removed") before reading the GOAWAY that says they may be retried.
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let config = Config {
+        max_connection_age: Some(Duration::from_millis(200)),
+        ..Config::default()
+    };
+    let b = balancer(config, Vec::new()).await;
+    let mut tcp = tokio::net::TcpStream::connect(b.addr)
+        .await
+        .expect("connect");
+    tcp.write_all(PREFACE).await.expect("preface");
+    tcp.write_all(&empty_settings()).await.expect("settings");
+    // Answer the balancer's SETTINGS and PING as a client does, until its FIN.
+    let (mut got, mut pos, mut go_aways) = (Vec::new(), 0, Vec::new());
+    let mut buf = [0u8; 4096];
+    let closed = tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            let n = tcp.read(&mut buf).await.expect("read before the FIN");
+            if n == 0 {
+                return;
+            }
+            got.extend_from_slice(&buf[..n]);
+            let mut frames = Frames::new(&got[pos..], MAX_MAX_FRAME_SIZE);
+            let mut answer = Vec::new();
+            for (head, payload) in frames.by_ref().map_while(Result::ok) {
+                match head.kind {
+                    Kind::Settings if !head.is_ack() => Settings::encode(true, &[], &mut answer),
+                    Kind::Ping if !head.is_ack() => {
+                        let ping = Ping::decode(&head, payload).expect("ping");
+                        Ping { ack: true, ..ping }.encode(&mut answer);
+                    }
+                    Kind::GoAway => {
+                        go_aways.push(
+                            GoAway::decode(&head, payload)
+                                .expect("goaway")
+                                .last_stream_id,
+                        );
+                    }
+                    _ => {}
+                }
+            }
+            pos = got.len() - frames.rest().len();
+            tcp.write_all(&answer).await.expect("answer");
+        }
+    })
+    .await;
+    assert!(closed.is_ok(), "the 200 ms max age closes the connection");
+    assert_eq!(
+        go_aways,
+        [MAX_STREAM_ID, 0],
+        "a two-phase GOAWAY, then the FIN"
+    );
+    // Frames the client wrote before it read the final GOAWAY arrive after the FIN.
+    let mut late = Vec::new();
+    Ping {
+        ack: false,
+        opaque: *b"latebyte",
+    }
+    .encode(&mut late);
+    tcp.write_all(&late).await.expect("the first late write");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let second = tcp.write_all(&late).await;
+    let read = tcp.read(&mut buf).await;
+    assert!(
+        second.is_ok() && matches!(read, Ok(0)),
+        "the balancer reads what arrives after its FIN instead of resetting the connection: \
+         second late write {second:?}, read {read:?}"
+    );
+    b.stop().await;
+}
+
+/// Connects to `addr`, writes `chunks`, and reads until the balancer closes the connection
+/// (asserted within 5 s); returns what the balancer sent.
+async fn exchange(addr: SocketAddr, chunks: &[&[u8]]) -> Vec<u8> {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut tcp = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    for chunk in chunks {
+        tcp.write_all(chunk).await.expect("write");
+    }
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    let closed = tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            match tcp.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+            }
+        }
+    })
+    .await;
+    assert!(closed.is_ok(), "the balancer closes a broken connection");
+    got
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broken_client_connections_are_closed_without_disturbing_other_clients() {
+    let pods = pods(2).await;
+    let b = balancer(Config::default(), endpoints(&pods)).await;
+    let c = client(b.addr).await;
+    // A healthy client keeps calling throughout (bounded: 4 callers, at most 10 s).
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut callers = Vec::new();
+    for _ in 0..4 {
+        let (mut c, stop) = (c.clone(), stop.clone());
+        callers.push(tokio::spawn(async move {
+            let (mut ok, mut failed) = (0u32, Vec::new());
+            let give_up = tokio::time::Instant::now() + Duration::from_secs(10);
+            while !stop.load(std::sync::atomic::Ordering::Relaxed)
+                && tokio::time::Instant::now() < give_up
+            {
+                match c.echo(req(b"ok")).await {
+                    Ok(_) => ok += 1,
+                    Err(status) => failed.push(status),
+                }
+            }
+            (ok, failed)
+        }));
+    }
+
+    // Not HTTP/2 at all: an HTTP/1.1 request instead of the preface.
+    exchange(b.addr, &[b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"]).await;
+    // The preface, then a frame that breaks the protocol (DATA on stream 0): the balancer
+    // answers GOAWAY(PROTOCOL_ERROR) and closes.
+    let mut data_on_stream_0 = Head::new(Kind::Data, 0, 0, 3).encode().to_vec();
+    data_on_stream_0.extend_from_slice(b"bad");
+    let settings = empty_settings();
+    let answer = exchange(b.addr, &[PREFACE, &settings, &data_on_stream_0]).await;
+    assert!(
+        has_go_away(&answer, h2::Reason::PROTOCOL_ERROR),
+        "GOAWAY(PROTOCOL_ERROR) before the close: {answer:?}"
+    );
+    // Random bytes after a valid preface and SETTINGS.
+    exchange(b.addr, &[PREFACE, &settings, &[0xff; 64]]).await;
+
+    // The healthy calls go on for a while past the broken connections.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut ok = 0;
+    for caller in callers {
+        let (n, failed) = caller.await.expect("caller");
+        assert!(failed.is_empty(), "no healthy call failed: {failed:?}");
+        ok += n;
+    }
+    assert!(ok > 0, "the healthy client's calls went through");
+    // And the balancer still takes new clients.
+    let mut fresh = client(b.addr).await;
+    fresh
+        .echo(req(b"after"))
+        .await
+        .expect("a new client is served");
+    b.stop().await;
+}

@@ -1,0 +1,196 @@
+//! What the balancer's test suites share: the bed that serves a balancer of either mode on a
+//! loopback listener ([`Serving`]), echo pods and their endpoints, and builders of the raw
+//! HTTP/2 frames the frame-level tests write and read.
+
+#![allow(
+    dead_code,
+    reason = "each test binary uses a different part of the support"
+)]
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use skewless_balancer::metrics::{ClientErrorReason, RotationReason, ServiceSnapshot};
+use skewless_balancer::{Endpoint, NewConnection};
+use skewless_echo::SpawnedEcho;
+use skewless_frame::{
+    ErrorCode, Frames, GoAway, HEADER_LEN, Head, Kind, MAX_MAX_FRAME_SIZE, PREFACE, Ping, Settings,
+};
+use tokio::io::{AsyncRead, AsyncReadExt as _};
+use tokio::net::TcpListener;
+use tokio::sync::{oneshot, watch};
+use tokio::task::JoinHandle;
+
+/// Long enough never to fire in a passing test; under paused time it fires only when
+/// everything is idle, that is when the balancer is stuck.
+pub const STUCK: Duration = Duration::from_secs(3600);
+
+/// `RUST_LOG=skewless_balancer=debug cargo test ...` shows the balancer's view of a test.
+pub fn init_tracing() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
+}
+
+/// A balancer of either mode serving a loopback listener, whatever the mode, until
+/// [`Serving::stop`] (which drains it) or its drop.
+pub struct Serving<B> {
+    pub addr: SocketAddr,
+    pub balancer: Arc<B>,
+    /// Publishes the Service's endpoints to the balancer.
+    pub endpoints: watch::Sender<Vec<Endpoint>>,
+    shutdown: Option<oneshot::Sender<()>>,
+    task: JoinHandle<()>,
+}
+
+/// Serves the balancer `make` builds over `endpoints` (the receiver it is given follows
+/// [`Serving::endpoints`]) on a fresh loopback port, admitting every peer.
+pub async fn serve<B: NewConnection + Send + Sync + 'static>(
+    endpoints: Vec<Endpoint>,
+    make: impl FnOnce(watch::Receiver<Vec<Endpoint>>) -> B,
+) -> Serving<B> {
+    init_tracing();
+    let (tx, rx) = watch::channel(endpoints);
+    let balancer = Arc::new(make(rx));
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let (shutdown_tx, shutdown_rx) = oneshot::channel::<()>();
+    let b = balancer.clone();
+    let task = tokio::spawn(async move {
+        let shutdown = async {
+            let _ = shutdown_rx.await;
+        };
+        skewless_balancer::server::serve(&*b, listener, shutdown, |_| true)
+            .await
+            .expect("serve");
+    });
+    Serving {
+        addr,
+        balancer,
+        endpoints: tx,
+        shutdown: Some(shutdown_tx),
+        task,
+    }
+}
+
+impl<B> Serving<B> {
+    /// Starts the drain (once): the listener closes and every connection is wound down.
+    pub fn start_drain(&mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+    }
+
+    /// Drains the balancer: `serve` must return within `within`. The balancer stays readable.
+    pub async fn stop_within(&mut self, within: Duration) {
+        self.start_drain();
+        tokio::time::timeout(within, &mut self.task)
+            .await
+            .expect("serve returns within the drain grace")
+            .expect("serve task");
+    }
+}
+
+/// `n` echo pods on loopback, named `pod-0` ...
+pub async fn pods(n: usize) -> Vec<SpawnedEcho> {
+    let mut v = Vec::new();
+    for i in 0..n {
+        v.push(
+            SpawnedEcho::start("127.0.0.1:0".parse().expect("addr"), &format!("pod-{i}"))
+                .await
+                .expect("echo starts"),
+        );
+    }
+    v
+}
+
+/// The pods as a Service's endpoints.
+pub fn endpoints(pods: &[SpawnedEcho]) -> Vec<Endpoint> {
+    pods.iter()
+        .map(|p| Endpoint::new(p.addr, &p.name))
+        .collect()
+}
+
+/// Client connections the Service's numbers count closed for `reason`.
+pub fn client_errors(s: &ServiceSnapshot, reason: ClientErrorReason) -> u64 {
+    s.client_errors[reason.index()]
+}
+
+/// Rotations the Service's numbers count for `reason`.
+pub fn rotations(s: &ServiceSnapshot, reason: RotationReason) -> u64 {
+    s.rotations[reason.index()]
+}
+
+/// A frame of `kind` with `payload` (any bytes: nothing checks them).
+pub fn frame(kind: Kind, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+    let len = u32::try_from(payload.len()).expect("small");
+    let mut f = Head::new(kind, flags, stream, len).encode().to_vec();
+    f.extend_from_slice(payload);
+    f
+}
+
+/// A PING (or its ACK) with `opaque`.
+pub fn ping(ack: bool, opaque: [u8; 8]) -> Vec<u8> {
+    let mut f = Vec::new();
+    Ping { ack, opaque }.encode(&mut f);
+    f
+}
+
+/// A GOAWAY with `last` and `code`, no debug data.
+pub fn go_away(last: u32, code: ErrorCode) -> Vec<u8> {
+    let mut f = Vec::new();
+    GoAway {
+        last_stream_id: last,
+        error_code: code,
+        debug_data: b"",
+    }
+    .encode(&mut f);
+    f
+}
+
+/// An empty SETTINGS frame, the first frame after the client preface.
+pub fn empty_settings() -> Vec<u8> {
+    let mut f = Vec::new();
+    Settings::encode(false, &[], &mut f);
+    f
+}
+
+/// A SETTINGS ACK.
+pub fn settings_ack() -> Vec<u8> {
+    let mut f = Vec::new();
+    Settings::encode(true, &[], &mut f);
+    f
+}
+
+/// The client preface and an empty SETTINGS, as every client starts.
+pub fn hello() -> Vec<u8> {
+    let mut v = PREFACE.to_vec();
+    v.extend(empty_settings());
+    v
+}
+
+/// The error codes of the GOAWAY frames in `bytes` (a server's side of an HTTP/2 connection,
+/// from its first frame).
+pub fn go_away_codes(bytes: &[u8]) -> Vec<ErrorCode> {
+    Frames::new(bytes, MAX_MAX_FRAME_SIZE)
+        .map_while(Result::ok)
+        .filter(|(head, _)| head.kind == Kind::GoAway)
+        .filter_map(|(head, payload)| GoAway::decode(&head, payload).ok())
+        .map(|g| g.error_code)
+        .collect()
+}
+
+/// The next frame `io` carries (within [`STUCK`]).
+pub async fn next_frame(io: &mut (impl AsyncRead + Unpin)) -> (Head, Vec<u8>) {
+    let mut header = [0u8; HEADER_LEN];
+    tokio::time::timeout(STUCK, io.read_exact(&mut header))
+        .await
+        .expect("the balancer is stuck")
+        .expect("a frame header");
+    let head = Head::decode(&header);
+    let mut payload = vec![0u8; head.len as usize];
+    io.read_exact(&mut payload).await.expect("the payload");
+    (head, payload)
+}
