@@ -6,9 +6,8 @@
 //! wakes the upstream connection's task, the runtime runs that task right away (its LIFO slot),
 //! and the connection writes that one request in its own `writev`. On a single-threaded
 //! runtime a woken task waits its turn behind the other ready streams, so one upstream write
-//! carries every request that arrived in the same read of the client's connection. On the
-//! benchmark's load that is 5x fewer upstream writes and about 25% less CPU per call
-//! (`docs/benchmarks.md`).
+//! carries every request that arrived in the same read of the client's connection (measured:
+//! docs/balancer.md, "Shape of the crate").
 //!
 //! A Service gets one balancer per worker, each on its own `SO_REUSEPORT` listener of the same
 //! address ([`reuseport_listeners`]): the kernel spreads client connections over the workers,

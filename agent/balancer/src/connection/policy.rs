@@ -1,56 +1,17 @@
 //! Connection mode's rotation policy: given each backend's recent requests and each open
-//! connection's request rate, decide whether one connection should be rotated (sent the
-//! graceful two-phase GOAWAY, so its client reconnects and is placed again), and which.
+//! connection's request rate, decide whether one connection should be rotated (the graceful
+//! two-phase GOAWAY, so its client reconnects and is placed again), and which.
 //!
-//! Two views of the load:
-//! - the **window skew**: each backend's share of the requests of the last [`WINDOW`]
-//!   (closed connections included), over the ready backends: largest share / fair share, the
-//!   definition `observe` mode reports. It is what the user sees, and it must stay high for
-//!   `hold_time` before anything is rotated. The window is longer than a rotation (a PING round
-//!   trip plus the streams still open, bounded by the drain grace), so a client that moves
-//!   stays visible while it moves.
-//! - the **live skew**: the same ratio over the current placement, each open connection
-//!   counted at its recent request rate on its backend. Connections already rotating, and
-//!   connections on backends that are leaving, are counted where their clients will land: on
-//!   the least-loaded ready backends, largest first (new connections are placed by load).
-//!   Decisions are made on it, so a rotation's effect counts at once, not after the window
-//!   has forgotten the old placement.
-//!
-//! Rotation happens while both skews exceed `skew_threshold` and have for `hold_time` (+-10%
-//! jitter). The policy then plans greedily: move a rotatable connection to the least-loaded
-//! other backend, the move that lowers the largest load most (then the spread, then the
-//! busiest connection), until the live skew would be under the threshold (by a band:
-//! [`PLAN_BAND`]); it rotates the
-//! plan's first connection, and only if the plan's end is at least [`MIN_GAIN`] below the
-//! live skew of now. Every move must leave its target below where its source was, so the sum
-//! of squared loads strictly drops with each one: no sequence of moves returns to a placement
-//! it left. So:
-//! - a balanced Service is never rotated, and rotation stops as soon as the live skew is
-//!   under the threshold (only as many rotations as needed);
-//! - a move that cannot lower the skew is never made: two equal heavy clients on three
-//!   backends do not ping-pong, and one heavy connection over five pods is reported as
-//!   "as even as connection mode can be" (request mode balances per call) instead;
-//! - a connection younger than `min_connection_age` is never rotated (a call that was
-//!   transparently retried after one GOAWAY must not meet a second one), nor one its client
-//!   cannot survive (`unrotatable`: tonic), which still counts as load;
-//! - at most `max_rotations_per_minute` in any 60 s. The budget is spent in bursts: when the
-//!   hold ends, the whole plan is rotated at once (the caller evaluates again at the same
-//!   instant after each rotation it starts, with that connection in transit in the live
-//!   placement), as far as the budget reaches; every rotation then holds its budget slot for
-//!   60 s plus 0-10% (jitter, so agents on different nodes that were skewed together do not
-//!   rotate in step again; never under 60 s, so the limit stays hard). Spacing rotations
-//!   60 s / that number apart instead only delayed the new backends (with 120 a minute a
-//!   scale-up's eighth new pod waited 4 s for its turn): the reconnects of a burst are placed
-//!   one by one on the least-loaded backends (the controller), so one wave of them reaches
-//!   every backend that needs a connection.
-//! - [`Evaluation::wake`] says when the outcome can change without new traffic (the hold's
-//!   end, a budget slot freeing), so the caller evaluates at that instant rather than at its
-//!   next tick.
-//!
-//! Rotations for other reasons (a backend leaving or NOT_SERVING, max connection age, drain)
-//! are not the policy's: they always happen and do not spend its budget.
-//!
-//! Pure logic: time and randomness are passed in, so tests run it on a virtual clock.
+//! Guarantees: a rotation happens only while both the window skew (over [`WINDOW`]) and the
+//! live skew (the current placement) exceed the threshold and have for the hold time; every
+//! planned move leaves its target below where its source was (the sum of squared loads
+//! strictly drops: no ping-pong), and a plan is acted on only if it gains [`MIN_GAIN`], down
+//! to [`PLAN_BAND`] under the threshold; connections younger than `min_connection_age` or
+//! whose client cannot survive a GOAWAY are never rotated; at most `max_rotations_per_minute`
+//! in any 60 s. [`Evaluation::wake`] says when the outcome can change without new traffic.
+//! Rotations for other reasons (backend leaving or NOT_SERVING, max age, drain, idle) are not
+//! the policy's. Pure logic: time and randomness are passed in. The design:
+//! docs/connection-mode.md, "When and which connections rotate".
 
 use std::collections::VecDeque;
 use std::time::Duration;

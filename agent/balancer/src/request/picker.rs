@@ -1,47 +1,15 @@
-//! Picks the endpoint for each request.
+//! Picks the endpoint for each request: power of two choices over a peak-EWMA latency estimate
+//! times the in-flight count (Linkerd's and Finagle's balancer), with one candidate drawn round
+//! robin, latencies under `latency_floor` counted equal, and slow endpoints degraded to probes.
 //!
-//! The base is Linkerd's (and Finagle's) balancer: power of two choices (Mitzenmacher, "The
-//! Power of Two Choices in Randomized Load Balancing", 2001) over a peak-EWMA latency estimate
-//! multiplied by the in-flight count (Finagle's `PeakEwma`, tower's `tower::load::PeakEwma`).
-//! Three changes go beyond it, because in the seed benchmark Linkerd still sends more than 1% of
-//! requests to a pod slowed by 50 ms:
-//!
-//! 1. **Degraded endpoints get probes, not a share.** Peak-EWMA alone keeps paying a slow pod:
-//!    its cost decays, it wins a comparison, and every such request waits the full delay. Here an
-//!    endpoint whose latency samples exceed `degraded_ratio` x the median mean latency of its peers
-//!    (and by at least `degraded_min_gap`) `degraded_samples` times in a row leaves the rotation
-//!    and gets one probe request in flight at most, one per `probe_interval`. It is never fully
-//!    evicted, and `recovery_probes` good probes in a row bring it back with its estimate reset
-//!    to what the probes saw, but no lower than the median active peer's (a probe is one request
-//!    on an idle endpoint; looking cheaper than every loaded peer would draw a herd). Recovery
-//!    takes well under 5 s. The median reference means "everyone
-//!    is equally slow" degrades nobody, and at most half of the ready endpoints can be out of
-//!    rotation (degraded or ejected) at any time.
-//! 2. **One candidate is round robin, the other random.** P2C draws two random candidates; with
-//!    equal loads that is a random spread, not an even one. Drawing the first candidate from a
-//!    round-robin cursor keeps P2C's load awareness (the random one still wins when it is
-//!    cheaper by `tie_ratio`) but gives equal, idle pods exactly round robin's evenness.
-//! 3. **Latencies below `latency_floor` (5 ms) count as equal**, so scheduling jitter on a busy
-//!    node does not override that evenness; under load the in-flight factor still separates
-//!    endpoints, and real slowness is handled by degradation.
-//!
-//! Passive health: `failure_threshold` consecutive failures eject an endpoint for an
-//! exponentially growing time, and so does a dead connection (an unanswered PING, see
-//! `liveness`). When the time is over the endpoint is *unproven*: it gets no user call until it
-//! has answered something that is not one (a PING on its connection, or a new connection's
-//! handshake and PING: the pool asks for one, see [`Picker::take_unproven`] and
-//! [`Picker::proven`]), so a silently dead backend never costs a user's call to find out. Once
-//! it has answered it is probed like a degraded one (one call at a time, two good ones bring it
-//! back), so its traffic returns gradually.
-//!
-//! Where load completes: the latency sample is taken when the response headers arrive (for a
-//! unary gRPC call that is when the server has finished, as servers send headers with the
-//! reply), while the in-flight count is held until the response stream ends (trailers, reset or
-//! drop), because a running stream still occupies the endpoint. Streams that live for minutes
-//! therefore count as load but never as latency.
-//!
-//! The picker is plain, synchronous state: time and randomness are passed in, so tests drive it
-//! deterministically with a virtual clock and a seeded RNG.
+//! Guarantees: an endpoint is degraded only against the median of its peers (everyone equally
+//! slow degrades nobody), and at most half of the ready endpoints are out of use (degraded or
+//! ejected) at once; a degraded endpoint keeps a probe trickle (one in flight at most); an
+//! ejected one gets no user call until it has answered a PING or a new connection
+//! ([`Picker::take_unproven`], [`Picker::proven`]), then probes. Load completes at the
+//! response headers (the latency sample) and at the end of the response stream (the
+//! in-flight count). Plain synchronous state: time and randomness are passed in. The
+//! reasoning and the figures: docs/balancer.md, "Picking".
 
 use std::time::Duration;
 

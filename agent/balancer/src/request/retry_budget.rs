@@ -16,9 +16,6 @@
 //! - A sustained failure cannot multiply the load by `max_attempts`: over a long failure the
 //!   attempts are at most (1 + ratio) x the requests, plus `min_per_second`.
 //!
-//! A fixed bucket (the balancer's first budget: 10 tokens, +0.2 per request) had neither at
-//! scale: a burst of more than 10 failures could not be retried however busy the Service was.
-//!
 //! The window is kept as `SLOTS` slots of `window / SLOTS` each with running sums, so a
 //! deposit or withdrawal costs a few additions (expired slots are dropped when time moves on).
 

@@ -1,35 +1,15 @@
 //! Whether an upstream HTTP/2 connection is still alive, for a backend that dies silently (a
-//! lost node, a network partition: no RST, no FIN, so the socket looks open for as long as TCP
-//! retransmits). Requests sent to such a connection would wait out their deadlines, and new ones
-//! would keep going there for as long as the endpoint stays listed (~40 s for a lost node).
+//! lost node, a partition: no RST, no FIN). One monitor per connection, a timer with no
+//! per-request work: while requests are outstanding and the server has sent no HEADERS or
+//! DATA for [`LivenessConfig::ping_after`], it sends a PING (one in flight at a time);
+//! unanswered, the connection is first *suspect* ([`LivenessConfig::suspect_after`]: no new
+//! requests), then *dead* ([`LivenessConfig::ping_timeout`]: the pool closes it and ejects the
+//! endpoint). Idle connections are PINGed at [`LivenessConfig::idle_ping_interval`].
 //!
-//! One monitor per connection watches two things the pool already knows without per-request
-//! work: the requests outstanding on the connection (the pool's lease count) and whether the
-//! server has sent HEADERS or DATA lately (counted by the connection's read tap, `server_frames::ServerFrames`).
-//! When requests are outstanding and the server has been silent for [`LivenessConfig::ping_after`],
-//! it sends an HTTP/2 PING (h2's `PingPong`), one in flight at a time, on a timer, never per
-//! request. An unanswered PING first makes the connection *suspect* ([`LivenessConfig::suspect_after`]:
-//! it takes no new requests, which costs no call if the server was only slow), then *dead*
-//! ([`LivenessConfig::ping_timeout`]): the pool closes it, so its requests end at once with
-//! UNAVAILABLE (retried where that is safe) instead of at their deadlines, and ejects the
-//! endpoint. Reconnecting (a connect that the server answers, then a PING) is what brings it
-//! back; see `pool` and `picker`.
-//!
-//! gRPC servers punish PINGs: grpc-go and gRPC Core servers count a PING received within 5
-//! minutes of the previous one (2 hours on a connection without calls) as a strike, forget the
-//! strikes whenever they send HEADERS or DATA, and close the connection with GOAWAY
-//! `too_many_pings` at the third strike. So the monitor sends at most
-//! [`MAX_PINGS_WITHOUT_DATA`] PINGs between two HEADERS/DATA frames from the server (gRPC Core's
-//! own client default, `GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA`): under load the server talks all
-//! the time and a PING is rarely needed; a long silent call gets its PINGs early, and after that
-//! the TCP options below are the backstop. On an idle connection the monitor sleeps; it PINGs at
-//! [`LivenessConfig::idle_ping_interval`] (within the same allowance) and wakes when a request
-//! starts.
-//!
-//! TCP backstop, set on every upstream socket: keepalive probes after
-//! [`LivenessConfig::tcp_keepalive`] of silence (the kernel answers them, so they cost the
-//! server nothing), and `TCP_USER_TIMEOUT` ([`LivenessConfig::tcp_user_timeout`]): the kernel
-//! closes the socket when sent data (or keepalive probes) stay unacknowledged that long.
+//! Guarantees: at most [`MAX_PINGS_WITHOUT_DATA`] PINGs between two HEADERS/DATA frames from
+//! the server (gRPC servers close a connection at the third PING "strike"); every upstream
+//! socket has TCP keepalive and `TCP_USER_TIMEOUT` as the backstop (`set_tcp_options`).
+//! Timings and measurements: docs/balancer.md, "Silently dead backends".
 
 use std::future::poll_fn;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};

@@ -1,37 +1,15 @@
 //! Connection mode's frame-level relay: one redirected client connection relayed 1:1 to one
 //! backend TCP connection, frame by frame. Payloads are not decoded and HPACK is not touched:
-//! SETTINGS, flow control and header compression stay end to end between the client and the
-//! backend. The relay follows frame boundaries (skewless-frame) to count requests and open
-//! streams, and to rotate the connection on the wire when told to:
+//! SETTINGS, flow control and header compression stay end to end. The relay follows frame
+//! boundaries (skewless-frame) to count requests and open streams, and rotates the connection
+//! on the wire when told to, with the two-phase GOAWAY of `rotation`.
 //!
-//! 0. for a client that writes its requests lazily (nghttp2, in grpc-js: it refuses every
-//!    request whose HEADERS it has not written yet once any GOAWAY arrives), a quiesce first: a
-//!    PING of ours, and no backend frame for the client until its ACK (at most
-//!    `QUIESCE_TIMEOUT`), so every request the client made in reaction to what it read is on the
-//!    wire, written with the ACK, before it can read the GOAWAY;
-//! 1. GOAWAY(2^31-1, NO_ERROR) and a PING with our own opaque data, to the client;
-//! 2. on that PING's ACK (swallowed), settling: every stream is still relayed until the client
-//!    has shown it has nothing left to write (every open stream ended by the client, then an
-//!    empty SETTINGS of ours acknowledged in a write with no PING ACK, then a PING of ours
-//!    answered, with no new stream opened meanwhile; at most half of `drain_grace`), because
-//!    a client may write its ACKs ahead of streams it had already created (grpc-core writes
-//!    no stream frame in a write that carries a PING ACK); then (or after `ping_timeout`
-//!    without an ACK, at most half of `drain_grace`) the final GOAWAY with the highest stream
-//!    id the client opened; streams it opens after that are refused
-//!    (RST_STREAM(REFUSED_STREAM) to the client, the HEADERS still forwarded to the backend's
-//!    HPACK decoder and cancelled there, their DATA dropped and credited back with
-//!    WINDOW_UPDATE so both connection windows stay equal);
-//! 3. when the last stream ends, or `drain_grace` after step 1 (remaining streams reset both
-//!    ways), FIN to both sides, then read what is pending until each peer closes.
-//!
-//! No frame is ever injected inside a header block, before the backend's first frame reaches
-//! the client, or inside a forwarded frame; no GOAWAY is ever sent to the backend. A GOAWAY
-//! from the backend is forwarded, with its last-stream-id lowered if we already sent a lower
-//! one (a peer must never see it rise). See docs/connection-mode.md for the wire sequence and
-//! the reasoning.
-//!
-//! Memory per connection is two fixed buffers (`buffer_size` each) and a bounded stream table:
-//! a full buffer stops reading that side (TCP backpressure), nothing is queued.
+//! Guarantees: no frame of the relay's own is written inside a header block, inside a
+//! forwarded frame, or to the client before the backend's first frame; no GOAWAY is sent to
+//! the backend; the last-stream-id the client is told never rises. Memory per connection is
+//! two fixed buffers (`buffer_size` each) and a bounded stream table: a full buffer stops
+//! reading that side (TCP backpressure), nothing is queued. The wire sequence and its
+//! reasoning: docs/connection-mode.md.
 
 mod conn;
 mod detect;
