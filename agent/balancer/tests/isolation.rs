@@ -244,3 +244,75 @@ async fn sixteen_unread_megabyte_replies_in_windows_never_topped_up_cost_a_healt
         slow_reader_beside_a_healthy_client(mode, 16, 1_000_000, Windows::NeverToppedUp).await;
     }
 }
+
+/// Opens `per_connection` unary calls on each of `connections` connections whose request body
+/// never comes (HEADERS without END_STREAM, then nothing), holds them for `hold`, and returns
+/// how many streams the balancer took.
+async fn bodiless_streams(
+    addr: SocketAddr,
+    connections: usize,
+    per_connection: usize,
+    hold: Duration,
+) -> usize {
+    let mut tasks = Vec::new();
+    for _ in 0..connections {
+        tasks.push(tokio::spawn(async move {
+            let tcp = TcpStream::connect(addr).await.expect("connects");
+            let (mut send, conn) = h2::client::handshake(tcp).await.expect("handshake");
+            let driver = tokio::spawn(async move {
+                let _ = conn.await;
+            });
+            let mut held = Vec::new();
+            for _ in 0..per_connection {
+                let Ok(ready) = send.clone().ready().await else {
+                    break;
+                };
+                send = ready;
+                let req = http::Request::post(format!("http://{addr}/skewless.echo.v1.Echo/Echo"))
+                    .header("content-type", "application/grpc")
+                    .header("te", "trailers")
+                    .body(())
+                    .expect("request");
+                match send.send_request(req, false) {
+                    Ok(stream) => held.push(stream),
+                    Err(_) => break,
+                }
+            }
+            let opened = held.len();
+            tokio::time::sleep(hold).await;
+            drop(held);
+            driver.abort();
+            opened
+        }));
+    }
+    let mut opened = 0;
+    for t in tasks {
+        opened += t.await.expect("holder");
+    }
+    opened
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eight_thousand_streams_whose_body_never_comes_cost_a_healthy_client_nothing() {
+    for mode in [Mode::Request, Mode::Connection] {
+        let bed = Bed::start(mode).await;
+        let stop = Arc::new(AtomicBool::new(false));
+        let healthy = healthy_client(bed.addr, stop.clone());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let opened = bodiless_streams(bed.addr, 8, 1024, Duration::from_secs(4)).await;
+        stop.store(true, Ordering::Relaxed);
+        let (made, failed) = healthy.await.expect("healthy client");
+        assert_eq!(opened, 8 * 1024, "{mode:?}: every held stream was opened");
+        assert!(
+            failed.is_empty(),
+            "{mode:?}, 8,192 streams held: {} of {made} healthy calls failed, first {:?}",
+            failed.len(),
+            failed.first()
+        );
+        assert!(
+            made >= 100,
+            "{mode:?}: the healthy client kept calling at its pace: {made} calls in 4 s"
+        );
+        bed.stop().await;
+    }
+}
