@@ -64,6 +64,7 @@ pub use endpoints::Endpoint;
 pub use error::BalancerError;
 pub use relay::RotateReason;
 pub use request::Balancer;
+pub use request::codec::CodecBalancer;
 pub use server::{Lifecycle, NewConnection, Stop, StopReason};
 pub use status::{BalancerCounters, EndpointState, EndpointStats};
 pub use workers::{Served, Workers, reuseport_listeners};

@@ -5,6 +5,7 @@
 //! (`flood`). [`Balancer`] is one Service port's request-mode balancer on one worker.
 
 mod client;
+pub mod codec;
 pub mod config;
 pub(crate) mod flood_guard;
 pub mod picker;

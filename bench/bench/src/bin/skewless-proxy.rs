@@ -13,8 +13,8 @@ use std::time::Duration;
 use anyhow::{Context as _, bail};
 use clap::Parser;
 use skewless_balancer::{
-    Balancer, BalancerError, Config, ConnectionBalancer, ConnectionConfig, Endpoint, NewConnection,
-    RotationConfig, Served, Workers,
+    Balancer, BalancerError, CodecBalancer, Config, ConnectionBalancer, ConnectionConfig, Endpoint,
+    NewConnection, RotationConfig, Served, Workers,
 };
 
 /// Serve one skewless balancer over a fixed set of endpoints (HTTP/2 cleartext both sides).
@@ -54,6 +54,17 @@ struct Args {
     /// (+-10% jitter; `skewless.io/max-connection-age`); 0: never.
     #[arg(long, default_value_t = 0.0)]
     max_connection_age: f64,
+    /// Request mode's data path: `h2` (the default), or `codec`, the experimental one on the
+    /// project's frame codec (see docs/configuration.md).
+    #[arg(long, value_enum, default_value_t = DataPath::H2)]
+    data_path: DataPath,
+}
+
+/// Request mode's data path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum DataPath {
+    H2,
+    Codec,
 }
 
 /// How the balancer serves a client connection.
@@ -98,6 +109,7 @@ fn main() -> anyhow::Result<()> {
         max_rotations_per_minute,
         min_connection_age,
         max_connection_age,
+        data_path,
     } = Args::parse();
     let secs = |s: f64, what: &str| {
         Duration::try_from_secs_f64(s).with_context(|| format!("{what} must be seconds >= 0"))
@@ -142,6 +154,18 @@ fn main() -> anyhow::Result<()> {
         let _ = failed_tx.send(error);
     };
     match mode {
+        Mode::Request if data_path == DataPath::Codec => {
+            let served = workers
+                .serve(
+                    listen,
+                    || CodecBalancer::new(Config::default(), rx.clone()),
+                    &stop_rx,
+                    |_| true,
+                    on_error,
+                )
+                .with_context(|| format!("binding {listen}"))?;
+            run(&control, served, threads, &stop_tx, failed)
+        }
         Mode::Request => {
             let served = workers
                 .serve(

@@ -1,0 +1,297 @@
+//! Request mode on the project's frame codec (`skewless-frame`) with `httlib_hpack` for header
+//! compression, in place of h2: EXPERIMENTAL, off by default, selected per balancer
+//! ([`CodecBalancer`] in place of [`crate::Balancer`]).
+//!
+//! Each connection (a client's, or an upstream one) has one reader task that owns its read
+//! buffer and HPACK decoder, and a shared write side (`out::Shared`) that any task appends
+//! frames to under the connection's lock; the connection's writer task writes them. A request's HEADERS are
+//! decoded once into a reused buffer (`fields::Fields`), an endpoint is picked, and the
+//! request is encoded straight into the upstream connection's buffer; the upstream's reader
+//! routes the response frames back the same way. No task per call, no shared stream store,
+//! one write per connection per turn of the runtime.
+//!
+//! Invariants: no task holds two connections' locks at once (a reader takes its own, lets
+//! it go, then the peer's); every length a peer declares is checked before it is used.
+//!
+//! What it does not do yet (so it stays off by default): waiting for a ready endpoint,
+//! retries and re-dispatch, deadlines
+//! enforced here (`grpc-timeout` is forwarded as the remaining budget, not timed),
+//! waiting for flow-control window (a frame that does not fit resets its stream), health
+//! checks, liveness PINGs, flood guards, GOAWAY on max age, drain and idle, CONTINUATION on
+//! the way out.
+
+mod client;
+mod fields;
+mod frames;
+mod out;
+mod upstream;
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use rand::{RngCore, SeedableRng as _};
+use tokio::net::TcpStream;
+use tokio::sync::watch;
+use tokio::task::AbortHandle;
+use tokio::time::Instant;
+use tracing::Instrument as _;
+
+use crate::endpoints::{Endpoint, EndpointId, EndpointSet};
+use crate::metrics::{EndpointMetrics, ServiceMetrics};
+use crate::request::config::Config;
+use crate::request::picker::{Outcome, Picker, Slot};
+use crate::server::{NewConnection, Stop};
+
+type Rng = Box<dyn RngCore + Send>;
+
+/// One Service port's request-mode balancer on one worker, on the frame codec.
+pub struct CodecBalancer {
+    pool: Arc<CodecPool>,
+    discovery: AbortHandle,
+}
+
+impl std::fmt::Debug for CodecBalancer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CodecBalancer").finish_non_exhaustive()
+    }
+}
+
+impl CodecBalancer {
+    /// A balancer over the endpoints published on `endpoints`. Must be called inside a Tokio
+    /// runtime.
+    #[must_use]
+    pub fn new(config: Config, endpoints: watch::Receiver<Vec<Endpoint>>) -> Self {
+        let pool = Arc::new(CodecPool {
+            state: Mutex::new(PoolState {
+                picker: Picker::new(
+                    config.picker.clone(),
+                    Box::new(rand::rngs::SmallRng::from_os_rng()),
+                ),
+                endpoints: EndpointSet::new(),
+            }),
+            config: watch::Sender::new(Arc::new(config)),
+            metrics: Arc::new(ServiceMetrics::default()),
+        });
+        let discovery = crate::endpoints::follow(&pool, endpoints, CodecPool::update);
+        Self { pool, discovery }
+    }
+
+    /// The Service port's numbers on this balancer's worker.
+    #[must_use]
+    pub fn metrics(&self) -> crate::metrics::ServiceSnapshot {
+        self.pool.metrics.snapshot()
+    }
+}
+
+impl Drop for CodecBalancer {
+    fn drop(&mut self) {
+        self.discovery.abort();
+    }
+}
+
+impl NewConnection for CodecBalancer {
+    type Config = Config;
+
+    fn config(&self) -> watch::Receiver<Arc<Config>> {
+        self.pool.config.subscribe()
+    }
+
+    fn random_unit(&self) -> f64 {
+        self.pool.lock().picker.random_unit()
+    }
+
+    fn metrics(&self) -> Arc<ServiceMetrics> {
+        self.pool.metrics.clone()
+    }
+
+    fn serve_connection(
+        &self,
+        stream: TcpStream,
+        _peer: SocketAddr,
+        stop: Stop<Config>,
+    ) -> impl Future<Output = ()> + Send + 'static {
+        client::serve(self.pool.clone(), stream, stop)
+    }
+}
+
+pub(crate) struct CodecPool {
+    config: watch::Sender<Arc<Config>>,
+    state: Mutex<PoolState>,
+    pub(crate) metrics: Arc<ServiceMetrics>,
+}
+
+struct PoolState {
+    picker: Picker<Rng>,
+    endpoints: EndpointSet<Member>,
+}
+
+struct Member {
+    slot: Slot,
+    /// The endpoint's connection, once it is up.
+    up: Option<Arc<upstream::UpShared>>,
+    /// Whether the current connection has carried a request yet (the first one is no
+    /// latency sample: it pays for the connection's warm-up).
+    warm: bool,
+    task: AbortHandle,
+    metrics: Arc<EndpointMetrics>,
+}
+
+impl AsRef<Slot> for Member {
+    fn as_ref(&self) -> &Slot {
+        &self.slot
+    }
+}
+
+impl AsMut<Slot> for Member {
+    fn as_mut(&mut self) -> &mut Slot {
+        &mut self.slot
+    }
+}
+
+/// A request's hold on its endpoint, from the pick to the end of its response.
+#[derive(Debug)]
+pub(crate) struct Lease {
+    id: EndpointId,
+    probe: bool,
+    /// Whether its response headers are a latency sample.
+    sample: bool,
+    sent_at: Instant,
+    metrics: Arc<EndpointMetrics>,
+}
+
+impl CodecPool {
+    fn lock(&self) -> MutexGuard<'_, PoolState> {
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn update(self: &Arc<Self>, endpoints: &[Endpoint]) {
+        let now = Instant::now();
+        let mut state = self.lock();
+        let removed = state.endpoints.update(endpoints, |id, ep| {
+            let span = tracing::debug_span!("endpoint", addr = %ep.addr, name = %ep.name);
+            let task = tokio::spawn(
+                upstream::connection_task(Arc::downgrade(self), id, ep.addr).instrument(span),
+            )
+            .abort_handle();
+            Member {
+                slot: Slot::new(now),
+                up: None,
+                warm: false,
+                task,
+                metrics: Arc::new(EndpointMetrics::default()),
+            }
+        });
+        drop(state);
+        for entry in removed {
+            entry.value.task.abort();
+        }
+    }
+
+    fn connect_settings(&self) -> Duration {
+        self.config.borrow().connect_timeout
+    }
+
+    /// The endpoint's connection is up (or gone: `None`).
+    fn set_upstream(&self, id: EndpointId, up: Option<Arc<upstream::UpShared>>) {
+        let now = Instant::now();
+        let mut state = self.lock();
+        let PoolState { picker, endpoints } = &mut *state;
+        let ready = up.is_some();
+        if let Some(entry) = endpoints.get_mut(id) {
+            entry.value.up = up;
+            entry.value.warm = false;
+            endpoints.set_ready(id, ready);
+            if ready {
+                picker.proven(endpoints, id, now);
+            }
+        }
+    }
+
+    /// Picks an endpoint for one request at `now`: its connection and the lease.
+    pub(crate) fn pick(&self, now: Instant) -> Option<(Arc<upstream::UpShared>, Lease)> {
+        let mut state = self.lock();
+        let PoolState { picker, endpoints } = &mut *state;
+        let pick = picker.pick(endpoints, now, &[])?;
+        let up = endpoints
+            .get(pick.id)
+            .and_then(|entry| entry.value.up.clone());
+        let Some(up) = up else {
+            // Ready in the picker but no connection (both change together): undo the pick.
+            picker.complete(endpoints, pick.id, pick.probe, Outcome::Cancelled, now);
+            return None;
+        };
+        let member = &mut endpoints.get_mut(pick.id)?.value;
+        let sample = std::mem::replace(&mut member.warm, true);
+        Some((
+            up,
+            Lease {
+                id: pick.id,
+                probe: pick.probe,
+                sample,
+                sent_at: now,
+                metrics: member.metrics.clone(),
+            },
+        ))
+    }
+
+    /// The response headers of `lease`'s request arrived at `now`.
+    pub(crate) fn headers_received(&self, lease: &Lease, now: Instant) {
+        if !lease.sample {
+            return;
+        }
+        let rtt = now.saturating_duration_since(lease.sent_at);
+        let mut state = self.lock();
+        let PoolState { picker, endpoints } = &mut *state;
+        picker.observe_latency(endpoints, lease.id, lease.probe, rtt, now);
+    }
+
+    /// `lease`'s request is over at `now`, with `outcome`.
+    pub(crate) fn finish(&self, lease: Lease, outcome: Outcome, now: Instant) {
+        lease
+            .metrics
+            .latency
+            .record(now.saturating_duration_since(lease.sent_at));
+        let mut state = self.lock();
+        let PoolState { picker, endpoints } = &mut *state;
+        picker.complete(endpoints, lease.id, lease.probe, outcome, now);
+    }
+}
+
+impl Drop for CodecPool {
+    fn drop(&mut self) {
+        let state = self
+            .state
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        for entry in &state.endpoints {
+            entry.value.task.abort();
+        }
+    }
+}
+
+/// A hasher for stream ids (small integers chosen by the peer, bounded in number): one
+/// multiplication, no SipHash.
+#[derive(Default, Clone, Copy)]
+pub(crate) struct IdHasher(u64);
+
+impl std::hash::Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 << 8 | u64::from(b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+    }
+
+    fn write_u32(&mut self, n: u32) {
+        self.0 = u64::from(n).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+}
+
+pub(crate) type StreamMap<V> =
+    std::collections::HashMap<u32, V, std::hash::BuildHasherDefault<IdHasher>>;

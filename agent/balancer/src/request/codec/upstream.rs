@@ -1,0 +1,577 @@
+//! One HTTP/2 connection to an endpoint on the frame codec: the connect and handshake, the
+//! state client readers write requests into ([`UpState`]), and the reader that routes every
+//! response frame to the client stream it answers.
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use bytes::{Buf as _, BytesMut};
+use skewless_frame::{
+    ErrorCode, Frames, GoAway, HEADER_LEN, Head, Kind, PREFACE, RstStream, Setting, SettingId,
+    Settings, WindowUpdate, flags,
+};
+use tokio::net::TcpStream;
+use tokio::time::Instant;
+
+use super::client::ClientShared;
+use super::fields::{self, Fields, HpackDecoder, HpackEncoder};
+use super::frames::{self, DEFAULT_WINDOW, HeaderBlocks, SendLimits};
+use super::out::{HasOut, Out, Shared};
+use super::{CodecPool, Lease, StreamMap};
+use crate::endpoints::EndpointId;
+use crate::request::picker::Outcome;
+use crate::upstream::{MAX_HEADER_LIST, STREAM_WINDOW, UPSTREAM_CONNECTION_WINDOW};
+
+pub(crate) type UpShared = Shared<UpState>;
+
+/// The HPACK table size both sides start with (RFC 7541 section 4.2 and RFC 9113 6.5.2), and
+/// the largest this side's decoders accept (it never advertises another).
+pub(crate) const HEADER_TABLE_SIZE: usize = 4096;
+/// Largest frame this side accepts (it advertises no other SETTINGS_MAX_FRAME_SIZE).
+pub(crate) const MAX_FRAME: u32 = skewless_frame::DEFAULT_MAX_FRAME_SIZE;
+
+/// What client readers write into and the upstream reader routes by.
+pub(crate) struct UpState {
+    out: Out,
+    encoder: HpackEncoder,
+    next_stream_id: u32,
+    routes: StreamMap<Route>,
+    /// What may be sent to the server.
+    limits: SendLimits,
+    max_streams: u32,
+    /// No new streams: the server sent GOAWAY, or the connection ended.
+    closed: bool,
+}
+
+impl HasOut for UpState {
+    fn out(&mut self) -> &mut Out {
+        &mut self.out
+    }
+}
+
+/// One request stream on this connection and the client stream it answers.
+pub(crate) struct Route {
+    client: Arc<ClientShared>,
+    client_stream: u32,
+    lease: Option<Lease>,
+    /// Send window of this stream.
+    window: i64,
+    /// Response bytes received and not yet given back in a WINDOW_UPDATE.
+    unacked: u32,
+    /// The response's headers arrived.
+    answered: bool,
+    /// The response's `:status` is a server error.
+    failed_status: bool,
+}
+
+impl UpState {
+    fn new() -> Self {
+        Self {
+            out: Out::default(),
+            encoder: HpackEncoder::new(),
+            next_stream_id: 1,
+            routes: StreamMap::default(),
+            limits: SendLimits::new(),
+            max_streams: u32::MAX,
+            closed: false,
+        }
+    }
+
+    /// Opens a stream for a request of `client`'s stream `client_stream`: writes its HEADERS
+    /// (`fields`, encoded with this connection's encoder). `None` (the lease back) when the
+    /// connection takes no new stream.
+    pub(crate) fn open<'f>(
+        &mut self,
+        client: &Arc<ClientShared>,
+        client_stream: u32,
+        lease: Lease,
+        end_stream: bool,
+        fields: impl IntoIterator<Item = (&'f [u8], &'f [u8])>,
+    ) -> Result<u32, Lease> {
+        if self.closed
+            || self.out.broken
+            || self.next_stream_id > skewless_frame::MAX_STREAM_ID
+            || self.routes.len() >= self.max_streams as usize
+        {
+            return Err(lease);
+        }
+        let id = self.next_stream_id;
+        self.next_stream_id += 2;
+        fields::put_headers(&mut self.out.buf, &mut self.encoder, id, end_stream, fields);
+        self.routes.insert(
+            id,
+            Route {
+                client: client.clone(),
+                client_stream,
+                lease: Some(lease),
+                window: self.limits.initial_window,
+                unacked: 0,
+                answered: false,
+                failed_status: false,
+            },
+        );
+        Ok(id)
+    }
+
+    /// Sends request body bytes on `stream`. `false` when they do not fit its window (the
+    /// caller resets the stream) or the stream is gone.
+    pub(crate) fn data(&mut self, stream: u32, payload: &[u8], end_stream: bool) -> bool {
+        let Some(route) = self.routes.get_mut(&stream) else {
+            return false;
+        };
+        if !self.limits.take(&mut route.window, payload.len()) {
+            return false;
+        }
+        fields::put_data(
+            &mut self.out.buf,
+            stream,
+            payload,
+            end_stream,
+            self.limits.max_frame,
+        );
+        true
+    }
+
+    /// The client is gone from `stream` (reset, or its connection closed): reset it here too.
+    /// Returns the lease, which the caller finishes.
+    pub(crate) fn cancel(&mut self, stream: u32, code: ErrorCode) -> Option<Lease> {
+        let mut route = self.routes.remove(&stream)?;
+        RstStream {
+            stream_id: stream,
+            error_code: code,
+        }
+        .encode(&mut self.out.buf);
+        route.lease.take()
+    }
+}
+
+/// Connects to the endpoint and keeps a connection up: publishes it to the pool once the
+/// server's SETTINGS are in, and replaces it when it ends.
+pub(crate) async fn connection_task(pool: Weak<CodecPool>, id: EndpointId, addr: SocketAddr) {
+    let mut backoff = Duration::from_millis(50);
+    loop {
+        let Some(timeout) = pool.upgrade().map(|p| p.connect_settings()) else {
+            return;
+        };
+        match tokio::time::timeout(timeout, connect(addr)).await {
+            Ok(Ok((stream, rbuf))) => {
+                backoff = Duration::from_millis(50);
+                let (read, write) = stream.into_split();
+                let shared = Shared::new(write, UpState::new());
+                let Some(p) = pool.upgrade() else { return };
+                p.set_upstream(id, Some(shared.clone()));
+                drop(p);
+                tracing::debug!("connected");
+                run(&pool, &shared, read, rbuf).await;
+                if let Some(p) = pool.upgrade() {
+                    p.set_upstream(id, None);
+                }
+                fail_all(&pool, &shared);
+                shared.close();
+            }
+            Ok(Err(error)) => tracing::debug!(%error, "connect failed"),
+            Err(_) => tracing::debug!("connect timed out"),
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_secs(5));
+    }
+}
+
+/// TCP connect, the preface and SETTINGS both ways; returns once the server's SETTINGS are
+/// in, with what was read after them.
+async fn connect(addr: SocketAddr) -> std::io::Result<(TcpStream, BytesMut)> {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut tcp = TcpStream::connect(addr).await?;
+    tcp.set_nodelay(true)?;
+    let mut hello = BytesMut::with_capacity(64);
+    hello.extend_from_slice(PREFACE);
+    Settings::encode(
+        false,
+        &[
+            Setting {
+                id: SettingId::ENABLE_PUSH,
+                value: 0,
+            },
+            Setting {
+                id: SettingId::INITIAL_WINDOW_SIZE,
+                value: STREAM_WINDOW,
+            },
+            Setting {
+                id: SettingId::MAX_HEADER_LIST_SIZE,
+                value: MAX_HEADER_LIST,
+            },
+        ],
+        &mut hello,
+    );
+    WindowUpdate {
+        stream_id: 0,
+        increment: UPSTREAM_CONNECTION_WINDOW - DEFAULT_WINDOW as u32,
+    }
+    .encode(&mut hello);
+    tcp.write_all(&hello).await?;
+    let mut rbuf = BytesMut::with_capacity(64 * 1024);
+    loop {
+        if rbuf.len() >= HEADER_LEN {
+            let head = Head::decode(rbuf[..HEADER_LEN].try_into().unwrap_or(&[0; HEADER_LEN]));
+            if head.kind != Kind::Settings || head.has(flags::ACK) {
+                return Err(std::io::Error::other("server did not start with SETTINGS"));
+            }
+            // Leave the SETTINGS in the buffer: the reader applies them.
+            return Ok((tcp, rbuf));
+        }
+        if tcp.read_buf(&mut rbuf).await? == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+    }
+}
+
+/// Reads and routes the server's frames until the connection ends.
+async fn run(
+    pool: &Weak<CodecPool>,
+    shared: &Arc<UpShared>,
+    mut read: tokio::net::tcp::OwnedReadHalf,
+    mut rbuf: BytesMut,
+) {
+    use tokio::io::AsyncReadExt as _;
+    let mut decoder = HpackDecoder::new(HEADER_TABLE_SIZE as u32);
+    let mut fields = Fields::default();
+    let mut dirty: Vec<Arc<ClientShared>> = Vec::new();
+    let mut blocks = HeaderBlocks::default();
+    loop {
+        if !rbuf.is_empty() {
+            let Some(p) = pool.upgrade() else { return };
+            let now = Instant::now();
+            let mut frames = Frames::new(&rbuf, MAX_FRAME);
+            let mut failed = None;
+            for frame in &mut frames {
+                let (head, payload) = match frame {
+                    Ok(f) => f,
+                    Err(error) => {
+                        failed = Some(ErrorCode::FRAME_SIZE_ERROR);
+                        tracing::debug!(%error, "bad frame from upstream");
+                        break;
+                    }
+                };
+                let mut reader = Reader {
+                    pool: &p,
+                    shared,
+                    decoder: &mut decoder,
+                    fields: &mut fields,
+                    dirty: &mut dirty,
+                    now,
+                };
+                if let Err(code) = reader.frame(head, payload, &mut blocks) {
+                    failed = Some(code);
+                    break;
+                }
+            }
+            let used = rbuf.len() - frames.rest().len();
+            rbuf.advance(used);
+            for client in dirty.drain(..) {
+                client.flush();
+            }
+            shared.flush();
+            if let Some(code) = failed {
+                let mut state = shared.lock();
+                GoAway {
+                    last_stream_id: 0,
+                    error_code: code,
+                    debug_data: b"",
+                }
+                .encode(&mut state.out.buf);
+                shared.flush_locked(&mut state);
+                return;
+            }
+        }
+        if rbuf.capacity() - rbuf.len() < 16 * 1024 {
+            rbuf.reserve(64 * 1024);
+        }
+        match read.read_buf(&mut rbuf).await {
+            Ok(0) => return,
+            Ok(_) => {}
+            Err(error) => {
+                tracing::debug!(%error, "upstream read failed");
+                return;
+            }
+        }
+    }
+}
+
+/// One batch's view for handling the server's frames.
+struct Reader<'a> {
+    pool: &'a CodecPool,
+    shared: &'a Arc<UpShared>,
+    decoder: &'a mut HpackDecoder,
+    fields: &'a mut Fields,
+    dirty: &'a mut Vec<Arc<ClientShared>>,
+    now: Instant,
+}
+
+impl Reader<'_> {
+    fn touch(&mut self, client: &Arc<ClientShared>) {
+        if !self.dirty.iter().any(|c| Arc::ptr_eq(c, client)) {
+            self.dirty.push(client.clone());
+        }
+    }
+
+    /// Handles one frame; `Err` with the code of a connection error.
+    fn frame(
+        &mut self,
+        head: Head,
+        payload: &[u8],
+        blocks: &mut HeaderBlocks,
+    ) -> Result<(), ErrorCode> {
+        if blocks.open() || matches!(head.kind, Kind::Headers | Kind::Continuation) {
+            if let Some((stream, end_stream, block)) = blocks.frame(head, payload)? {
+                return self.headers(stream, &block, end_stream);
+            }
+            return Ok(());
+        }
+        match head.kind {
+            Kind::Data => {
+                let data = frames::strip(head, payload)?;
+                self.data(
+                    head.stream_id,
+                    data,
+                    payload.len(),
+                    head.has(flags::END_STREAM),
+                );
+                Ok(())
+            }
+            Kind::RstStream => {
+                let rst =
+                    RstStream::decode(&head, payload).map_err(|_| ErrorCode::PROTOCOL_ERROR)?;
+                self.reset(rst.stream_id, rst.error_code);
+                Ok(())
+            }
+            Kind::Settings => self.settings(&head, payload),
+            Kind::Ping => frames::answer_ping(&head, payload, &mut self.shared.lock().out.buf),
+            Kind::WindowUpdate => {
+                let (stream, inc) = frames::window_update(&head, payload)?;
+                let mut state = self.shared.lock();
+                if stream == 0 {
+                    state.limits.window += inc;
+                } else if let Some(r) = state.routes.get_mut(&stream) {
+                    r.window += inc;
+                }
+                Ok(())
+            }
+            Kind::GoAway => {
+                let go = GoAway::decode(&head, payload).map_err(|_| ErrorCode::PROTOCOL_ERROR)?;
+                tracing::debug!(last_stream_id = go.last_stream_id, "upstream sent GOAWAY");
+                self.shared.lock().closed = true;
+                let above: Vec<u32> = self
+                    .shared
+                    .lock()
+                    .routes
+                    .keys()
+                    .copied()
+                    .filter(|&id| id > go.last_stream_id)
+                    .collect();
+                for id in above {
+                    self.reset(id, ErrorCode::REFUSED_STREAM);
+                }
+                Ok(())
+            }
+            Kind::PushPromise => Err(ErrorCode::PROTOCOL_ERROR),
+            Kind::Headers | Kind::Continuation | Kind::Priority | Kind::Unknown(_) => Ok(()),
+        }
+    }
+
+    fn settings(&mut self, head: &Head, payload: &[u8]) -> Result<(), ErrorCode> {
+        let settings = Settings::decode(head, payload).map_err(|_| ErrorCode::PROTOCOL_ERROR)?;
+        if settings.ack {
+            return Ok(());
+        }
+        let mut state = self.shared.lock();
+        for s in settings.iter() {
+            let delta = state.limits.apply(s);
+            if delta != 0 {
+                for r in state.routes.values_mut() {
+                    r.window += delta;
+                }
+            }
+            match s.id {
+                SettingId::MAX_CONCURRENT_STREAMS => state.max_streams = s.value,
+                // The encoder keeps the 4096 of RFC 7541 unless told less; a server that
+                // allows less is not served yet (no size update is sent).
+                SettingId::HEADER_TABLE_SIZE if (s.value as usize) < HEADER_TABLE_SIZE => {
+                    tracing::debug!(size = s.value, "server allows a smaller HPACK table");
+                    state.closed = true;
+                }
+                _ => {}
+            }
+        }
+        Settings::encode(true, &[], &mut state.out.buf);
+        Ok(())
+    }
+
+    fn headers(&mut self, stream: u32, block: &[u8], end_stream: bool) -> Result<(), ErrorCode> {
+        let decoded = self
+            .fields
+            .decode(self.decoder, block, MAX_HEADER_LIST as usize);
+        if let Err(super::fields::FieldsError::Compression(error)) = &decoded {
+            tracing::debug!(?error, "upstream header block does not decode");
+            return Err(ErrorCode::COMPRESSION_ERROR);
+        }
+        let mut state = self.shared.lock();
+        let Some(route) = state.routes.get_mut(&stream) else {
+            return Ok(());
+        };
+        let first = !route.answered;
+        route.answered = true;
+        if first {
+            route.failed_status = self
+                .fields
+                .get(b":status")
+                .is_some_and(|s| s.first() == Some(&b'5'));
+        }
+        let client = route.client.clone();
+        let client_stream = route.client_stream;
+        let failed_status = route.failed_status;
+        if first && let Some(lease) = &route.lease {
+            self.pool.headers_received(lease, self.now);
+        }
+        let lease = if end_stream {
+            state
+                .routes
+                .remove(&stream)
+                .and_then(|mut r| r.lease.take())
+        } else {
+            None
+        };
+        drop(state);
+        if decoded.is_err() {
+            // Too large a list: the call fails, the connection goes on.
+            self.fail(stream, &client, client_stream, lease);
+            return Ok(());
+        }
+        let ok = client
+            .lock()
+            .respond_headers(client_stream, self.fields, end_stream);
+        self.touch(&client);
+        if let Some(lease) = lease {
+            let outcome =
+                if failed_status || self.fields.get(b"grpc-status") == Some(b"14".as_slice()) {
+                    Outcome::Failure
+                } else {
+                    Outcome::Success
+                };
+            self.pool.finish(lease, outcome, self.now);
+        } else if !ok {
+            self.cancel(stream);
+        }
+        Ok(())
+    }
+
+    fn data(&mut self, stream: u32, data: &[u8], flow_len: usize, end_stream: bool) {
+        let mut state = self.shared.lock();
+        let Some(route) = state.routes.get_mut(&stream) else {
+            return;
+        };
+        route.unacked += flow_len as u32;
+        let client = route.client.clone();
+        let client_stream = route.client_stream;
+        let lease = if end_stream {
+            state
+                .routes
+                .remove(&stream)
+                .and_then(|mut r| r.lease.take())
+        } else {
+            if route.unacked >= STREAM_WINDOW / 2 {
+                WindowUpdate {
+                    stream_id: stream,
+                    increment: std::mem::take(&mut route.unacked),
+                }
+                .encode(&mut state.out.buf);
+            }
+            None
+        };
+        drop(state);
+        let ok = client.lock().respond_data(client_stream, data, end_stream);
+        self.touch(&client);
+        if let Some(lease) = lease {
+            self.pool.finish(lease, Outcome::Success, self.now);
+        } else if !ok {
+            self.cancel(stream);
+        }
+    }
+
+    /// The server reset `stream`: the client's stream ends with it.
+    fn reset(&mut self, stream: u32, code: ErrorCode) {
+        let Some(mut route) = self.shared.lock().routes.remove(&stream) else {
+            return;
+        };
+        let outcome = if code == ErrorCode::CANCEL {
+            Outcome::Cancelled
+        } else {
+            Outcome::Failure
+        };
+        route.client.lock().reset(route.client_stream, code);
+        self.touch(&route.client);
+        if let Some(lease) = route.lease.take() {
+            self.pool.finish(lease, outcome, self.now);
+        }
+    }
+
+    /// The client's stream is gone: reset the upstream one.
+    fn cancel(&mut self, stream: u32) {
+        let lease = self.shared.lock().cancel(stream, ErrorCode::CANCEL);
+        if let Some(lease) = lease {
+            self.pool.finish(lease, Outcome::Cancelled, self.now);
+        }
+    }
+
+    fn fail(
+        &mut self,
+        stream: u32,
+        client: &Arc<ClientShared>,
+        client_stream: u32,
+        lease: Option<Lease>,
+    ) {
+        client
+            .lock()
+            .reset(client_stream, ErrorCode::INTERNAL_ERROR);
+        self.touch(client);
+        match lease {
+            Some(lease) => self.pool.finish(lease, Outcome::Failure, self.now),
+            None => self.cancel(stream),
+        }
+    }
+}
+
+/// The connection ended: every stream on it fails.
+fn fail_all(pool: &Weak<CodecPool>, shared: &Arc<UpShared>) {
+    let routes: Vec<Route> = {
+        let mut state = shared.lock();
+        state.closed = true;
+        state.routes.drain().map(|(_, r)| r).collect()
+    };
+    let now = Instant::now();
+    for mut route in routes {
+        route
+            .client
+            .lock()
+            .reset(route.client_stream, ErrorCode::INTERNAL_ERROR);
+        route.client.flush();
+        if let (Some(lease), Some(p)) = (route.lease.take(), pool.upgrade()) {
+            p.finish(lease, Outcome::Failure, now);
+        }
+    }
+}
+
+impl UpState {
+    /// Sends request trailers on `stream`, which end it.
+    pub(crate) fn put_trailers(&mut self, stream: u32, trailers: &Fields) {
+        if self.routes.contains_key(&stream) {
+            fields::put_headers(
+                &mut self.out.buf,
+                &mut self.encoder,
+                stream,
+                true,
+                trailers.iter(),
+            );
+        }
+    }
+}
