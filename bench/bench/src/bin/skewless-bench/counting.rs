@@ -33,6 +33,9 @@ impl Bench {
             find_tool("callgrind_control").context("callgrind_control is not installed")?;
         let perf = find_tool("perf").context("perf is not installed (`cargo xtask setup`)")?;
         let mut targets = vec![Target::Skewless];
+        if a.codec_path {
+            targets.push(Target::Codec);
+        }
         targets.extend((0..a.builds.len()).map(Target::Build));
         targets.retain(|t| a.selected(*t));
         let mut counted: Vec<Counted> = targets
@@ -87,7 +90,7 @@ impl Bench {
         cmd.arg("--tool=callgrind")
             .arg(format!("--callgrind-out-file={}", out.display()))
             .arg(self.proxy_bin(target));
-        self.proxy_args(&mut cmd, listen);
+        self.proxy_args(&mut cmd, target, listen);
         let mut proxy = Proc::spawn(
             &format!("{} under callgrind", self.args.name(target)),
             cmd.stdout(Stdio::null()).stderr(Stdio::null()),
@@ -128,7 +131,7 @@ impl Bench {
         let a = &self.args;
         let listen = free_addr()?;
         let mut cmd = Command::new(self.proxy_bin(target));
-        self.proxy_args(&mut cmd, listen);
+        self.proxy_args(&mut cmd, target, listen);
         let mut proxy = Proc::spawn(&a.name(target), cmd.stdout(Stdio::null()))?;
         proxy.wait_listening(listen)?;
         let warmup = 1.0;

@@ -145,6 +145,11 @@ struct Args {
     /// then `skewless-connection` runs beside `skewless`.
     #[arg(skip)]
     connection_mode: bool,
+    /// Whether this tree's skewless-proxy has request mode's experimental data path on the
+    /// frame codec (its `--help` offers `--data-path`): then `skewless-codec` runs beside
+    /// `skewless`.
+    #[arg(skip)]
+    codec_path: bool,
     /// Also run the rotation-convergence figure: pick_first grpcio clients (the venv of
     /// `cargo xtask setup`) through skewless-proxy while its endpoint set grows from 2 to 10
     /// pods (seed 001), timed until the skew stays under 1.5.
@@ -237,6 +242,9 @@ enum Target {
     Skewless,
     /// skewless-proxy in connection mode (when it has one, see [`Bench::connection_mode`]).
     Connection,
+    /// skewless-proxy in request mode on the frame codec (`--data-path codec`, when it has
+    /// it, see [`Args::codec_path`]).
+    Codec,
     /// The `n`-th `--skewless-build`.
     Build(usize),
 }
@@ -270,6 +278,7 @@ impl Args {
             Target::Nginx => "nginx".to_owned(),
             Target::Skewless => "skewless".to_owned(),
             Target::Connection => "skewless-connection".to_owned(),
+            Target::Codec => "skewless-codec".to_owned(),
             Target::Build(i) => format!("skewless@{}", self.builds[i].0),
         }
     }
@@ -287,6 +296,9 @@ impl Args {
             if t == Target::Skewless {
                 if self.connection_mode {
                     out.push(Target::Connection);
+                }
+                if self.codec_path {
+                    out.push(Target::Codec);
                 }
                 out.extend((0..self.builds.len()).map(Target::Build));
             }
@@ -310,6 +322,7 @@ impl Args {
             Target::Nginx,
             Target::Skewless,
             Target::Connection,
+            Target::Codec,
         ]
         .into_iter()
         .map(|t| self.name(t))
@@ -382,12 +395,9 @@ impl Bench {
                         .stdout(Stdio::null()),
                 )?
             }
-            Target::Skewless | Target::Connection | Target::Build(_) => {
+            Target::Skewless | Target::Connection | Target::Codec | Target::Build(_) => {
                 let mut cmd = Command::new(self.proxy_bin(target));
-                if target == Target::Connection {
-                    cmd.args(["--mode", "connection"]);
-                }
-                self.proxy_args_with(&mut cmd, listen, threads);
+                self.proxy_args_with(&mut cmd, target, listen, threads);
                 Proc::spawn(&self.args.name(target), cmd.stdout(Stdio::null()))?
             }
         };
@@ -403,13 +413,29 @@ impl Bench {
         }
     }
 
-    /// skewless-proxy's arguments: listen on `listen`, the run's workers, every pod.
-    fn proxy_args(&self, cmd: &mut Command, listen: SocketAddr) {
-        self.proxy_args_with(cmd, listen, self.args.proxy_threads);
+    /// skewless-proxy's arguments for `target`: its mode and data path, listen on `listen`,
+    /// the run's workers, every pod.
+    fn proxy_args(&self, cmd: &mut Command, target: Target, listen: SocketAddr) {
+        self.proxy_args_with(cmd, target, listen, self.args.proxy_threads);
     }
 
     /// [`Bench::proxy_args`] with `threads` workers.
-    fn proxy_args_with(&self, cmd: &mut Command, listen: SocketAddr, threads: usize) {
+    fn proxy_args_with(
+        &self,
+        cmd: &mut Command,
+        target: Target,
+        listen: SocketAddr,
+        threads: usize,
+    ) {
+        match target {
+            Target::Connection => {
+                cmd.args(["--mode", "connection"]);
+            }
+            Target::Codec => {
+                cmd.args(["--data-path", "codec"]);
+            }
+            _ => {}
+        }
         cmd.arg("--listen")
             .arg(listen.to_string())
             .arg("--threads")
@@ -494,10 +520,13 @@ fn main() -> anyhow::Result<()> {
             .context("binary directory")?
             .to_owned(),
     };
-    args.connection_mode = Command::new(bin_dir.join("skewless-proxy"))
+    let help = Command::new(bin_dir.join("skewless-proxy"))
         .arg("--help")
         .output()
-        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("--mode"));
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default();
+    args.connection_mode = help.contains("--mode");
+    args.codec_path = help.contains("--data-path");
     args.check_targets()?;
     let work = std::env::temp_dir().join(format!("skewless-bench-{}", std::process::id()));
     std::fs::create_dir_all(&work)?;
