@@ -83,7 +83,12 @@ pub fn load_failure_context(eperm: bool, privileges: Option<Privileges>) -> Stri
             if p.has(CAP_BPF) { "yes" } else { "no" },
             if p.has(CAP_NET_ADMIN) { "yes" } else { "no" },
         ),
-        _ => "loading the eBPF programs (needs root or CAP_BPF+CAP_NET_ADMIN)".to_owned(),
+        // The capabilities are there and it is not seccomp: the kernel refused a program
+        // itself, most often its verifier (whose log is in the error's chain).
+        Some(_) => "loading the eBPF programs: the kernel refused a program although this \
+                    process has CAP_BPF and CAP_NET_ADMIN (the verifier's log follows)"
+            .to_owned(),
+        None => "loading the eBPF programs (needs root or CAP_BPF+CAP_NET_ADMIN)".to_owned(),
     }
 }
 
@@ -134,6 +139,12 @@ mod tests {
         let msg = load_failure_context(true, Some(no_bpf));
         assert!(
             msg.contains("CAP_BPF no") && msg.contains("CAP_NET_ADMIN yes"),
+            "{msg}"
+        );
+        // With the capabilities and no seccomp refusal, the error sends nobody after them.
+        let msg = load_failure_context(false, Some(filtered));
+        assert!(
+            msg.contains("kernel refused a program") && !msg.contains("needs root"),
             "{msg}"
         );
     }

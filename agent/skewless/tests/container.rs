@@ -43,7 +43,10 @@ struct Image(String);
 
 impl Image {
     fn build() -> Self {
-        let tag = format!("localhost/skewless:test-{}", std::process::id());
+        // One tag per image: the tests of this file may run side by side in one process.
+        static BUILT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = BUILT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let tag = format!("localhost/skewless:test-{}-{n}", std::process::id());
         container::runtime_image(
             Path::new(env!("CARGO_BIN_EXE_skewless")),
             &tag,

@@ -175,19 +175,24 @@ mod programs {
 
     /// A Service address in a log line: IPv4 (`REDIRECT4`'s keys) or IPv6 (`REDIRECT6`'s), both
     /// in network order.
+    ///
+    /// The log lines are written out of line (`#[inline(never)]`, a BPF-to-BPF call): inlined,
+    /// the compiler reused the stack slots that held the log's argument pointers for map keys,
+    /// and without CAP_PERFMON (which the agent does not get) the verifier refuses a partial
+    /// write over a spilled pointer ("attempt to corrupt spilled pointer on stack").
     trait LogAddr {
-        fn log_origdst_failed(&self, ctx: &SockAddrContext, port: u16, errno: i32);
+        fn log_origdst_failed(self, ctx: &SockAddrContext, port: u16, errno: i32);
     }
 
     impl LogAddr for u32 {
-        #[inline(always)]
-        fn log_origdst_failed(&self, ctx: &SockAddrContext, port: u16, errno: i32) {
+        #[inline(never)]
+        fn log_origdst_failed(self, ctx: &SockAddrContext, port: u16, errno: i32) {
             // SAFETY: bpf_get_current_cgroup_id has no preconditions.
             let cgroup = unsafe { bpf_get_current_cgroup_id() };
             error!(
                 ctx,
                 "redirected connect: original destination {:i}:{} not kept for getpeername (map update failed: {}); cgroup {}",
-                u32::from_be(*self),
+                u32::from_be(self),
                 port,
                 errno,
                 cgroup
@@ -196,12 +201,12 @@ mod programs {
     }
 
     impl LogAddr for [u32; 4] {
-        #[inline(always)]
-        fn log_origdst_failed(&self, ctx: &SockAddrContext, port: u16, errno: i32) {
+        #[inline(never)]
+        fn log_origdst_failed(self, ctx: &SockAddrContext, port: u16, errno: i32) {
             // SAFETY: bpf_get_current_cgroup_id has no preconditions.
             let cgroup = unsafe { bpf_get_current_cgroup_id() };
             // SAFETY: four words in network order are the address's sixteen bytes in order.
-            let bytes: [u8; 16] = unsafe { core::mem::transmute(*self) };
+            let bytes: [u8; 16] = unsafe { core::mem::transmute(self) };
             error!(
                 ctx,
                 "redirected connect: original destination [{:i}]:{} not kept for getpeername (map update failed: {}); cgroup {}",
@@ -541,7 +546,7 @@ mod programs {
         if let Err(errno) = CONNS.insert(cookie, conn, insert_flags()) {
             count(Counter::ConnUpdateFailed);
             if may_log(Failure::ConnRecord) {
-                log_conn_failure(ctx, "record not kept (map update failed)", &conn, errno);
+                log_conn_failure(ctx, Failure::ConnRecord, &conn, errno);
             }
             return;
         }
@@ -549,7 +554,7 @@ mod programs {
         if let Err(errno) = ctx.set_cb_flags(flags as i32) {
             count(Counter::ConnCbFlagsFailed);
             if may_log(Failure::CbFlags) {
-                log_conn_failure(ctx, "state and RTT callbacks not set", &conn, errno);
+                log_conn_failure(ctx, Failure::CbFlags, &conn, errno);
             }
         }
     }
@@ -557,29 +562,56 @@ mod programs {
     /// Logs a pod connection the hooks could not observe: what failed, its addresses (IPv4
     /// ones; for IPv6 its ports) and its socket cookie. (The ESTABLISHED callback of a
     /// connect runs in softirq, where the current task's cgroup is not the socket's.)
-    #[inline(always)]
-    fn log_conn_failure(ctx: &SockOpsContext, what: &str, conn: &Conn, errno: i32) {
+    ///
+    /// Out of line, as the other log lines (see [`LogAddr`]). What failed is in each format
+    /// string, not an argument: an argument of a length the verifier cannot see is copied
+    /// into aya-log's ring buffer at a variable offset, which it refuses without CAP_PERFMON.
+    #[inline(never)]
+    fn log_conn_failure(ctx: &SockOpsContext, failure: Failure, conn: &Conn, errno: i32) {
         // SAFETY: sock_ops programs may call bpf_get_socket_cookie on their context.
         let cookie = unsafe { bpf_get_socket_cookie(ctx.ops.cast()) };
+        let (local, remote) = (conn.local_port, conn.remote_port);
         if conn.family == FAMILY_INET {
+            let local_addr = u32::from_be(conn.local_addr[0]);
+            let remote_addr = u32::from_be(conn.remote_addr[0]);
+            if let Failure::CbFlags = failure {
+                error!(
+                    ctx,
+                    "pod connection {:i}:{} -> {:i}:{} unobserved: state and RTT callbacks not set ({}); socket cookie {}",
+                    local_addr,
+                    local,
+                    remote_addr,
+                    remote,
+                    errno,
+                    cookie
+                );
+            } else {
+                error!(
+                    ctx,
+                    "pod connection {:i}:{} -> {:i}:{} unobserved: record not kept (map update failed) ({}); socket cookie {}",
+                    local_addr,
+                    local,
+                    remote_addr,
+                    remote,
+                    errno,
+                    cookie
+                );
+            }
+        } else if let Failure::CbFlags = failure {
             error!(
                 ctx,
-                "pod connection {:i}:{} -> {:i}:{} unobserved: {} ({}); socket cookie {}",
-                u32::from_be(conn.local_addr[0]),
-                conn.local_port,
-                u32::from_be(conn.remote_addr[0]),
-                conn.remote_port,
-                what,
+                "pod IPv6 connection from port {} to port {} unobserved: state and RTT callbacks not set ({}); socket cookie {}",
+                local,
+                remote,
                 errno,
                 cookie
             );
         } else {
             error!(
                 ctx,
-                "pod IPv6 connection from port {} to port {} unobserved: {} ({}); socket cookie {}",
-                conn.local_port,
-                conn.remote_port,
-                what,
+                "pod IPv6 connection from port {} to port {} unobserved: record not kept (map update failed) ({}); socket cookie {}",
+                local,
+                remote,
                 errno,
                 cookie
             );
