@@ -23,6 +23,17 @@ use tracing::Instrument as _;
 use crate::error::BalancerError;
 use crate::metrics::{RotationReason, ServiceMetrics};
 
+/// Default idle timeout of a client connection, both modes: ten minutes, twice the five
+/// minutes gRPC servers allow between keepalive PINGs by default (grpc-go's and grpc-java's
+/// enforcement policy), so a client that pings as often as a default server allows keeps its
+/// connection.
+pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// Default cap on client connections per balancer, both modes: far above what the pods of one
+/// node open to one Service (a few per pod), low enough that the connections at the cap fit
+/// the agent's memory (request mode ~25 KiB per idle connection: 50 MiB at the cap).
+pub const DEFAULT_MAX_CLIENT_CONNECTIONS: usize = 2048;
+
 /// The settings of the client-connection lifecycle, read from a mode's configuration.
 pub trait Lifecycle {
     /// Client connections older than this (+-10% jitter) are wound down.

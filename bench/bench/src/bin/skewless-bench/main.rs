@@ -19,12 +19,14 @@
 //! measured window and its peak RSS from `VmHWM`, both summed over its processes. Every process
 //! started here is ended by its pid when its run ends, also on errors.
 
+mod args;
+mod convergence;
 mod counting;
 mod h2load;
 mod procs;
+mod report;
 mod rotation;
 
-use std::fmt::Write as _;
 use std::io::Read as _;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -34,7 +36,6 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 use clap::Parser;
-use skewless_bench::chart::skew_chart_svg;
 use skewless_bench::counted::counted_table;
 use skewless_bench::sampling::{clk_tck, cpu_ticks, peak_rss_kib, tree};
 use skewless_bench::{
@@ -44,6 +45,7 @@ use skewless_bench::{
 };
 use skewless_loadgen::Report;
 
+use crate::args::Args;
 use crate::procs::{Proc, find_tool, free_addr, set_delay};
 
 const PODS: usize = 5;
@@ -63,174 +65,6 @@ type Chart = (
     bool,
     bool,
 );
-
-#[derive(Debug, Parser)]
-#[command(about = "Side-by-side gRPC balancing benchmark: direct, L4, HAProxy, nginx, skewless")]
-struct Args {
-    /// Delays of the 5th pod, ms.
-    #[arg(long, value_delimiter = ',', default_value = "0,50,200")]
-    delays: Vec<u64>,
-    /// Client HTTP/2 connection counts.
-    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8")]
-    connections: Vec<usize>,
-    /// Closed loop: calls in flight per connection.
-    #[arg(long, default_value_t = 200)]
-    in_flight: usize,
-    /// Warm-up seconds per run (not measured).
-    #[arg(long, default_value_t = 1.0)]
-    warmup: f64,
-    /// Measured seconds per run.
-    #[arg(long, default_value_t = 4.0)]
-    duration: f64,
-    /// Runs per cell for the connection counts in --repeat-connections (the others run once);
-    /// tables show the median and the min–max range, verdicts use the median.
-    #[arg(long, default_value_t = 3)]
-    repeats: usize,
-    /// Connection counts whose cells are repeated (and the open-loop cells, when they use one
-    /// of them).
-    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8")]
-    repeat_connections: Vec<usize>,
-    /// Skip the open-loop section.
-    #[arg(long)]
-    no_open: bool,
-    /// Open loop: offered calls per second (default: --open-fraction of HAProxy's closed-loop
-    /// median RPS at --open-delay and --open-connections).
-    #[arg(long)]
-    open_rate: Option<f64>,
-    /// Open loop: fraction of HAProxy's closed-loop RPS to offer.
-    #[arg(long, default_value_t = 0.6)]
-    open_fraction: f64,
-    /// Open loop: delay of the slow pod, ms.
-    #[arg(long, default_value_t = 50)]
-    open_delay: u64,
-    /// Open loop: client HTTP/2 connections.
-    #[arg(long, default_value_t = 1)]
-    open_connections: usize,
-    /// Worker threads/processes of every proxy (HAProxy nbthread, nginx worker_processes,
-    /// skewless-proxy data-plane workers).
-    #[arg(long, default_value_t = 2)]
-    proxy_threads: usize,
-    /// Directory with skewless-echo, skewless-loadgen and skewless-proxy (default: this
-    /// binary's).
-    #[arg(long)]
-    bin_dir: Option<PathBuf>,
-    /// Markdown file whose "Proxies side by side" section gets the results.
-    #[arg(long)]
-    write: Option<PathBuf>,
-    /// The command shown in the written section.
-    #[arg(long, default_value = "cargo xtask bench --proxies-only")]
-    command: String,
-    /// The heading of the section of --write that gets the results (replaced, or appended).
-    #[arg(long, default_value = SECTION)]
-    section: String,
-    /// File names of the charts written beside --write: PREFIX-p99.svg, PREFIX-rps.svg,
-    /// PREFIX-open-p99.svg.
-    #[arg(long, default_value = "bench")]
-    chart_prefix: String,
-    /// Another build of skewless-proxy to run beside this one, as LABEL=PATH (repeat for
-    /// more): the target `skewless@LABEL`, in every cell skewless runs in, interleaved with the
-    /// others, and compared with `skewless` run by run (`cargo xtask bench --baseline REV`
-    /// builds one from a git revision).
-    #[arg(long = "skewless-build", value_parser = parse_build)]
-    builds: Vec<(String, PathBuf)>,
-    /// Run only these targets (comma-separated names as in the tables, e.g.
-    /// `skewless,skewless@ae9ca9d`); default: all.
-    #[arg(long, value_delimiter = ',')]
-    targets: Vec<String>,
-    /// Low load: the runs with one call in flight on one connection (no slow pod), where the
-    /// latency a proxy adds shows; skip them.
-    #[arg(long)]
-    no_low_load: bool,
-    /// Whether this tree's skewless-proxy runs connection mode (its `--help` offers `--mode`):
-    /// then `skewless-connection` runs beside `skewless`.
-    #[arg(skip)]
-    connection_mode: bool,
-    /// Whether this tree's skewless-proxy has request mode's experimental data path on the
-    /// frame codec (its `--help` offers `--data-path`): then `skewless-codec` runs beside
-    /// `skewless`.
-    #[arg(skip)]
-    codec_path: bool,
-    /// Also run the rotation-convergence figure: pick_first grpcio clients (the venv of
-    /// `cargo xtask setup`) through skewless-proxy while its endpoint set grows from 2 to 10
-    /// pods (seed 001), timed until the skew stays under 1.5.
-    #[arg(long)]
-    convergence: bool,
-    /// Only the rotation-convergence figure (no closed- or open-loop grid).
-    #[arg(long)]
-    convergence_only: bool,
-    /// Convergence: client channels, each one HTTP/2 connection.
-    #[arg(long, default_value_t = 10)]
-    convergence_channels: usize,
-    /// Convergence: calls in flight per channel.
-    #[arg(long, default_value_t = 2)]
-    convergence_concurrency: usize,
-    /// Convergence: seconds before the scale-up.
-    #[arg(long, default_value_t = 5.0)]
-    convergence_before: f64,
-    /// Convergence: seconds after the scale-up (with the defaults connection mode holds 30 s,
-    /// then rotates at most 6 connections a minute: 8 moves take about 110 s).
-    #[arg(long, default_value_t = 150.0)]
-    convergence_after: f64,
-    /// Convergence: runs per target (interleaved).
-    #[arg(long, default_value_t = 1)]
-    convergence_repeats: usize,
-    /// Also count, for skewless and every --skewless-build, user-space instructions and clock
-    /// reads per call under valgrind's callgrind (1 connection, --in-flight calls, closed
-    /// loop) and syscalls per call with `perf stat` (native, open loop at
-    /// --instructions-rate): figures the machine's load does not move.
-    #[arg(long)]
-    instructions: bool,
-    /// Only the counts of --instructions (no closed- or open-loop grid).
-    #[arg(long)]
-    instructions_only: bool,
-    /// --instructions: runs per build (interleaved).
-    #[arg(long, default_value_t = 2)]
-    instructions_runs: usize,
-    /// --instructions: seconds counted per run.
-    #[arg(long, default_value_t = 10.0)]
-    instructions_duration: f64,
-    /// --instructions: the offered rate of the syscall runs, calls per second.
-    #[arg(long, default_value_t = 1500.0)]
-    instructions_rate: f64,
-    /// Skip the third-party load section (h2load against HAProxy h2 and skewless-proxy, run
-    /// after the grid).
-    #[arg(long)]
-    no_h2load: bool,
-    /// Only the h2load section (no closed- or open-loop grid).
-    #[arg(long)]
-    h2load_only: bool,
-    /// h2load: passes (each runs every target once, interleaved).
-    #[arg(long, default_value_t = 3)]
-    h2load_runs: usize,
-    /// h2load: requests per run (`-n`).
-    #[arg(long, default_value_t = 200_000)]
-    h2load_requests: u64,
-    /// h2load: client connections (`-c`).
-    #[arg(long, default_value_t = 4)]
-    h2load_connections: usize,
-    /// h2load: concurrent streams per connection (`-m`).
-    #[arg(long, default_value_t = 50)]
-    h2load_streams: usize,
-    /// h2load: request payload bytes (the `EchoRequest`'s `payload`).
-    #[arg(long, default_value_t = 16)]
-    h2load_payload: usize,
-    /// h2load: worker threads/processes of every proxy in these runs.
-    #[arg(long, default_value_t = 1)]
-    h2load_proxy_threads: usize,
-    /// The heading of the section of --write that gets the h2load results.
-    #[arg(long, default_value = H2LOAD_SECTION)]
-    h2load_section: String,
-}
-
-fn parse_build(s: &str) -> anyhow::Result<(String, PathBuf)> {
-    let Some((label, path)) = s.split_once('=') else {
-        bail!("expected LABEL=PATH, got {s:?}");
-    };
-    if label.is_empty() || label.contains([',', ' ', '|']) {
-        bail!("the label of {s:?} must be non-empty, without commas, spaces or bars");
-    }
-    Ok((label.to_owned(), PathBuf::from(path)))
-}
 
 #[derive(Clone, Copy, PartialEq)]
 enum Target {
@@ -265,84 +99,6 @@ struct Bench {
     work: PathBuf,
     pods: Vec<Pod>,
     tck: f64,
-}
-
-impl Args {
-    /// The target's name in the tables.
-    fn name(&self, t: Target) -> String {
-        match t {
-            Target::DirectHealthy => "direct-healthy".to_owned(),
-            Target::DirectSlow => "direct-slow".to_owned(),
-            Target::L4 => "l4-roundrobin".to_owned(),
-            Target::Haproxy => "haproxy".to_owned(),
-            Target::Nginx => "nginx".to_owned(),
-            Target::Skewless => "skewless".to_owned(),
-            Target::Connection => "skewless-connection".to_owned(),
-            Target::Codec => "skewless-codec".to_owned(),
-            Target::Build(i) => format!("skewless@{}", self.builds[i].0),
-        }
-    }
-
-    /// Whether `--targets` selects `t` (everything when it is empty).
-    fn selected(&self, t: Target) -> bool {
-        self.targets.is_empty() || self.targets.contains(&self.name(t))
-    }
-
-    /// `targets` without the ones `--targets` leaves out; every build follows `skewless`.
-    fn choose(&self, targets: &[Target]) -> Vec<Target> {
-        let mut out = Vec::new();
-        for &t in targets {
-            out.push(t);
-            if t == Target::Skewless {
-                if self.connection_mode {
-                    out.push(Target::Connection);
-                }
-                if self.codec_path {
-                    out.push(Target::Codec);
-                }
-                out.extend((0..self.builds.len()).map(Target::Build));
-            }
-        }
-        out.retain(|t| self.selected(*t));
-        out
-    }
-
-    /// Whether this run has the `skewless-connection` target.
-    fn runs_connection_mode(&self) -> bool {
-        self.connection_mode && self.selected(Target::Connection)
-    }
-
-    /// Fails on a `--targets` name that is no target of this run.
-    fn check_targets(&self) -> anyhow::Result<()> {
-        let mut known: Vec<String> = [
-            Target::DirectHealthy,
-            Target::DirectSlow,
-            Target::L4,
-            Target::Haproxy,
-            Target::Nginx,
-            Target::Skewless,
-            Target::Connection,
-            Target::Codec,
-        ]
-        .into_iter()
-        .map(|t| self.name(t))
-        .collect();
-        known.extend((0..self.builds.len()).map(|i| self.name(Target::Build(i))));
-        for t in &self.targets {
-            if !known.contains(t) {
-                bail!(
-                    "unknown target {t:?} in --targets (known: {})",
-                    known.join(", ")
-                );
-            }
-        }
-        for (label, path) in &self.builds {
-            if !path.is_file() {
-                bail!("--skewless-build {label}={}: no such file", path.display());
-            }
-        }
-        Ok(())
-    }
 }
 
 impl Bench {
@@ -584,7 +340,7 @@ fn run(args: Args, bin_dir: PathBuf, work: PathBuf) -> anyhow::Result<()> {
     let a = &bench.args;
     if a.instructions_only {
         if let Some(table) = &counted {
-            write_counted(a, table)?;
+            report::write_counted(a, table)?;
         }
     } else if !a.convergence_only && !a.h2load_only {
         grid(&bench, &admins, counted.as_deref())?;
@@ -603,7 +359,7 @@ fn run(args: Args, bin_dir: PathBuf, work: PathBuf) -> anyhow::Result<()> {
             echo.push(p);
             bench.pods.push(pod);
         }
-        convergence(&bench)?;
+        convergence::convergence(&bench)?;
     }
     drop(echo);
     Ok(())
@@ -747,12 +503,12 @@ fn grid(bench: &Bench, admins: &[SocketAddr], counted: Option<&str>) -> anyhow::
                 .with_context(|| format!("drawing {file}"))?;
             std::fs::write(dir.join(&file), svg).with_context(|| format!("writing {file}"))?;
         }
-        let section = section(
+        let section = report::section(
             a,
             &table,
             &targets,
             (!a.no_open).then_some((&open, &open_targets)),
-            Extra {
+            report::Extra {
                 connection: connection.as_deref(),
                 low: low.as_deref(),
                 builds: builds.as_deref(),
@@ -765,132 +521,6 @@ fn grid(bench: &Bench, admins: &[SocketAddr], counted: Option<&str>) -> anyhow::
     }
     Ok(())
 }
-
-/// The rotation-convergence runs (see `rotation`), interleaved over the targets, their table
-/// and chart, written to the "Rotation convergence" section of --write.
-fn convergence(bench: &Bench) -> anyhow::Result<()> {
-    let a = &bench.args;
-    let python = skewless_testbed::grpc::python();
-    let gen_dir = skewless_testbed::grpc::generate_stubs()
-        .context("generating the Python stubs (is the venv installed? `cargo xtask setup`)")?;
-    let script = skewless_testbed::grpc::script("rotation_client.py");
-    let proxy = bench.bin_dir.join("skewless-proxy");
-    // Request mode spreads at once; connection mode has to rotate the pinned connections.
-    let mut targets: Vec<(String, Vec<String>)> = vec![(a.name(Target::Skewless), Vec::new())];
-    if a.connection_mode {
-        let args = |extra: &[&str]| -> Vec<String> {
-            ["--mode", "connection"]
-                .iter()
-                .chain(extra)
-                .map(|s| (*s).to_owned())
-                .collect()
-        };
-        // The annotations' defaults (hold 30 s, 6 rotations a minute, connections younger
-        // than 10 s left alone), and a Service tuned to move faster.
-        targets.push((a.name(Target::Connection), args(&[])));
-        targets.push((
-            format!("{} (hold 5 s, 30/min)", a.name(Target::Connection)),
-            args(&[
-                "--hold-time",
-                "5",
-                "--max-rotations-per-minute",
-                "30",
-                "--min-connection-age",
-                "2",
-            ]),
-        ));
-    }
-    targets.retain(|(name, _)| {
-        a.targets.is_empty() || a.targets.iter().any(|t| name.split(' ').next() == Some(t))
-    });
-    if targets.is_empty() {
-        bail!("--targets leaves no convergence target (skewless, skewless-connection)");
-    }
-    let runs = a.convergence_repeats.max(1) * targets.len();
-    eprintln!(
-        "{runs} convergence runs of {} s: about {:.0} min",
-        a.convergence_before + a.convergence_after,
-        runs as f64 * (a.convergence_before + a.convergence_after + 2.0) / 60.0
-    );
-    let mut outcomes = Vec::new();
-    for pass in 0..a.convergence_repeats.max(1) {
-        let mut order = targets.clone();
-        let n = pass % order.len();
-        order.rotate_left(n);
-        for (target, mode_args) in order {
-            let plan = rotation::Plan {
-                proxy: (&proxy, mode_args),
-                target,
-                pods: &bench.pods,
-                python: (&python, &gen_dir, &script),
-                channels: a.convergence_channels,
-                concurrency: a.convergence_concurrency,
-                before: a.convergence_before,
-                after: a.convergence_after,
-                threads: a.proxy_threads,
-            };
-            let outcome = rotation::run(&plan)?;
-            rotation::log(&outcome);
-            outcomes.push(outcome);
-        }
-    }
-    let table = rotation::table(&outcomes);
-    println!("{table}");
-    let Some(path) = &a.write else {
-        return Ok(());
-    };
-    let dir = path.parent().context("the results file has no directory")?;
-    // One line per target: its first run.
-    let mut series: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
-    for o in &outcomes {
-        if !series.iter().any(|(t, _)| *t == o.target) {
-            series.push((o.target.clone(), o.convergence.skew.clone()));
-        }
-    }
-    let file = format!("{}-convergence.svg", a.chart_prefix);
-    let svg = skew_chart_svg(
-        "Skew after the scale-up from 2 to 10 pods (1 s windows, first run of each target)",
-        &series,
-        rotation::THRESHOLD,
-    )
-    .with_context(|| format!("drawing {file}"))?;
-    std::fs::write(dir.join(&file), svg).with_context(|| format!("writing {file}"))?;
-    let doc = std::fs::read_to_string(path).unwrap_or_default();
-    let section = format!(
-        "{CONVERGENCE}\n\n\
-         Run of {date} (`{cmd}`): {ch} pick_first grpcio channels (`testing/py/rotation_client.py`, \
-         each one HTTP/2 connection, {conc} calls in flight on each) through skewless-proxy \
-         ({t} workers) with pods 0-1 as its endpoints; after {before} s the benchmark sends \
-         it the set of pods 0-9 (the seed-001 scale-up, timed at that moment) and the clients \
-         go on for {after} s. From the clients' own tallies in 250 ms buckets, the skew of a \
-         1 s window is the largest pod's share over the fair share of the 10 pods (1.0 is even, \
-         5.0 is two pods taking everything). Times run from the scale-up to the start of the \
-         first window that shows it (to the 250 ms bucket): every pod receiving calls, and the \
-         skew under {th} in that window and every later one (`for good`); the same with 5 s \
-         windows beside it, which average out the clients' own unevenness (with 10 connections \
-         on 10 pods, one channel 50% faster than the others for a second is already skew 1.5 \
-         in a 1 s window, however well the connections are placed). `connection moves`: \
-         times a client channel's answering pod changed, i.e. its connection was rotated and \
-         placed elsewhere (request mode moves every call). Runs are interleaved over the \
-         targets.\n\n\
-         {table}\n\
-         ![skew after the scale-up]({file})\n",
-        date = utc_now(),
-        cmd = a.command,
-        ch = a.convergence_channels,
-        conc = a.convergence_concurrency,
-        t = a.proxy_threads,
-        before = a.convergence_before,
-        after = a.convergence_after,
-        th = rotation::THRESHOLD,
-    );
-    std::fs::write(path, replace_section(&doc, CONVERGENCE, &section))
-        .with_context(|| format!("writing {}", path.display()))?;
-    println!("wrote {}", path.display());
-    Ok(())
-}
-
-const CONVERGENCE: &str = "## Rotation convergence";
 
 fn utc_now() -> String {
     Command::new("date")
@@ -919,14 +549,6 @@ const LOW_TARGETS: [Target; 4] = [
     Target::Skewless,
 ];
 
-/// The tables beyond the grid's, when the run has them.
-struct Extra<'a> {
-    connection: Option<&'a str>,
-    low: Option<&'a str>,
-    builds: Option<&'a str>,
-    counted: Option<&'a str>,
-}
-
 /// The L7 targets of the open-loop section, with direct-healthy as the baseline.
 const OPEN_TARGETS: [Target; 4] = [
     Target::DirectHealthy,
@@ -934,16 +556,6 @@ const OPEN_TARGETS: [Target; 4] = [
     Target::Nginx,
     Target::Skewless,
 ];
-
-impl Args {
-    fn repeats_for(&self, connections: usize) -> usize {
-        if self.repeat_connections.contains(&connections) {
-            self.repeats.max(1)
-        } else {
-            1
-        }
-    }
-}
 
 /// The closed-loop runs in order, per delay (the slow pod's delay is set once per delay),
 /// interleaved over the repeats by [`interleave`].
@@ -1052,214 +664,4 @@ impl Bench {
         };
         Ok(self.run_logged(cell, Target::Haproxy)?.rps)
     }
-}
-
-fn section(
-    a: &Args,
-    table: &str,
-    targets: &str,
-    open: Option<(&String, &String)>,
-    extra: Extra<'_>,
-) -> String {
-    let Extra {
-        connection,
-        low,
-        builds,
-        counted,
-    } = extra;
-    let date = utc_now();
-    let cpus = std::thread::available_parallelism().map_or(0, usize::from);
-    // The cargo profile the binaries were built with (`dist` from `cargo xtask bench`).
-    let profile = a
-        .bin_dir
-        .clone()
-        .or_else(|| std::env::current_exe().ok()?.parent().map(Into::into))
-        .and_then(|d| Some(d.file_name()?.to_string_lossy().into_owned()))
-        .unwrap_or_default();
-    let repeated: Vec<String> = a
-        .repeat_connections
-        .iter()
-        .filter(|c| a.connections.contains(c))
-        .map(ToString::to_string)
-        .collect();
-    let repeats = if a.repeats > 1 && !repeated.is_empty() {
-        let which = if repeated.len() == a.connections.len() {
-            "Every cell".to_owned()
-        } else {
-            format!(
-                "Cells with {} connection(s) (the others once)",
-                repeated.join("/")
-            )
-        };
-        format!(
-            "{which} ran {} times, interleaved (each pass runs every cell once, the target \
-             order rotated from pass to pass); RPS and CPU show the median and the min–max \
-             range, latencies are the median of the runs' percentiles, peak RSS the largest \
-             run's, errors the sum, and the verdicts use the medians.",
-            a.repeats
-        )
-    } else {
-        "Every cell ran once.".to_owned()
-    };
-    let only = if a.targets.is_empty() {
-        String::new()
-    } else {
-        format!(" Targets run: {} (`--targets`).", a.targets.join(", "))
-    };
-    let second = a
-        .builds
-        .iter()
-        .map(|(label, path)| format!(" `skewless@{label}` is `{}`.", path.display()))
-        .collect::<String>();
-    // The issue-4 verdicts need skewless and HAProxy in the run: header lines only otherwise.
-    let targets = if targets.lines().count() > 2 {
-        format!(
-            "Targets (issue 4), skewless against the peers of the same run, per cell:\n\n{targets}"
-        )
-    } else {
-        String::new()
-    };
-    let mut out = format!(
-        "{heading}\n\n\
-         Run of {date} (`{cmd}`), {cpus} CPUs, everything on 127.0.0.1: 5 `skewless-echo` pods \
-         (the 5th delayed by the row's delay), `skewless-loadgen run` ({w} s warm-up, {d} s \
-         measured per run), and one proxy at a time, started fresh for its run with {t} worker \
-         threads/processes; our binaries from `target/{profile}`. `direct-healthy` and `direct-slow` load one pod without a proxy: \
-         the two outcomes of an L4 coin flip, never averaged; `l4-roundrobin` (HAProxy `mode \
-         tcp`) is per-connection balancing, run with more than one connection (and with one \
-         beside connection mode, which relays one connection too). Ratios divide by \
-         the direct-healthy cell of the same delay and connections. CPU is the proxy's \
-         utime+stime over the measured window (all its processes), as cores per 1,000 RPS; \
-         peak RSS is `VmHWM` summed over its processes.{only}{second} {repeats}\n\n\
-         ### Closed loop\n\n\
-         {inf} calls in flight per connection (like ghz `-c`), a call starts when one ends.\n\n\
-         {table}\n\
-         ![p99 by target]({prefix}-p99.svg) ![RPS by target]({prefix}-rps.svg)\n\n\
-         {targets}",
-        heading = a.section,
-        prefix = a.chart_prefix,
-        cmd = a.command,
-        inf = a.in_flight,
-        w = a.warmup,
-        d = a.duration,
-        t = a.proxy_threads,
-    );
-    if let Some((open, open_targets)) = open {
-        let rate = a.open_rate.map_or_else(
-            || {
-                format!(
-                    "{:.0}% of HAProxy's closed-loop median RPS at {} ms and {} connection(s) \
-                     in this run",
-                    a.open_fraction * 100.0,
-                    a.open_delay,
-                    a.open_connections
-                )
-            },
-            |r| format!("{r:.0} calls/s (`--open-rate`)"),
-        );
-        let _ = write!(
-            out,
-            "\n### Open loop at equal offered load\n\n\
-             Every target gets the same fixed rate, {rate}, dealt round-robin over the \
-             connections; each call's latency counts from its intended send time, so a target \
-             that falls behind is charged for every call it delayed (no coordinated omission). \
-             `late`: calls sent more than 5 ms after their intended time; `not sent`: due in \
-             the window but never sent (at most 1,000 outstanding per connection); \
-             `unfinished`: no answer within 5 s after the window. `direct-healthy` is one pod \
-             without a proxy while the proxies spread the rate over five, so a rate above one \
-             pod's capacity overloads the baseline itself (it then shows `not sent`).\n\n\
-             {open}\n\
-             ![open-loop p99 by target]({prefix}-open-p99.svg)\n\n\
-             {open_targets}",
-            prefix = a.chart_prefix,
-        );
-    }
-    if let Some(connection) = connection {
-        let _ = write!(
-            out,
-            "\nConnection mode (issue 13), against HAProxy h2 and tcp and request mode of the \
-             same run, per cell (medians):\n\n{connection}"
-        );
-    }
-    if let Some(low) = low {
-        let _ = write!(
-            out,
-            "\n### Low load\n\n\
-             One connection with one call in flight (each call starts when the last ends), no \
-             slow pod: the latency each proxy adds to a call. `p50 added` is the median \
-             (min–max) over the passes of the target's p50 minus direct-healthy's in the same \
-             pass.\n\n{low}"
-        );
-    }
-    if let Some(builds) = builds {
-        let _ = write!(
-            out,
-            "\n### Second builds against this one\n\n\
-             Each `skewless@LABEL` target is another build of `skewless-proxy`, run in the same \
-             cells and passes as `skewless`. CPU per call is the proxy's CPU over the measured \
-             window divided by the calls served (cores per 1,000 RPS x 1,000, in \
-             microseconds); `skewless / build, per pair` is the median (min–max) of the ratios \
-             of the two runs of each pass, which holds when the machine's speed drifts between \
-             passes; `95% interval of the median pair` is a distribution-free interval (the \
-             order statistics of the pair ratios that a binomial with p = 1/2 allows) holding \
-             the true median ratio with at least 95% confidence, shown from 6 pairs on; `pairs \
-             over` counts the single pairs above the bar. The bar: CPU per call at most \
-             {bar:.2}x the build's (issues 10 and 11), judged by the median; it is shown \
-             beyond this machine's noise only where the interval's upper end is within it \
-             too.\n\n\
-             {builds}",
-            bar = skewless_bench::report::BUILD_CPU_BAR,
-        );
-    }
-    if let Some(counted) = counted {
-        let _ = write!(out, "\n{}", counted_text(a, counted));
-    }
-    out
-}
-
-/// The load-independent subsection: how the counts were made, and their table.
-fn counted_text(a: &Args, table: &str) -> String {
-    format!(
-        "### Instructions and syscalls per call (load-independent)\n\n\
-         With all pods healthy (before the grid, if any), {runs} run(s) per build, interleaved. \
-         Instructions: the build's skewless-proxy ({t} workers) under `valgrind \
-         --tool=callgrind`, warmed up by {warm} s of closed loop, its counters zeroed \
-         (`callgrind_control -z`), then `skewless-loadgen` with 1 connection x {inf} calls in \
-         flight for {d} s and no warm-up window (every call it sends is counted), then \
-         `callgrind_control -d`: the dump's user-space instructions (`Ir`) over the calls \
-         served. Clock reads: calls into `clock_gettime` in the same dump (under valgrind it \
-         is a syscall, natively a vDSO call: counted, not timed). Syscalls: the native build \
-         at an offered {rate:.0} calls/s (1 connection, open loop) for {d} s, counted with \
-         `perf stat -e raw_syscalls:sys_enter -p PID` over the load generator's window. Under \
-         callgrind the proxy is the bottleneck (it serves a few thousand calls a second), so \
-         batching is like the closed-loop runs'. These counts do not move with the machine's \
-         load, but they leave out what an instruction or a syscall costs (caches, locks, \
-         the kernel's own work): CPU time per call is the bar's measure; these are beside it.\n\n\
-         {table}",
-        runs = a.instructions_runs.max(1),
-        t = a.proxy_threads,
-        warm = counting::CALLGRIND_WARMUP_S,
-        inf = a.in_flight,
-        d = a.instructions_duration,
-        rate = a.instructions_rate,
-    )
-}
-
-/// `--instructions-only`: the counts alone, as the section `--section` of `--write`.
-fn write_counted(a: &Args, table: &str) -> anyhow::Result<()> {
-    let Some(path) = &a.write else {
-        return Ok(());
-    };
-    let doc = std::fs::read_to_string(path).unwrap_or_default();
-    let section = format!(
-        "{}\n\nRun of {} (`{}`).\n\n{}",
-        a.section,
-        utc_now(),
-        a.command,
-        counted_text(a, table)
-    );
-    std::fs::write(path, replace_section(&doc, &a.section, &section))
-        .with_context(|| format!("writing {}", path.display()))?;
-    println!("wrote {}", path.display());
-    Ok(())
 }
