@@ -46,7 +46,7 @@ use std::{
 };
 
 use http::{Method, Response, StatusCode};
-use http_body_util::{BodyExt, Full, StreamBody, combinators::BoxBody};
+use http_body_util::{BodyExt, StreamBody, combinators::BoxBody};
 use hyper::body::{Bytes, Frame, Incoming};
 use hyper_util::rt::TokioIo;
 use k8s_openapi::{
@@ -59,6 +59,10 @@ use k8s_openapi::{
 use serde_json::{Value, json};
 use skewless_k8s::SERVICE_NAME_LABEL;
 use tokio::{net::TcpListener, sync::watch, task::JoinSet};
+
+mod wire;
+
+use self::wire::{Selector, bytes_response, error, full, query, status};
 
 /// EndpointSlice `name` in namespace `ns` of Service `service`: `n` ready endpoints, pod
 /// `<service>-<i>` at `<addr_prefix><i>` (i from 1), port `grpc` = `port`.
@@ -577,127 +581,6 @@ async fn serve(listener: TcpListener, shared: Arc<Shared>) {
                 .await;
         });
         while conns.try_join_next().is_some() {}
-    }
-}
-
-fn full(status: StatusCode, v: &Value) -> Response<Body> {
-    bytes_response(status, Bytes::from(v.to_string()))
-}
-
-fn bytes_response(status: StatusCode, body: Bytes) -> Response<Body> {
-    Response::builder()
-        .status(status)
-        .header("content-type", "application/json")
-        .body(Full::new(body).map_err(|never| match never {}).boxed())
-        .expect("response")
-}
-
-fn status(code: u16, reason: &str, message: &str) -> Value {
-    json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-           "message": message, "reason": reason, "code": code})
-}
-
-fn error(code: u16, reason: &str, message: &str) -> Response<Body> {
-    full(
-        StatusCode::from_u16(code).expect("status code"),
-        &status(code, reason, message),
-    )
-}
-
-/// `%XX` and `+` decoding of one query component.
-fn decode(s: &str) -> String {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        match b[i] {
-            b'+' => out.push(b' '),
-            b'%' if i + 2 < b.len() => {
-                let hex = std::str::from_utf8(&b[i + 1..i + 3]).unwrap_or("");
-                match u8::from_str_radix(hex, 16) {
-                    Ok(v) => {
-                        out.push(v);
-                        i += 2;
-                    }
-                    Err(_) => out.push(b'%'),
-                }
-            }
-            c => out.push(c),
-        }
-        i += 1;
-    }
-    String::from_utf8_lossy(&out).into_owned()
-}
-
-fn query(req: &http::Request<Incoming>) -> BTreeMap<String, String> {
-    req.uri()
-        .query()
-        .unwrap_or_default()
-        .split('&')
-        .filter_map(|kv| kv.split_once('='))
-        .map(|(k, v)| (decode(k), decode(v)))
-        .collect()
-}
-
-/// A parsed `labelSelector` or `fieldSelector`.
-struct Selector {
-    labels: Vec<(String, Op)>,
-    name: Option<String>,
-}
-
-enum Op {
-    Eq(String),
-    Ne(String),
-    Exists,
-    Absent,
-}
-
-impl Selector {
-    fn parse(q: &BTreeMap<String, String>) -> Self {
-        let labels = q
-            .get("labelSelector")
-            .map(|sel| {
-                sel.split(',')
-                    .filter(|t| !t.is_empty())
-                    .map(|t| {
-                        if let Some((k, v)) = t.split_once("!=") {
-                            (k.to_owned(), Op::Ne(v.to_owned()))
-                        } else if let Some((k, v)) = t.split_once("==") {
-                            (k.to_owned(), Op::Eq(v.to_owned()))
-                        } else if let Some((k, v)) = t.split_once('=') {
-                            (k.to_owned(), Op::Eq(v.to_owned()))
-                        } else if let Some(k) = t.strip_prefix('!') {
-                            (k.to_owned(), Op::Absent)
-                        } else {
-                            (t.to_owned(), Op::Exists)
-                        }
-                    })
-                    .collect()
-            })
-            .unwrap_or_default();
-        let name = q
-            .get("fieldSelector")
-            .and_then(|s| s.strip_prefix("metadata.name="))
-            .map(str::to_owned);
-        Self { labels, name }
-    }
-
-    fn matches(&self, ns: Option<&str>, obj: &Obj) -> bool {
-        if ns.is_some_and(|ns| ns != obj.namespace) {
-            return false;
-        }
-        if self.name.as_ref().is_some_and(|n| *n != obj.name) {
-            return false;
-        }
-        self.labels.iter().all(|(k, op)| {
-            let v = obj.labels.get(k);
-            match op {
-                Op::Eq(want) => v == Some(want),
-                Op::Ne(want) => v != Some(want),
-                Op::Exists => v.is_some(),
-                Op::Absent => v.is_none(),
-            }
-        })
     }
 }
 

@@ -446,3 +446,62 @@ fn write_three_services(
     std::fs::write(&tmp, yaml).unwrap();
     std::fs::rename(&tmp, path).unwrap();
 }
+
+/// A dual-stack echo Service: its IPv4 VIP `198.19.0.<octet>:50051`, the IPv6 twin the
+/// testbed gives it, and the path its services file goes to.
+pub struct DualStack {
+    pub tb: skewless_testbed::Testbed,
+    pub gen_dir: std::path::PathBuf,
+    pub vip: SocketAddrV4,
+    pub vip6: std::net::SocketAddrV6,
+    pub services: TempPath,
+    /// Both ClusterIPs, as the services file lists them.
+    pub ips: [String; 2],
+}
+
+pub fn dual_stack_bed(octet: u8) -> DualStack {
+    let vip = SocketAddrV4::new(std::net::Ipv4Addr::new(198, 19, 0, octet), 50051);
+    let vip6 = std::net::SocketAddrV6::new(skewless_testbed::vip6(*vip.ip()), vip.port(), 0, 0);
+    let (tb, gen_dir) = echo_bed(vip, &ECHO_PODS);
+    let services = TempPath::new(format!("skewless-test-services-{}.yaml", tb.id()));
+    let ips = [vip.ip().to_string(), vip6.ip().to_string()];
+    DualStack {
+        tb,
+        gen_dir,
+        vip,
+        vip6,
+        services,
+        ips,
+    }
+}
+
+/// Starts the agent on `d`'s services file with the testbed's IPv6 balancer address (plus
+/// `extra` flags), attached to the client pod; waits until both families are redirected.
+pub fn spawn_dual_stack_agent(d: &mut DualStack, extra: &[&str]) {
+    start_dual_stack_agent(d, extra);
+    wait_until("both families are redirected", || {
+        services_in_status(&d.tb) == 2
+    });
+}
+
+/// Starts the agent on `d`'s services file with the testbed's IPv6 balancer address (plus
+/// `extra` flags), attached to the client pod.
+pub fn start_dual_stack_agent(d: &mut DualStack, extra: &[&str]) {
+    let cgroup = d.tb.pod("client").unwrap().cgroup.display().to_string();
+    let file = d.services.display().to_string();
+    let ip6 = skewless_testbed::BALANCER_IP6.to_string();
+    let mut argv = vec![
+        env!("CARGO_BIN_EXE_skewless"),
+        "agent",
+        "--services-file",
+        &file,
+        "--cgroup",
+        &cgroup,
+        "--balancer-ip6",
+        &ip6,
+        "--admin-addr",
+        ADMIN,
+    ];
+    argv.extend_from_slice(extra);
+    d.tb.spawn(Place::Node(0), &argv).unwrap();
+}
