@@ -10,7 +10,7 @@ use std::{
     time::Duration,
 };
 
-use skewless_testbed::{Place, Testbed, grpc, scripts};
+use skewless_testbed::{Place, Testbed, grpc};
 use testbed_agent::{
     ADMIN, ECHO_PODS, TempPath, ThreeModes, echo_bed, services_in_status, spawn_file_agent,
     status_json, wait_until, write_services,
@@ -22,10 +22,7 @@ fn scrape(tb: &Testbed) -> String {
 }
 
 fn get(tb: &Testbed, url: &str) -> String {
-    let out = tb
-        .run(Place::Node(0), &["python3", scripts::HTTP_GET, url])
-        .unwrap_or_else(|e| panic!("GET {url}: {e}"));
-    String::from_utf8(out.stdout).expect("utf-8")
+    testbed_agent::node_get(tb, url)
 }
 
 /// `(labels, value)` of every sample of `name` (exact name, labelled or not).

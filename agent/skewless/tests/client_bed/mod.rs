@@ -213,15 +213,7 @@ impl ClientBed {
 
     /// The agent's /metrics, as text.
     fn metrics_text(&self) -> String {
-        let url = format!("http://{ADMIN}/metrics");
-        let out = self
-            .tb
-            .run(
-                Place::Node(0),
-                &["python3", skewless_testbed::scripts::HTTP_GET, &url],
-            )
-            .unwrap();
-        String::from_utf8_lossy(&out.stdout).into_owned()
+        testbed_agent::node_get(&self.tb, &format!("http://{ADMIN}/metrics"))
     }
 
     /// An unlabelled counter from the agent's /metrics.

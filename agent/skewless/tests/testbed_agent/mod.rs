@@ -8,7 +8,7 @@
 
 use std::{net::SocketAddrV4, time::Duration};
 
-use skewless_testbed::{Place, scripts};
+use skewless_testbed::Place;
 
 pub const ADMIN: &str = "127.0.0.1:9990";
 
@@ -283,23 +283,56 @@ pub const ECHO_PODS: [&str; 4] = ["echo-0", "echo-1", "echo-2", "echo-3"];
 
 /// One unlabelled metric's value from the agent's /metrics.
 pub fn metric(tb: &skewless_testbed::Testbed, name: &str) -> f64 {
-    let out = tb
-        .run(
-            Place::Node(0),
-            &[
-                "python3",
-                scripts::HTTP_GET,
-                &format!("http://{ADMIN}/metrics"),
-            ],
-        )
-        .unwrap();
-    let metrics = String::from_utf8_lossy(&out.stdout);
+    let metrics = node_get(tb, &format!("http://{ADMIN}/metrics"));
     metrics
         .lines()
         .find(|l| l.split_whitespace().next() == Some(name))
         .and_then(|l| l.split_whitespace().last())
         .and_then(|v| v.parse::<f64>().ok())
         .unwrap_or_else(|| panic!("{name} in /metrics: {metrics}"))
+}
+
+/// The body of `GET url` (`http://ADDR/PATH`) from node 0's network namespace, made in this
+/// process: a thread enters the namespace to open the socket, which stays in it. Panics on
+/// anything but a 200. (A client process per request costs 0.1-0.3 s of start-up, which tests
+/// that query hundreds of times pay in minutes.)
+pub fn node_get(tb: &skewless_testbed::Testbed, url: &str) -> String {
+    use std::io::{Read as _, Write as _};
+    let rest = url
+        .strip_prefix("http://")
+        .unwrap_or_else(|| panic!("{url}: not http://"));
+    let (host, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+    let addr: std::net::SocketAddr = host.parse().unwrap_or_else(|e| panic!("{url}: {e}"));
+    let netns = format!("/run/netns/{}", tb.node(0).netns);
+    let mut stream = std::thread::spawn(move || {
+        let ns = std::fs::File::open(&netns).unwrap_or_else(|e| panic!("{netns}: {e}"));
+        nix::sched::setns(ns, nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
+        std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5))
+    })
+    .join()
+    .unwrap()
+    .unwrap_or_else(|e| panic!("GET {url}: {e}"));
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    // HTTP/1.0: the server closes the connection after the body, which is then read to EOF.
+    write!(
+        stream,
+        "GET {} HTTP/1.0\r\nHost: {host}\r\n\r\n",
+        if path.is_empty() { "/" } else { path }
+    )
+    .unwrap_or_else(|e| panic!("GET {url}: {e}"));
+    let mut response = Vec::new();
+    stream
+        .read_to_end(&mut response)
+        .unwrap_or_else(|e| panic!("GET {url}: {e}"));
+    let response = String::from_utf8(response).expect("utf-8");
+    let (head, body) = response
+        .split_once("\r\n\r\n")
+        .unwrap_or_else(|| panic!("GET {url}: no header end in {response:?}"));
+    let status = head.split_whitespace().nth(1).unwrap_or_default();
+    assert_eq!(status, "200", "GET {url}: {head}\n{body}");
+    body.to_owned()
 }
 
 /// The testbed of the end-to-end metrics and status-page tests: four grpcio echo pods (the
