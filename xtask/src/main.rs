@@ -22,7 +22,7 @@ struct Cli {
 enum Cmd {
     /// Install the eBPF toolchain, network tools, benchmark peers and Python gRPC (idempotent).
     Setup,
-    /// Run the test tiers: fmt, clippy (host and bpf), docs, unit tests, fuzzing (30 s per
+    /// Run the test tiers: fmt, clippy (host and bpf), docs, unit tests, fuzzing (20 s per
     /// target), privileged tests.
     Test(TestArgs),
     /// Run the cargo-fuzz targets (parsers of peer and user input) for longer than the test
@@ -66,8 +66,12 @@ struct FuzzArgs {
     #[arg(long, default_value_t = 300)]
     secs: u64,
     /// Only the targets whose name contains this (decode, annotations, services_file,
-    /// grpc_headers, frames).
+    /// grpc_headers, health, relay, frames).
     target: Option<String>,
+    /// cargo-fuzz's sanitizer: `none` (coverage only; the fuzzed crates forbid unsafe code),
+    /// or `address`, `leak`, `memory`, `thread` for a deeper run.
+    #[arg(long, default_value = "none")]
+    sanitizer: String,
 }
 
 #[derive(clap::Args)]
@@ -121,9 +125,13 @@ fn main() -> Result<()> {
     match cmd {
         Cmd::Setup => setup::ensure_installed(None, true),
         Cmd::Test(args) => test(args),
-        Cmd::Fuzz(FuzzArgs { secs, target }) => {
+        Cmd::Fuzz(FuzzArgs {
+            secs,
+            target,
+            sanitizer,
+        }) => {
             setup::ensure_installed(Some(setup::For::Fuzz), false)?;
-            fuzz::run(secs, target.as_deref())
+            fuzz::run(secs, target.as_deref(), &sanitizer)
         }
         Cmd::Demo(args) => {
             setup::ensure_installed(Some(setup::For::Demo), false)?;
