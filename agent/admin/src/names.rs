@@ -256,7 +256,7 @@ pub const REQUEST_FAILURES: Family = Family::new(
     "request_failures",
     Kind::Counter,
     &["service", "vip", "reason"],
-    "Calls that failed, by reason (unavailable, deadline, reset, connect, refused)",
+    "Calls that failed, by reason (unavailable, deadline, reset, connect, refused, stalled_reader)",
 );
 pub const REQUEST_RETRIES: Family = Family::new(
     "request_retries",

@@ -131,6 +131,9 @@ label_enum! {
         Connect => "connect",
         /// The backend refused the stream and no retry was left.
         Refused => "refused",
+        /// The client made no room for the response for the stalled-reader timeout while the
+        /// balancer held response data for it: the balancer reset the stream.
+        StalledReader => "stalled_reader",
     }
 }
 
@@ -428,7 +431,14 @@ mod tests {
         );
         assert_eq!(
             labels(&FailureReason::ALL.map(FailureReason::label)),
-            ["unavailable", "deadline", "reset", "connect", "refused"]
+            [
+                "unavailable",
+                "deadline",
+                "reset",
+                "connect",
+                "refused",
+                "stalled_reader"
+            ]
         );
         assert_eq!(
             labels(&ClientErrorReason::ALL.map(ClientErrorReason::label)),
@@ -459,7 +469,7 @@ mod tests {
         b.latency.record(Duration::from_millis(3));
         let mut s = a.snapshot();
         s.add(&b.snapshot());
-        assert_eq!(s.failures, [0, 2, 0, 0, 1]);
+        assert_eq!(s.failures, [0, 2, 0, 0, 1, 0]);
         assert_eq!(s.rotations, [0, 0, 0, 0, 1, 0]);
         assert_eq!(s.latency.count(), 2);
     }

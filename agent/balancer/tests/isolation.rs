@@ -13,6 +13,7 @@ use std::time::Duration;
 use bytes::{BufMut as _, Bytes, BytesMut};
 use prost::Message as _;
 use skewless_balancer::connection::{ConnectionBalancer, ConnectionConfig};
+use skewless_balancer::metrics::FailureReason;
 use skewless_balancer::{Balancer, Config, Endpoint};
 use skewless_echo::SpawnedEcho;
 use skewless_echo::pb::EchoRequest;
@@ -30,6 +31,8 @@ enum Mode {
 
 struct Bed {
     addr: SocketAddr,
+    /// The request-mode balancer, for its metrics.
+    balancer: Option<Arc<Balancer>>,
     _pod: SpawnedEcho,
     _endpoints: watch::Sender<Vec<Endpoint>>,
     stop: Option<oneshot::Sender<()>>,
@@ -38,6 +41,11 @@ struct Bed {
 
 impl Bed {
     async fn start(mode: Mode) -> Self {
+        Self::start_with(mode, Config::default()).await
+    }
+
+    /// A bed whose request-mode balancer runs `config` (connection mode: the defaults).
+    async fn start_with(mode: Mode, config: Config) -> Self {
         let _ = tracing_subscriber::fmt()
             .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
             .with_test_writer()
@@ -52,11 +60,13 @@ impl Bed {
         let shutdown = async {
             let _ = stopped.await;
         };
+        let mut balancer = None;
         let task = match mode {
             Mode::Request => {
-                let b = Balancer::new(Config::default(), rx);
+                let b = Arc::new(Balancer::new(config, rx));
+                balancer = Some(b.clone());
                 tokio::spawn(async move {
-                    skewless_balancer::server::serve(&b, listener, shutdown, |_| true)
+                    skewless_balancer::server::serve(&*b, listener, shutdown, |_| true)
                         .await
                         .expect("serve");
                 })
@@ -72,6 +82,7 @@ impl Bed {
         };
         Self {
             addr,
+            balancer,
             _pod: pod,
             _endpoints: tx,
             stop: Some(stop),
@@ -315,4 +326,101 @@ async fn eight_thousand_streams_whose_body_never_comes_cost_a_healthy_client_not
         );
         bed.stop().await;
     }
+}
+
+/// Sends `calls` unary calls whose replies are `reply_size` bytes at window 0, makes no room
+/// for them, and returns, per call, how its response ended once `wait` has passed: the
+/// balancer's reset (its reason), or `None` while it is still held.
+async fn never_reading(
+    addr: SocketAddr,
+    calls: usize,
+    reply_size: u32,
+    wait: Duration,
+) -> Vec<Option<h2::Reason>> {
+    let tcp = TcpStream::connect(addr).await.expect("connects");
+    let (mut send, conn) = h2::client::Builder::new()
+        .initial_window_size(0)
+        .handshake::<_, Bytes>(tcp)
+        .await
+        .expect("handshake");
+    let driver = tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    let body = grpc_message(&EchoRequest {
+        payload: b"never reads".to_vec(),
+        reply_size,
+        ..EchoRequest::default()
+    });
+    let mut responses = Vec::new();
+    for _ in 0..calls {
+        send = send.ready().await.expect("the connection takes streams");
+        let req = http::Request::post(format!("http://{addr}/skewless.echo.v1.Echo/Echo"))
+            .header("content-type", "application/grpc")
+            .header("te", "trailers")
+            .body(())
+            .expect("request");
+        let (response, mut stream) = send.send_request(req, false).expect("send");
+        stream.send_data(body.clone(), true).expect("body");
+        responses.push((response, stream));
+    }
+    let until = tokio::time::Instant::now() + wait;
+    let mut ends = Vec::new();
+    for (response, _stream) in responses {
+        let ended = match tokio::time::timeout_at(until, response).await {
+            Ok(Ok(r)) => {
+                let mut body = r.into_body();
+                // At window 0 no byte of the body can come: the next thing is its end.
+                match tokio::time::timeout_at(until, body.data()).await {
+                    Ok(Some(Err(e))) => e.reason(),
+                    Ok(_) => panic!("a body byte came through a window of 0"),
+                    Err(_) => None,
+                }
+            }
+            Ok(Err(e)) => e.reason(),
+            Err(_) => None,
+        };
+        ends.push(ended);
+    }
+    driver.abort();
+    ends
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_makes_no_room_for_its_replies_is_reset_after_the_stalled_reader_timeout() {
+    let config = Config {
+        stalled_reader_timeout: Some(Duration::from_secs(1)),
+        ..Config::default()
+    };
+    let bed = Bed::start_with(Mode::Request, config).await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let healthy = healthy_client(bed.addr, stop.clone());
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let started = tokio::time::Instant::now();
+    let ends = never_reading(bed.addr, 8, 1_000_000, Duration::from_secs(4)).await;
+    // The healthy client calls on for the whole 4 s, resets or not.
+    tokio::time::sleep_until(started + Duration::from_secs(4)).await;
+    stop.store(true, Ordering::Relaxed);
+    let (made, failed) = healthy.await.expect("healthy client");
+    assert!(
+        ends.iter().all(|e| *e == Some(h2::Reason::CANCEL)),
+        "every response the client made no room for is reset (CANCEL) within the 1 s timeout \
+         and its slack: {ends:?}"
+    );
+    assert!(
+        failed.is_empty() && made >= 100,
+        "the healthy client loses nothing: {} of {made} failed, first {:?}",
+        failed.len(),
+        failed.first()
+    );
+    let metrics = bed.balancer.as_ref().expect("request mode").metrics();
+    let stalled = FailureReason::ALL
+        .iter()
+        .position(|r| *r == FailureReason::StalledReader)
+        .expect("a reason");
+    assert_eq!(
+        metrics.failures[stalled], 8,
+        "each reset is counted as a stalled reader: {:?}",
+        metrics.failures
+    );
+    bed.stop().await;
 }

@@ -74,6 +74,13 @@ pub struct Config {
     /// `skewless_client_protocol_errors_total{reason="connection_limit"}`. Bounds what idle or
     /// hostile connections can cost (about 25 KiB each when idle).
     pub max_client_connections: usize,
+    /// A response stream whose client makes no room for it (no WINDOW_UPDATE) for this long,
+    /// while the balancer holds response data for it, is reset both ways (RST_STREAM(CANCEL)
+    /// to the client and to the backend) and counted as a failed call,
+    /// `reason="stalled_reader"`: a client that stopped reading frees what it held in bounded
+    /// time. A client reading slowly is never reset (its window moves), nor one whose server
+    /// has sent nothing. `None`: never.
+    pub stalled_reader_timeout: Option<Duration>,
 }
 
 impl Default for Config {
@@ -95,11 +102,17 @@ impl Default for Config {
             max_connection_age: None,
             idle_timeout: Some(DEFAULT_IDLE_TIMEOUT),
             max_client_connections: DEFAULT_MAX_CLIENT_CONNECTIONS,
+            stalled_reader_timeout: Some(DEFAULT_STALLED_READER_TIMEOUT),
         }
     }
 }
 
 pub use crate::server::{DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CLIENT_CONNECTIONS};
+
+/// Default stalled-reader timeout: five minutes without a byte of room for a response the
+/// balancer holds (Envoy's default stream idle timeout is the same five minutes, for streams
+/// with no activity at all).
+pub const DEFAULT_STALLED_READER_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// Tuning of the picker (see the `picker` module docs for the algorithm).
 #[derive(Debug, Clone)]

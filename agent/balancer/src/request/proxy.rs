@@ -19,7 +19,9 @@ use bytes::Bytes;
 use h2::server::SendResponse;
 use h2::{Reason, RecvStream, SendStream};
 use http::{HeaderMap, Request, Response, StatusCode, Uri};
-use tokio::time::Instant;
+use std::time::Duration;
+
+use tokio::time::{Instant, Sleep};
 
 use crate::endpoints::EndpointId;
 use crate::grpc::{self, Code};
@@ -81,7 +83,11 @@ pub(crate) async fn handle(
         () = expired.as_mut() => Err(ForwardError::DeadlineExceeded),
         _ = poll_fn(|cx| respond.poll_reset(cx)) => Err(ForwardError::ClientGone),
     };
-    let Forwarded { resp, lease } = match forwarded {
+    let Forwarded {
+        resp,
+        lease,
+        stalled_after,
+    } = match forwarded {
         Ok(forwarded) => forwarded,
         Err(ForwardError::ClientGone) => {
             // Dropping the upstream stream resets it: the cancellation goes upstream.
@@ -132,6 +138,8 @@ pub(crate) async fn handle(
         grpc,
         status,
         metrics: &pool.metrics,
+        stalled_after,
+        stall: None,
     };
     poll_fn(|cx| {
         if expired.as_mut().poll(cx).is_ready() {
@@ -212,6 +220,8 @@ fn rescue(error: &ForwardError, is_grpc: bool) -> Response<()> {
 struct Forwarded {
     resp: Response<RecvStream>,
     lease: Lease,
+    /// The live config's `stalled_reader_timeout` (read with the rest of it, once per call).
+    stalled_after: Option<Duration>,
 }
 
 async fn forward(
@@ -284,7 +294,11 @@ async fn forward(
             Ok(resp) => {
                 request.keep_no_copy();
                 lease.headers_received();
-                return Ok(Forwarded { resp, lease });
+                return Ok(Forwarded {
+                    resp,
+                    lease,
+                    stalled_after: config.stalled_reader_timeout,
+                });
             }
             Err(None) => return Err(ForwardError::ClientGone),
             Err(Some(error)) => error,
@@ -600,9 +614,43 @@ struct ResponsePump<'a> {
     grpc: bool,
     status: StatusCode,
     metrics: &'a ServiceMetrics,
+    /// `Config::stalled_reader_timeout`.
+    stalled_after: Option<Duration>,
+    /// Armed while the client has no window for the response: when it fires with response
+    /// data held for the client, the stream is reset. No timer otherwise.
+    stall: Option<Pin<Box<Sleep>>>,
 }
 
 impl ResponsePump<'_> {
+    /// The client has made no room for the response for `stalled_after` while the balancer
+    /// holds response data for it: reset the stream both ways (RST_STREAM(CANCEL) to the
+    /// client; dropping the upstream stream resets it and frees what it held).
+    fn stalled_reader(&mut self) {
+        tracing::debug!("client read nothing of the response for the stalled-reader timeout");
+        self.finish(Outcome::Cancelled);
+        self.metrics.failed(FailureReason::StalledReader);
+        self.client.send_reset(Reason::CANCEL);
+    }
+
+    /// Waiting for the client's window: `Ready` once the stall timer says the stream must be
+    /// reset, re-armed while nothing is held for the client.
+    fn poll_stall(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        let Some(after) = self.stalled_after else {
+            return Poll::Pending;
+        };
+        loop {
+            let stall = self
+                .stall
+                .get_or_insert_with(|| Box::pin(tokio::time::sleep(after)));
+            ready!(stall.as_mut().poll(cx));
+            if self.upstream.flow_control().used_capacity() > 0 {
+                return Poll::Ready(());
+            }
+            // Nothing held for the client yet (a stream waiting on its server): wait again.
+            stall.as_mut().reset(Instant::now() + after);
+        }
+    }
+
     /// The response is over: the lease ends with `outcome` (the endpoint's load completes)
     /// and a failure by the endpoint counts as the call's.
     fn finish(&mut self, outcome: Outcome) {
@@ -639,9 +687,23 @@ impl ResponsePump<'_> {
     fn poll_pump(&mut self, cx: &mut Context<'_>) -> Poll<()> {
         loop {
             // A reset by the client also ends the wait for window.
-            if ready!(poll_window(&mut self.client, cx)).is_err() {
-                self.client_gone();
-                return Poll::Ready(());
+            match poll_window(&mut self.client, cx) {
+                Poll::Ready(Ok(())) => {
+                    if self.stall.is_some() {
+                        self.stall = None;
+                    }
+                }
+                Poll::Ready(Err(())) => {
+                    self.client_gone();
+                    return Poll::Ready(());
+                }
+                Poll::Pending => {
+                    if self.poll_stall(cx).is_ready() {
+                        self.stalled_reader();
+                        return Poll::Ready(());
+                    }
+                    return Poll::Pending;
+                }
             }
             let data = self.upstream.poll_data(cx);
             if data.is_pending() {
