@@ -146,12 +146,16 @@ async fn serve(pool: Arc<Pool>, stream: TcpStream, mut stop: Stop<Config>) {
         tokio::pin!(wind_down);
         // The idle check: every eighth of the idle timeout (as configured at each check), the
         // connection is idle since the last check that saw a stream or a PING.
+        // One timer for the connection's life, reset at each check: a timer made per turn of
+        // this loop would be one per accepted stream.
         let mut idle_since = tokio::time::Instant::now();
         let mut next_check = idle_check_after(&pool, idle_since);
+        let idle_timer = tokio::time::sleep_until(next_check.unwrap_or(idle_since));
+        tokio::pin!(idle_timer);
         loop {
             let mut check_idle = false;
             tokio::select! {
-                () = sleep_until(next_check) => check_idle = true,
+                () = &mut idle_timer, if next_check.is_some() => check_idle = true,
                 Ok(cut) = &mut cut_rx => {
                     if cut == Cut::BadPreface {
                         pool.metrics.client_error(ClientErrorReason::Malformed);
@@ -201,6 +205,9 @@ async fn serve(pool: Arc<Pool>, stream: TcpStream, mut stop: Stop<Config>) {
                     break;
                 }
                 next_check = idle_check_after(&pool, now);
+                if let Some(at) = next_check {
+                    idle_timer.as_mut().reset(at);
+                }
             }
         }
         conn
@@ -234,13 +241,6 @@ async fn serve(pool: Arc<Pool>, stream: TcpStream, mut stop: Stop<Config>) {
 /// When the next idle check is due after `now`: an eighth of the idle timeout in effect.
 fn idle_check_after(pool: &Pool, now: tokio::time::Instant) -> Option<tokio::time::Instant> {
     pool.config().idle_timeout.map(|t| now + t / 8)
-}
-
-async fn sleep_until(at: Option<tokio::time::Instant>) {
-    match at {
-        Some(at) => tokio::time::sleep_until(at).await,
-        None => std::future::pending().await,
-    }
 }
 
 /// Drives a connection told to shut down until its GOAWAY is written and it closes, briefly:
