@@ -8,19 +8,19 @@
 //! same poll, with HTTP/2 flow control end to end (a chunk is only handed on when the other
 //! side has window for it, but for a request attempt's first, and its window is released once
 //! it is handed on), so a slow reader stalls its writer instead of filling the balancer's
-//! memory.
+//! memory; a reader that makes no room at all for `Config::stalled_reader_timeout` while the
+//! balancer holds its response data has its stream reset.
 
 use std::future::{Future as _, poll_fn};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll, ready};
+use std::time::Duration;
 
 use bytes::Bytes;
 use h2::server::SendResponse;
 use h2::{Reason, RecvStream, SendStream};
 use http::{HeaderMap, Request, Response, StatusCode, Uri};
-use std::time::Duration;
-
 use tokio::time::{Instant, Sleep};
 
 use crate::endpoints::EndpointId;
@@ -688,11 +688,7 @@ impl ResponsePump<'_> {
         loop {
             // A reset by the client also ends the wait for window.
             match poll_window(&mut self.client, cx) {
-                Poll::Ready(Ok(())) => {
-                    if self.stall.is_some() {
-                        self.stall = None;
-                    }
-                }
+                Poll::Ready(Ok(())) => self.stall = None,
                 Poll::Ready(Err(())) => {
                     self.client_gone();
                     return Poll::Ready(());
