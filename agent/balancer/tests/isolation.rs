@@ -120,6 +120,48 @@ enum Windows {
     NeverToppedUp,
 }
 
+/// Connects with `windows`, sends `calls` unary calls whose replies are `reply_size` bytes
+/// (`payload` in each request), and returns each call's response and request stream, and the
+/// task driving the connection.
+async fn unary_calls(
+    addr: SocketAddr,
+    windows: Windows,
+    calls: usize,
+    reply_size: u32,
+    payload: &[u8],
+) -> (
+    Vec<(h2::client::ResponseFuture, h2::SendStream<Bytes>)>,
+    tokio::task::JoinHandle<()>,
+) {
+    let tcp = TcpStream::connect(addr).await.expect("connects");
+    let mut builder = h2::client::Builder::new();
+    if let Windows::Zero = windows {
+        builder.initial_window_size(0);
+    }
+    let (mut send, conn) = builder.handshake::<_, Bytes>(tcp).await.expect("handshake");
+    let driver = tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    let body = grpc_message(&EchoRequest {
+        payload: payload.to_vec(),
+        reply_size,
+        ..EchoRequest::default()
+    });
+    let mut sent = Vec::new();
+    for _ in 0..calls {
+        send = send.ready().await.expect("the connection takes streams");
+        let req = http::Request::post(format!("http://{addr}/skewless.echo.v1.Echo/Echo"))
+            .header("content-type", "application/grpc")
+            .header("te", "trailers")
+            .body(())
+            .expect("request");
+        let (response, mut stream) = send.send_request(req, false).expect("send");
+        stream.send_data(body.clone(), true).expect("body");
+        sent.push((response, stream));
+    }
+    (sent, driver)
+}
+
 /// Opens one connection, sends `calls` unary calls whose replies are `reply_size` bytes, waits
 /// for their response headers and holds the responses unread (the h2 client never releases
 /// what it received, so no WINDOW_UPDATE goes out) until `hold` has passed.
@@ -130,34 +172,7 @@ async fn slow_reader(
     windows: Windows,
     hold: Duration,
 ) {
-    let tcp = TcpStream::connect(addr)
-        .await
-        .expect("the slow reader connects");
-    let mut builder = h2::client::Builder::new();
-    if let Windows::Zero = windows {
-        builder.initial_window_size(0);
-    }
-    let (mut send, conn) = builder.handshake::<_, Bytes>(tcp).await.expect("handshake");
-    let driver = tokio::spawn(async move {
-        let _ = conn.await;
-    });
-    let body = grpc_message(&EchoRequest {
-        payload: b"slow".to_vec(),
-        reply_size,
-        ..EchoRequest::default()
-    });
-    let mut held = Vec::new();
-    for _ in 0..calls {
-        send = send.ready().await.expect("the connection takes streams");
-        let req = http::Request::post(format!("http://{addr}/skewless.echo.v1.Echo/Echo"))
-            .header("content-type", "application/grpc")
-            .header("te", "trailers")
-            .body(())
-            .expect("request");
-        let (response, mut stream) = send.send_request(req, false).expect("send");
-        stream.send_data(body.clone(), true).expect("body");
-        held.push((response, stream));
-    }
+    let (held, driver) = unary_calls(addr, windows, calls, reply_size, b"slow").await;
     let until = tokio::time::Instant::now() + hold;
     let mut responses = Vec::new();
     for (response, stream) in held {
@@ -337,32 +352,8 @@ async fn never_reading(
     reply_size: u32,
     wait: Duration,
 ) -> Vec<Option<h2::Reason>> {
-    let tcp = TcpStream::connect(addr).await.expect("connects");
-    let (mut send, conn) = h2::client::Builder::new()
-        .initial_window_size(0)
-        .handshake::<_, Bytes>(tcp)
-        .await
-        .expect("handshake");
-    let driver = tokio::spawn(async move {
-        let _ = conn.await;
-    });
-    let body = grpc_message(&EchoRequest {
-        payload: b"never reads".to_vec(),
-        reply_size,
-        ..EchoRequest::default()
-    });
-    let mut responses = Vec::new();
-    for _ in 0..calls {
-        send = send.ready().await.expect("the connection takes streams");
-        let req = http::Request::post(format!("http://{addr}/skewless.echo.v1.Echo/Echo"))
-            .header("content-type", "application/grpc")
-            .header("te", "trailers")
-            .body(())
-            .expect("request");
-        let (response, mut stream) = send.send_request(req, false).expect("send");
-        stream.send_data(body.clone(), true).expect("body");
-        responses.push((response, stream));
-    }
+    let (responses, driver) =
+        unary_calls(addr, Windows::Zero, calls, reply_size, b"never reads").await;
     let until = tokio::time::Instant::now() + wait;
     let mut ends = Vec::new();
     for (response, _stream) in responses {
