@@ -4,12 +4,12 @@
 //! is rejected.
 //!
 //! Pays only for opted-in Services: objects are decoded into slim types that keep only what the
-//! model reads, the index keeps only the slices of Services with `skewless.io/mode`, and a
-//! Service that opts in is held back (nothing redirected) until its slices are fetched by their
-//! service-name label, at least as fresh as the watch. Lists never buffer the collection: they
-//! are streaming lists from the API server's watch cache (paged lists where the server refuses
-//! them), applied object by object. Nothing is published as synced before both collections
-//! are listed.
+//! model reads, the index keeps only the slices of Services with `skewless.io/mode`, and of
+//! every other slice only its name and Service. A Service that opts in is held back (nothing
+//! redirected) until its slices are fetched by name, at least as fresh as the watch. Lists
+//! never buffer the collection: they are streaming lists from the API server's watch cache
+//! (paged lists where the server refuses them), applied object by object. Nothing is
+//! published as synced before both collections are listed.
 //!
 //! One task owns the index, so updates need no locks and an EndpointSlice change reaches the
 //! published [`Snapshot`] as soon as the watch event is decoded. Events are posted by a second
@@ -24,6 +24,7 @@
 
 mod convert;
 mod events;
+mod owners;
 
 use std::{
     collections::{BTreeMap, HashMap},
@@ -34,7 +35,7 @@ use futures::{StreamExt, stream::BoxStream};
 use k8s_openapi::api::core::v1::Node;
 use kube::{
     Api, Client,
-    api::{ListParams, VersionMatch},
+    api::GetParams,
     runtime::{WatchStreamExt, watcher},
 };
 use skewless_model::{
@@ -58,7 +59,7 @@ pub struct Rule {
 }
 
 /// Exactly the API access this crate uses; `deploy/` grants exactly this (a test checks it).
-/// Watchers need `list` + `watch`; the Node watcher also lists (with a field selector on our
+/// Watchers need `list` + `watch`, an opt-in `get`s its slices; the Node watcher also lists (with a field selector on our
 /// own name), which RBAC cannot restrict per node for a DaemonSet. Events are only created
 /// (deterministic names; see `events.rs`), never patched.
 pub const RBAC_RULES: &[Rule] = &[
@@ -70,7 +71,7 @@ pub const RBAC_RULES: &[Rule] = &[
     Rule {
         api_group: "discovery.k8s.io",
         resource: "endpointslices",
-        verbs: &["list", "watch"],
+        verbs: &["get", "list", "watch"],
     },
     Rule {
         api_group: "",
@@ -238,6 +239,7 @@ impl Discovery {
             fetched_tx,
             next_token: 0,
             fetched_at: HashMap::new(),
+            owners: owners::Owners::default(),
             max_slice_rv: 0,
         };
         let mut updates = futures::stream::select_all([services, node]);
@@ -300,9 +302,10 @@ struct Fetching {
 struct Fetched {
     service: ServiceKey,
     token: u64,
-    /// The list's resourceVersion, if numeric.
-    rv: Option<u64>,
-    slices: Vec<SliceObject>,
+    /// The resourceVersion the gets asked to be at least as fresh as.
+    asked: u64,
+    /// Each slice asked for by name, and what the API server had (none: not found).
+    slices: Vec<(String, Option<SliceObject>)>,
 }
 
 /// The loop's state: the index, the fetches of opted-in Services' slices, readiness.
@@ -318,9 +321,12 @@ struct State<'a> {
     fetching: HashMap<ServiceKey, Fetching>,
     fetched_tx: mpsc::Sender<Fetched>,
     next_token: u64,
-    /// The list resourceVersion of each fetched Service: slice changes at or below it are
-    /// already in the fetch and are not applied again (the watch may deliver them later).
-    fetched_at: HashMap<ServiceKey, u64>,
+    /// Each fetched slice, with its Service and the resourceVersion the fetch saw it at:
+    /// changes to it at or below that are already in the fetch and are not applied again (the
+    /// watch may deliver them later).
+    fetched_at: HashMap<SliceKey, (ServiceKey, u64)>,
+    /// Every labelled slice's Service, by name: what an opt-in fetches.
+    owners: owners::Owners,
     /// The newest slice resourceVersion seen: a fetch must be at least this fresh, so it holds
     /// every change the watch delivered before the opt-in (and that was dropped then).
     max_slice_rv: u64,
@@ -374,11 +380,17 @@ impl State<'_> {
                 watcher::Event::Init => {
                     // The relist replaces what fetches brought too.
                     self.fetched_at.clear();
+                    self.owners.begin_relist();
                     self.index.begin_slices_relist();
                 }
                 watcher::Event::InitDone => {
+                    self.owners.end_relist();
                     self.index.end_slices_relist();
-                    debug!(kept = self.index.slice_count(), "endpointslices relisted");
+                    debug!(
+                        kept = self.index.slice_count(),
+                        known = self.owners.len(),
+                        "endpointslices relisted"
+                    );
                     self.slices_listed = true;
                     self.update_synced();
                 }
@@ -414,20 +426,22 @@ impl State<'_> {
             }
             keep
         });
-        self.fetched_at.retain(|k, _| index.wants_slices(k));
+        self.fetched_at
+            .retain(|_, (owner, _)| index.wants_slices(owner));
     }
 
-    /// Lists the slices of one Service, by its service-name label, from the API server's watch
-    /// cache but at least as fresh as the watch (`resourceVersionMatch=NotOlderThan`); retried
-    /// with backoff until it succeeds or the Service opts out.
+    /// Gets the slices of one Service by name (the names the slice watch has shown for it),
+    /// from the API server's watch cache but at least as fresh as the watch
+    /// (`resourceVersion=N`, not older than N); retried with backoff until it succeeds or the
+    /// Service opts out. A get by name costs the API server a lookup where a list by label
+    /// scans every slice of the cluster.
     fn fetch(&mut self, service: ServiceKey) {
         self.next_token += 1;
         let token = self.next_token;
         let api: Api<SliceObject> = Api::namespaced(self.client.clone(), &service.namespace);
-        let lp = ListParams::default()
-            .labels(&format!("{SERVICE_NAME_LABEL}={}", service.name))
-            .at(&self.max_slice_rv.to_string())
-            .matching(VersionMatch::NotOlderThan);
+        let names = self.owners.slices_of(&service);
+        let asked = self.max_slice_rv;
+        let gp = GetParams::at(&asked.to_string());
         let tx = self.fetched_tx.clone();
         let metrics = self.index.metrics().clone();
         let key = service.clone();
@@ -435,19 +449,23 @@ impl State<'_> {
             async move {
                 let mut delay = FETCH_RETRY_MIN;
                 loop {
-                    match api.list(&lp).await {
-                        Ok(list) => {
-                            let rv = list
-                                .metadata
-                                .resource_version
-                                .as_deref()
-                                .and_then(|v| v.parse().ok());
+                    let gets = names.iter().map(|name| async {
+                        match api.get_with(name, &gp).await {
+                            Ok(slice) => Ok((name.clone(), Some(slice))),
+                            Err(kube::Error::Api(status)) if status.code == 404 => {
+                                Ok((name.clone(), None))
+                            }
+                            Err(error) => Err(error),
+                        }
+                    });
+                    match futures::future::try_join_all(gets).await {
+                        Ok(slices) => {
                             let _ = tx
                                 .send(Fetched {
                                     service: key,
                                     token,
-                                    rv,
-                                    slices: list.items,
+                                    asked,
+                                    slices,
                                 })
                                 .await;
                             return;
@@ -474,13 +492,13 @@ impl State<'_> {
         );
     }
 
-    /// A fetch is in: the Service's slices are the list's, then every held change newer than
-    /// the list, published at once.
+    /// A fetch is in: the Service's slices are the fetch's, then every held change newer than
+    /// what the fetch saw of its slice, published at once.
     fn fetched(&mut self, fetched: Fetched) {
         let Fetched {
             service,
             token,
-            rv,
+            asked,
             slices,
         } = fetched;
         match self.fetching.get(&service) {
@@ -491,33 +509,53 @@ impl State<'_> {
         let Some(f) = self.fetching.remove(&service) else {
             return;
         };
-        let mut set: BTreeMap<String, SliceInput> = slices
-            .into_iter()
-            .map(|s| {
-                let input = slice_input(s);
-                (input.key.name.clone(), input)
-            })
-            .collect();
+        // What the fetch saw of each slice: the slice at its resourceVersion, or its absence
+        // at the freshness asked for.
+        let mut seen: HashMap<String, Option<u64>> = HashMap::new();
+        let mut set: BTreeMap<String, SliceInput> = BTreeMap::new();
+        for (name, slice) in slices {
+            let Some(slice) = slice else {
+                seen.insert(name, Some(asked));
+                continue;
+            };
+            seen.insert(name, rv_of(&slice.metadata));
+            let input = slice_input(slice);
+            // Relabelled since the watch showed it: another Service's now.
+            if input.owner().as_ref() == Some(&service) {
+                set.insert(input.key.name.clone(), input);
+            }
+        }
+        let fetched_rv = |name: &str| seen.get(name).copied().flatten();
         for change in f.held {
             match change {
-                SliceChange::Apply(s, at) if newer(at, rv) => {
+                SliceChange::Apply(s, at) => {
                     let input = slice_input(*s);
+                    if !newer(at, fetched_rv(&input.key.name)) {
+                        continue;
+                    }
                     if input.owner().as_ref() == Some(&service) {
                         set.insert(input.key.name.clone(), input);
                     } else {
                         set.remove(&input.key.name);
                     }
                 }
-                SliceChange::Delete(key, at) if newer(at, rv) => {
-                    set.remove(&key.name);
+                SliceChange::Delete(key, at) => {
+                    if newer(at, fetched_rv(&key.name)) {
+                        set.remove(&key.name);
+                    }
                 }
-                SliceChange::Apply(..) | SliceChange::Delete(..) => {}
             }
         }
         debug!(service = %service, slices = set.len(), "endpointslices fetched");
         self.index.reset_service_slices(&service, set.values());
-        if let Some(rv) = rv {
-            self.fetched_at.insert(service, rv);
+        for (name, rv) in seen {
+            if let Some(rv) = rv {
+                let key = SliceKey {
+                    namespace: service.namespace.clone(),
+                    name,
+                };
+                self.fetched_at.insert(key, (service.clone(), rv));
+            }
         }
         self.update_synced();
     }
@@ -531,6 +569,10 @@ impl State<'_> {
         };
         if let Some(rv) = rv {
             self.max_slice_rv = self.max_slice_rv.max(rv);
+        }
+        match &change {
+            SliceChange::Apply(..) => self.owners.set(key.clone(), owner.as_ref()),
+            SliceChange::Delete(..) => self.owners.remove(&key),
         }
         if !self.fetching.is_empty() {
             // A slice that leaves a Service being fetched (relabelled) must leave its fetch.
@@ -546,7 +588,7 @@ impl State<'_> {
         }
         match change {
             SliceChange::Apply(s, rv) => {
-                if let Some(at) = owner.as_ref().and_then(|o| self.fetched_at.get(o))
+                if let Some((_, at)) = self.fetched_at.get(&key)
                     && !newer(rv, Some(*at))
                 {
                     return;

@@ -14,7 +14,7 @@ use k8s_openapi::{
 };
 use skewless_k8s::{Config, Discovery};
 use skewless_model::{Metrics, Mode, NodeInfo, ServiceKey, Snapshot, annotations};
-use support::{FakeApi, eventually, wait_for};
+use support::{FakeApi, Kind, eventually, wait_for};
 use tokio::{sync::watch, task::JoinHandle};
 
 /// Upper bound for any single expectation. Recovery paths wait out kube's default backoff
@@ -465,17 +465,20 @@ async fn opt_in_fetches_the_services_slices_and_opt_out_drops_them() {
         |s| ready(s, "web").filter(|n| *n == 2),
     )
     .await;
-    let fetch = api
+    let fetches: Vec<_> = api
         .requests()
         .into_iter()
-        .find(|r| r.path == "/apis/discovery.k8s.io/v1/namespaces/ns/endpointslices")
-        .expect("the opt-in lists the Service's slices in its namespace");
+        .filter(|r| r.path.contains("/namespaces/"))
+        .collect();
     assert_eq!(
-        fetch.query.get("labelSelector").map(String::as_str),
-        Some("kubernetes.io/service-name=web"),
-        "by the service-name label: {fetch:?}"
+        fetches.iter().map(|r| r.path.as_str()).collect::<Vec<_>>(),
+        ["/apis/discovery.k8s.io/v1/namespaces/ns/endpointslices/web-a"],
+        "the opt-in gets the Service's one slice by name, nothing of `other`"
     );
-    assert!(!fetch.is_quorum_read(), "from the watch cache: {fetch:?}");
+    assert!(
+        fetches.iter().all(|r| r.is_get() && !r.is_quorum_read()),
+        "from the watch cache: {fetches:?}"
+    );
 
     // Changes after the fetch arrive through the watch.
     api.apply(&mk_slice("web-a", "web", 5));
@@ -498,6 +501,38 @@ async fn opt_in_fetches_the_services_slices_and_opt_out_drops_them() {
         |s| ready(s, "web").filter(|n| *n == 4),
     )
     .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_opt_in_leaves_out_a_slice_gone_before_its_get_and_does_not_retry() {
+    let api = FakeApi::start().await;
+    api.apply(&mk_service("web", &[]));
+    api.apply(&mk_slice("web-a", "web", 2));
+    api.apply(&mk_slice("web-b", "web", 3));
+    let mut agent = start_agent(&api);
+    wait_for(&mut agent.synced, WAIT, "initial lists done", |s| {
+        s.then_some(())
+    })
+    .await;
+    // The watch showed web-b; its deletion has not reached the agent when web opts in.
+    api.change(|c| c.delete_unannounced(Kind::EndpointSlice, "ns", "web-b"));
+    api.apply(&mk_service("web", &[(annotations::MODE, "request")]));
+    let first = wait_for(&mut agent.snapshots, WAIT, "web published", |s| {
+        ready(s, "web")
+    })
+    .await;
+    assert_eq!(first, 2, "web-a only: web-b was not found");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let gets = |name: &str| {
+        let path = format!("/apis/discovery.k8s.io/v1/namespaces/ns/endpointslices/{name}");
+        api.requests().iter().filter(|r| r.path == path).count()
+    };
+    assert_eq!(
+        (gets("web-a"), gets("web-b")),
+        (1, 1),
+        "each slice got once: not found is an answer, not a failure"
+    );
+    assert_eq!(ready(&agent.snapshots.borrow(), "web"), Some(2));
 }
 
 /// A cluster of 600 slices (more than a page) and an opted-in `web`; returns the agent once
@@ -571,9 +606,17 @@ async fn initial_lists_relists_and_fetches_are_not_quorum_reads() {
     );
     let lists: Vec<_> = requests.iter().filter(|r| r.is_list()).collect();
     assert!(
-        lists.iter().all(|r| r.path.contains("/namespaces/")
-            && r.query.get("resourceVersionMatch").map(String::as_str) == Some("NotOlderThan")),
-        "the only lists are opt-ins' fetches, from the cache: {lists:#?}"
+        lists.is_empty(),
+        "every list is a streaming one: {lists:#?}"
+    );
+    let gets: Vec<_> = requests.iter().filter(|r| r.is_get()).collect();
+    assert!(
+        !gets.is_empty()
+            && gets.iter().all(|r| r
+                .query
+                .get("resourceVersion")
+                .is_some_and(|v| v.parse::<u64>().is_ok_and(|v| v > 0))),
+        "an opt-in's gets are not older than the watch: {gets:#?}"
     );
     assert!(
         requests.iter().filter(|r| r.is_watch()).all(|r| r
@@ -630,7 +673,7 @@ async fn a_change_made_while_an_opt_ins_fetch_is_in_flight_is_not_lost() {
     let fetches = || {
         api.requests()
             .iter()
-            .filter(|r| r.path == "/apis/discovery.k8s.io/v1/namespaces/ns/endpointslices")
+            .filter(|r| r.path == "/apis/discovery.k8s.io/v1/namespaces/ns/endpointslices/web-a")
             .count()
     };
     eventually(WAIT, "the fetch is asked", || fetches() == 1).await;
@@ -641,7 +684,7 @@ async fn a_change_made_while_an_opt_ins_fetch_is_in_flight_is_not_lost() {
     .await;
     assert_eq!(
         first, 5,
-        "published once, with the change made during the fetch on top of the list"
+        "published once, with the change made during the fetch on top of what it got"
     );
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(ready(&agent.snapshots.borrow(), "web"), Some(5));

@@ -2,6 +2,7 @@
 //! so tests exercise the real kube-rs `Client` and watchers.
 //!
 //! What it implements, as the real API server does:
+//! - `GET` of one namespaced object by name (`404` if absent), `resourceVersion` as for a get;
 //! - `GET` list of services, endpointslices and nodes, cluster-wide or under
 //!   `/namespaces/{ns}/`: a JSON `*List` with `metadata.resourceVersion`; `limit` pages it,
 //!   with a `continue` token whose pages come from the first page's snapshot (a token that is
@@ -146,6 +147,16 @@ impl Kind {
         Some((kind, ns))
     }
 
+    /// `(kind, namespace, name)` of a path to one namespaced object, e.g.
+    /// `/apis/discovery.k8s.io/v1/namespaces/ns/endpointslices/name`.
+    fn from_object_path(path: &str) -> Option<(Self, String, String)> {
+        let (collection, name) = path.rsplit_once('/')?;
+        match Self::from_path(collection)? {
+            (kind, Some(ns)) if !name.is_empty() => Some((kind, ns, name.to_owned())),
+            _ => None,
+        }
+    }
+
     fn list_meta(self) -> (&'static str, &'static str) {
         match self {
             Kind::Service => ("v1", "ServiceList"),
@@ -220,6 +231,11 @@ impl Request {
         self.query.get("watch").map(String::as_str) == Some("true")
     }
 
+    /// A `GET` of one object by name.
+    pub fn is_get(&self) -> bool {
+        self.method == "GET" && Kind::from_object_path(&self.path).is_some()
+    }
+
     /// A `GET` of a collection that is not a watch.
     pub fn is_list(&self) -> bool {
         self.method == "GET" && !self.is_watch() && Kind::from_path(&self.path).is_some()
@@ -230,6 +246,12 @@ impl Request {
     /// empty one), or with `resourceVersionMatch=Exact`. `continue` pages follow the first
     /// page. Watches are served from the cache.
     pub fn is_quorum_read(&self) -> bool {
+        if self.is_get() {
+            return matches!(
+                self.query.get("resourceVersion").map(String::as_str),
+                None | Some("")
+            );
+        }
         if !self.is_list() || self.query.contains_key("continue") {
             return false;
         }
@@ -527,6 +549,19 @@ impl Changes<'_> {
         self.delete_key(kind, &s("namespace"), &s("name"));
     }
 
+    /// Deletes an object without telling the open watches, as if its `DELETED` event were
+    /// still on its way: a get or list sees it gone, a watch has not heard (no-op if absent).
+    pub fn delete_unannounced(&mut self, kind: Kind, namespace: &str, name: &str) {
+        let st = &mut *self.st;
+        if st
+            .objects
+            .remove(&(kind, namespace.to_owned(), name.to_owned()))
+            .is_some()
+        {
+            st.rv += 1;
+        }
+    }
+
     /// Deletes an object by name (no-op if absent).
     pub fn delete_key(&mut self, kind: Kind, namespace: &str, name: &str) {
         let st = &mut *self.st;
@@ -598,6 +633,14 @@ async fn handle(shared: &Arc<Shared>, req: http::Request<Incoming>) -> Response<
     if req.method() == Method::POST && path.starts_with("/apis/events.k8s.io/v1/namespaces/") {
         return create_event(shared, req).await;
     }
+    if let Some((kind, ns, name)) = Kind::from_object_path(&path) {
+        let delay = shared.state.lock().expect("state").list_delay;
+        let response = get_response(shared, kind, &ns, &name, &q);
+        if !delay.is_zero() {
+            tokio::time::sleep(delay).await;
+        }
+        return response;
+    }
     let Some((kind, ns)) = Kind::from_path(&path) else {
         return error(404, "NotFound", "no such path");
     };
@@ -606,8 +649,36 @@ async fn handle(shared: &Arc<Shared>, req: http::Request<Incoming>) -> Response<
     }
     let delay = shared.state.lock().expect("state").list_delay;
     let response = list_response(shared, kind, ns.as_deref(), &q);
-    tokio::time::sleep(delay).await;
+    // Not even a zero sleep without a delay: tokio rounds it up to its next millisecond tick.
+    if !delay.is_zero() {
+        tokio::time::sleep(delay).await;
+    }
     response
+}
+
+/// `GET` of one namespaced object. `resourceVersion` as for a get: unset or empty is a
+/// consistent (quorum) read, `0` any version from the cache, `N` not older than N (`504` if N
+/// is in the future).
+fn get_response(
+    shared: &Arc<Shared>,
+    kind: Kind,
+    ns: &str,
+    name: &str,
+    q: &BTreeMap<String, String>,
+) -> Response<Body> {
+    let st = shared.state.lock().expect("state");
+    match q.get("resourceVersion").map(String::as_str).unwrap_or("") {
+        "" | "0" => {}
+        n => match n.parse::<u64>() {
+            Ok(n) if n <= st.rv => {}
+            Ok(_) => return error(504, "Timeout", "Too large resource version"),
+            Err(_) => return error(400, "BadRequest", "invalid resourceVersion"),
+        },
+    }
+    match st.objects.get(&(kind, ns.to_owned(), name.to_owned())) {
+        Some(o) => bytes_response(StatusCode::OK, o.json.clone()),
+        None => error(404, "NotFound", &format!("\"{name}\" not found")),
+    }
 }
 
 fn list_response(
