@@ -1,13 +1,14 @@
 //! The fuzz tier: every cargo-fuzz target of the workspace, each for a bounded time.
 //!
-//! Each fuzzed crate keeps its own `fuzz/` (as h2 and linkerd do), a workspace of its own
-//! because the build needs instrumentation flags the main workspace never sees. cargo-fuzz passes
+//! Every target is a binary of one package, `fuzz/`, a workspace of its own because the build
+//! needs instrumentation flags the main workspace never sees; one cargo build makes them all,
+//! so the fuzzed crates' common dependencies are compiled once, with one feature set (five
+//! packages built one after another compiled tokio and its kin once each). cargo-fuzz passes
 //! `-Z` flags, so it runs on rustup's stable toolchain with `RUSTC_BOOTSTRAP=1` (nightly cannot
-//! be installed on these machines); all targets share one target directory
-//! (`target/fuzz`), so their common dependencies are built once. A target's corpus grows in
-//! `<crate>/fuzz/corpus/<target>` (not committed) and starts from the committed seeds in
-//! `<crate>/fuzz/seeds/<target>` when there are any; a finding is written to
-//! `<crate>/fuzz/artifacts/<target>/` and fails the tier.
+//! be installed on these machines); the build goes to `target/fuzz`. A target's corpus grows in
+//! `fuzz/corpus/<target>` (not committed) and starts from the committed seeds in
+//! `fuzz/seeds/<target>` when there are any; a finding is written to
+//! `fuzz/artifacts/<target>/` and fails the tier.
 //!
 //! The targets are built without a sanitizer by default (`--sanitizer none`; coverage
 //! instrumentation stays): every fuzzed crate forbids unsafe code, so AddressSanitizer looks
@@ -31,43 +32,21 @@ use anyhow::{Context as _, Result, ensure};
 
 use crate::workspace_root;
 
-/// Every fuzz target: (fuzz directory, target name, what it feeds).
-pub(crate) const TARGETS: &[(&str, &str, &str)] = &[
+/// The cargo-fuzz package of every target, from the workspace root.
+const FUZZ_DIR: &str = "fuzz";
+
+/// Every fuzz target: (target name, what it feeds).
+pub(crate) const TARGETS: &[(&str, &str)] = &[
+    ("decode", "datagrams from the conntrack socket"),
+    ("annotations", "skewless.io/* annotation values"),
+    ("services_file", "the services file, then the model index"),
+    ("grpc_headers", "grpc-timeout and grpc-status values"),
+    ("health", "grpc.health.v1 Watch responses, in any pieces"),
     (
-        "agent/conntrack/fuzz",
-        "decode",
-        "datagrams from the conntrack socket",
-    ),
-    (
-        "agent/model/fuzz",
-        "annotations",
-        "skewless.io/* annotation values",
-    ),
-    (
-        "agent/services-file/fuzz",
-        "services_file",
-        "the services file, then the model index",
-    ),
-    (
-        "agent/balancer/fuzz",
-        "grpc_headers",
-        "grpc-timeout and grpc-status values",
-    ),
-    (
-        "agent/balancer/fuzz",
-        "health",
-        "grpc.health.v1 Watch responses, in any pieces",
-    ),
-    (
-        "agent/balancer/fuzz",
         "relay",
         "both peers of connection mode's relay, rotated at any point",
     ),
-    (
-        "agent/frame/fuzz",
-        "frames",
-        "HTTP/2 frames and gRPC messages (skewless-frame)",
-    ),
+    ("frames", "HTTP/2 frames and gRPC messages (skewless-frame)"),
 ];
 
 /// Seconds per target in `cargo xtask test`: 7 targets, 2.3 minutes of fuzzing in 80 s of
@@ -80,7 +59,7 @@ pub(crate) const TEST_SECS: u64 = 20;
 pub(crate) const LANES: usize = 2;
 
 /// The command that fuzzes one target for `secs` seconds.
-fn command(dir: &str, target: &str, secs: u64, sanitizer: &str) -> Command {
+fn command(target: &str, secs: u64, sanitizer: &str) -> Command {
     let root = workspace_root();
     let mut cmd = Command::new("rustup");
     cmd.current_dir(&root)
@@ -96,11 +75,11 @@ fn command(dir: &str, target: &str, secs: u64, sanitizer: &str) -> Command {
             target,
         ])
         .arg("--fuzz-dir")
-        .arg(dir)
+        .arg(FUZZ_DIR)
         .arg("--target-dir")
         .arg(root.join("target/fuzz"));
-    let corpus = root.join(dir).join("corpus").join(target);
-    let seeds = root.join(dir).join("seeds").join(target);
+    let corpus = root.join(FUZZ_DIR).join("corpus").join(target);
+    let seeds = root.join(FUZZ_DIR).join("seeds").join(target);
     // libFuzzer writes new inputs to the first corpus directory and only reads the others.
     cmd.arg(&corpus);
     if seeds.is_dir() {
@@ -117,42 +96,31 @@ fn command(dir: &str, target: &str, secs: u64, sanitizer: &str) -> Command {
 }
 
 /// Fuzzes the targets whose name contains `filter` (all without one) for `secs` seconds each,
-/// [`LANES`] at a time. Every fuzz directory is built first (one cargo build per directory,
-/// all its targets), so the fuzzing runs do not wait on each other's builds.
+/// [`LANES`] at a time. Every target is built first (one cargo build), so the fuzzing runs do
+/// not wait on each other's builds.
 ///
 /// # Errors
 /// When a target fails to build or finds a crash, hang or leak.
 pub(crate) fn run(secs: u64, filter: Option<&str>, sanitizer: &str) -> Result<()> {
     let chosen: Vec<_> = TARGETS
         .iter()
-        .filter(|(_, t, _)| filter.is_none_or(|f| t.contains(f)))
+        .filter(|(t, _)| filter.is_none_or(|f| t.contains(f)))
         .collect();
     ensure!(!chosen.is_empty(), "no fuzz target matches {filter:?}");
     let root = workspace_root();
-    let mut dirs: Vec<&str> = chosen.iter().map(|(d, _, _)| *d).collect();
-    dirs.dedup();
-    for (i, dir) in dirs.iter().enumerate() {
-        let started = Instant::now();
-        println!(
-            "==> fuzz build [{}/{}] {dir} (instrumented build; a first build takes minutes)",
-            i + 1,
-            dirs.len()
-        );
-        let mut build = build_command(dir, sanitizer);
-        let status = build
-            .status()
-            .with_context(|| format!("could not start {build:?}"))?;
-        ensure!(
-            status.success(),
-            "building the fuzz targets of {dir} failed ({status})"
-        );
-        println!(
-            "==> fuzz build [{}/{}] {dir}: done in {:.0?}",
-            i + 1,
-            dirs.len(),
-            started.elapsed()
-        );
-    }
+    let started = Instant::now();
+    println!(
+        "==> fuzz build: every target of {FUZZ_DIR}/ (instrumented build; a first build takes minutes)"
+    );
+    let mut build = build_command(sanitizer);
+    let status = build
+        .status()
+        .with_context(|| format!("could not start {build:?}"))?;
+    ensure!(
+        status.success(),
+        "building the fuzz targets failed ({status})"
+    );
+    println!("==> fuzz build: done in {:.0?}", started.elapsed());
     let logs = root.join("target/fuzz/logs");
     std::fs::create_dir_all(&logs).context("creating target/fuzz/logs")?;
     let started = Instant::now();
@@ -162,13 +130,13 @@ pub(crate) fn run(secs: u64, filter: Option<&str>, sanitizer: &str) -> Result<()
     let mut done = 0;
     while !queue.is_empty() || !running.is_empty() {
         while running.len() < LANES
-            && let Some(&(dir, target, what)) = queue.pop_front()
+            && let Some(&(target, what)) = queue.pop_front()
         {
-            std::fs::create_dir_all(root.join(dir).join("corpus").join(target))
+            std::fs::create_dir_all(root.join(FUZZ_DIR).join("corpus").join(target))
                 .context("creating the corpus directory")?;
             let log = logs.join(format!("{target}.log"));
             let out = File::create(&log).with_context(|| format!("creating {}", log.display()))?;
-            let mut cmd = command(dir, target, secs, sanitizer);
+            let mut cmd = command(target, secs, sanitizer);
             cmd.stdout(out.try_clone()?)
                 .stderr(out)
                 .stdin(Stdio::null());
@@ -181,7 +149,6 @@ pub(crate) fn run(secs: u64, filter: Option<&str>, sanitizer: &str) -> Result<()
             );
             running.push(Running {
                 child,
-                dir,
                 target,
                 log,
                 started: Instant::now(),
@@ -203,13 +170,10 @@ pub(crate) fn run(secs: u64, filter: Option<&str>, sanitizer: &str) -> Result<()
                 }
                 print_tail(&r.log, 40);
                 anyhow::bail!(
-                    "fuzz target {} failed ({status}); the input is in {}/artifacts/{}/, \
-                     replay it with `RUSTC_BOOTSTRAP=1 cargo +stable fuzz run {} --fuzz-dir {} <file>`",
-                    r.target,
-                    r.dir,
-                    r.target,
-                    r.target,
-                    r.dir
+                    "fuzz target {target} failed ({status}); the input is in \
+                     {FUZZ_DIR}/artifacts/{target}/, replay it with `RUSTC_BOOTSTRAP=1 cargo \
+                     +stable fuzz run {target} --fuzz-dir {FUZZ_DIR} <file>`",
+                    target = r.target,
                 );
             }
             println!(
@@ -230,14 +194,13 @@ pub(crate) fn run(secs: u64, filter: Option<&str>, sanitizer: &str) -> Result<()
 /// One fuzzing process and where its output goes.
 struct Running {
     child: Child,
-    dir: &'static str,
     target: &'static str,
     log: PathBuf,
     started: Instant,
 }
 
-/// `cargo fuzz build` of every target in `dir`, into the shared `target/fuzz`.
-fn build_command(dir: &str, sanitizer: &str) -> Command {
+/// `cargo fuzz build` of every target, into `target/fuzz`.
+fn build_command(sanitizer: &str) -> Command {
     let root = workspace_root();
     let mut cmd = Command::new("rustup");
     cmd.current_dir(&root)
@@ -252,7 +215,7 @@ fn build_command(dir: &str, sanitizer: &str) -> Command {
             sanitizer,
         ])
         .arg("--fuzz-dir")
-        .arg(dir)
+        .arg(FUZZ_DIR)
         .arg("--target-dir")
         .arg(root.join("target/fuzz"));
     cmd

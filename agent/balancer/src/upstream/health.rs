@@ -6,7 +6,7 @@
 //!
 //! The two messages involved are encoded and decoded by hand (one field each) rather than
 //! pulling protobuf code generation into the balancer. The responses a backend sends are read
-//! by [`StatusReader`], which holds at most one capped message (fuzzed: `agent/balancer/fuzz`,
+//! by [`StatusReader`], which holds at most one capped message (fuzzed: `fuzz/`,
 //! target `health`).
 //!
 //! The watch reports through a callback and knows nothing of who listens: request mode's pool
