@@ -333,6 +333,16 @@ fn cpu_secs(pid: u32) -> f64 {
     cpu_ticks(&[pid]) as f64 / clk_tck()
 }
 
+/// [`redirected`], on a blocking thread: the fake API server's tasks share this runtime, and a
+/// worker blocked in a `/status` read would hold up the answers the agent waits for (the
+/// opt-in's gets among them).
+async fn redirected_now(admin: &str, vip: &str) -> bool {
+    let (admin, vip) = (admin.to_owned(), vip.to_owned());
+    tokio::task::spawn_blocking(move || redirected(&admin, &vip))
+        .await
+        .unwrap_or(false)
+}
+
 fn redirected(admin: &str, vip: &str) -> bool {
     get(admin, "/status")
         .and_then(|(_, b)| serde_json::from_str::<Value>(&b).ok())
@@ -462,7 +472,7 @@ async fn run_one(
         let vip = format!("{}:50051", vip(i));
         let t = Instant::now();
         api.change(|c| c.apply_value(Kind::Service, service(i, Some("request"))));
-        while !redirected(&agent.admin, &vip) {
+        while !redirected_now(&agent.admin, &vip).await {
             ensure!(
                 t.elapsed() < Duration::from_secs(30),
                 "opt-in of svc-{i} not redirected in 30 s"
@@ -472,7 +482,7 @@ async fn run_one(
         opt_in.push(t.elapsed());
         api.change(|c| c.apply_value(Kind::Service, service(i, None)));
         let t = Instant::now();
-        while redirected(&agent.admin, &vip) {
+        while redirected_now(&agent.admin, &vip).await {
             ensure!(
                 t.elapsed() < Duration::from_secs(30),
                 "opt-out of svc-{i} not done in 30 s"
