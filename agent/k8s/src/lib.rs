@@ -59,9 +59,9 @@ pub struct Rule {
 }
 
 /// Exactly the API access this crate uses; `deploy/` grants exactly this (a test checks it).
-/// Watchers need `list` + `watch`, an opt-in `get`s its slices; the Node watcher also lists (with a field selector on our
-/// own name), which RBAC cannot restrict per node for a DaemonSet. Events are only created
-/// (deterministic names; see `events.rs`), never patched.
+/// Watchers need `list` + `watch`, and an opt-in `get`s its slices; the Node watcher also
+/// lists (with a field selector on our own name), which RBAC cannot restrict per node for a
+/// DaemonSet. Events are only created (deterministic names; see `events.rs`), never patched.
 pub const RBAC_RULES: &[Rule] = &[
     Rule {
         api_group: "",
