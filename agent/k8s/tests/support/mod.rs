@@ -633,27 +633,38 @@ async fn handle(shared: &Arc<Shared>, req: http::Request<Incoming>) -> Response<
     if req.method() == Method::POST && path.starts_with("/apis/events.k8s.io/v1/namespaces/") {
         return create_event(shared, req).await;
     }
-    if let Some((kind, ns, name)) = Kind::from_object_path(&path) {
-        let delay = shared.state.lock().expect("state").list_delay;
-        let response = get_response(shared, kind, &ns, &name, &q);
-        if !delay.is_zero() {
-            tokio::time::sleep(delay).await;
+    let response = if let Some((kind, ns, name)) = Kind::from_object_path(&path) {
+        get_response(shared, kind, &ns, &name, &q)
+    } else {
+        let Some((kind, ns)) = Kind::from_path(&path) else {
+            return error(404, "NotFound", "no such path");
+        };
+        if q.get("watch").map(String::as_str) == Some("true") {
+            return watch_response(shared, kind, ns, &q, dropped);
         }
-        return response;
-    }
-    let Some((kind, ns)) = Kind::from_path(&path) else {
-        return error(404, "NotFound", "no such path");
+        list_response(shared, kind, ns.as_deref(), &q)
     };
-    if q.get("watch").map(String::as_str) == Some("true") {
-        return watch_response(shared, kind, ns, &q, dropped);
-    }
+    // The answer is made first, then held back: it is as old as the delay.
     let delay = shared.state.lock().expect("state").list_delay;
-    let response = list_response(shared, kind, ns.as_deref(), &q);
     // Not even a zero sleep without a delay: tokio rounds it up to its next millisecond tick.
     if !delay.is_zero() {
         tokio::time::sleep(delay).await;
     }
     response
+}
+
+/// The refusal, if any, of a `resourceVersion` asking for a state not older than it: none
+/// when the server has reached it (`0` and empty ask for nothing), `504` if it is in the
+/// future, `400` if it is not a number.
+fn not_older_than(rv: &str, current: u64) -> Option<Response<Body>> {
+    match rv {
+        "" | "0" => None,
+        n => match n.parse::<u64>() {
+            Ok(n) if n <= current => None,
+            Ok(_) => Some(error(504, "Timeout", "Too large resource version")),
+            Err(_) => Some(error(400, "BadRequest", "invalid resourceVersion")),
+        },
+    }
 }
 
 /// `GET` of one namespaced object. `resourceVersion` as for a get: unset or empty is a
@@ -667,13 +678,9 @@ fn get_response(
     q: &BTreeMap<String, String>,
 ) -> Response<Body> {
     let st = shared.state.lock().expect("state");
-    match q.get("resourceVersion").map(String::as_str).unwrap_or("") {
-        "" | "0" => {}
-        n => match n.parse::<u64>() {
-            Ok(n) if n <= st.rv => {}
-            Ok(_) => return error(504, "Timeout", "Too large resource version"),
-            Err(_) => return error(400, "BadRequest", "invalid resourceVersion"),
-        },
+    let rv = q.get("resourceVersion").map(String::as_str).unwrap_or("");
+    if let Some(refused) = not_older_than(rv, st.rv) {
+        return refused;
     }
     match st.objects.get(&(kind, ns.to_owned(), name.to_owned())) {
         Some(o) => bytes_response(StatusCode::OK, o.json.clone()),
@@ -708,14 +715,11 @@ fn list_response(
         }
     } else {
         match (rv, version_match) {
-            ("" | "0", None | Some("NotOlderThan")) => {}
-            (n, None | Some("NotOlderThan")) => match n.parse::<u64>() {
-                Ok(n) if n <= st.rv => {}
-                Ok(_) => {
-                    return error(504, "Timeout", "Too large resource version");
+            (n, None | Some("NotOlderThan")) => {
+                if let Some(refused) = not_older_than(n, st.rv) {
+                    return refused;
                 }
-                Err(_) => return error(400, "BadRequest", "invalid resourceVersion"),
-            },
+            }
             (n, Some("Exact")) => {
                 if n.parse::<u64>().ok() != Some(st.rv) {
                     return error(410, "Expired", "too old resource version");
