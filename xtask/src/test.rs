@@ -1,11 +1,11 @@
 //! `cargo xtask test`: every tier of the README's test command, one after another, with one
 //! passed/failed count over all of them.
 
-use std::{process::Command, time::Instant};
+use std::{path::PathBuf, process::Command, time::Instant};
 
-use anyhow::{Result, bail};
+use anyhow::{Context as _, Result, bail, ensure};
 
-use crate::{cargo, fuzz, is_root, setup, workspace_root};
+use crate::{cargo, fuzz, is_root, setup, target_dir, workspace_root};
 
 #[derive(clap::Args)]
 pub(crate) struct Args {
@@ -33,6 +33,18 @@ const BARS_NOT_MET: &[(&str, &str)] = &[(
          buffer; no relay behaviour prevents it (docs/connection-mode.md)",
 )];
 
+/// How skewless-clients' `bin_dir` finds the binaries this run's test build made
+/// (`skewless_clients::BIN_DIR_ENV`; xtask does not depend on the testing crates).
+const BIN_DIR_ENV: &str = "SKEWLESS_TEST_BIN_DIR";
+
+/// One tier of the run.
+enum Tier {
+    /// A command whose output is echoed and whose test results are counted.
+    Run(Command),
+    /// The test build ([`test_build`]); the later tiers are told where its binaries are.
+    Build(Command),
+}
+
 pub(crate) fn run(args: Args) -> Result<()> {
     let Args {
         unit,
@@ -41,27 +53,28 @@ pub(crate) fn run(args: Args) -> Result<()> {
     } = args;
     setup::ensure_installed(Some(setup::For::Test), false)?;
     let started = Instant::now();
-    let mut tiers: Vec<(&str, Command)> = Vec::new();
+    // Clippy's lints ride on the test build, so every crate is compiled once; they are left
+    // out when only the privileged tests run (the inner loop of a privileged test).
+    let lints = !privileged;
+    let mut tiers: Vec<(&str, Tier)> = Vec::new();
     if !privileged {
         let mut fmt = cargo();
         fmt.args(["fmt", "--all", "--check"]);
-        tiers.push(("fmt", fmt));
-        let mut clippy = cargo();
-        clippy.args([
-            "clippy",
-            "--workspace",
-            "--all-targets",
-            "--",
-            "-D",
-            "warnings",
-        ]);
-        tiers.push(("clippy (host crates)", clippy));
-        tiers.push(("clippy (eBPF programs)", bpf_clippy()));
+        tiers.push(("fmt", Tier::Run(fmt)));
+    }
+    let build_name = if lints {
+        "clippy and the test build (warnings denied)"
+    } else {
+        "the test build"
+    };
+    tiers.push((build_name, Tier::Build(test_build(lints)?)));
+    if !privileged {
+        tiers.push(("clippy (eBPF programs)", Tier::Run(bpf_clippy())));
         // Broken intra-doc links and malformed doc markup fail here, not on a reader.
         let mut docs = cargo();
         docs.args(["doc", "--workspace", "--no-deps"])
             .env("RUSTDOCFLAGS", "-D warnings");
-        tiers.push(("docs (warnings denied)", docs));
+        tiers.push(("docs (warnings denied)", Tier::Run(docs)));
         // deny.toml: licences, banned/wildcard dependencies, sources (crates.io only). The
         // advisories check needs the network and is not run.
         let mut deny = cargo();
@@ -73,24 +86,24 @@ pub(crate) fn run(args: Args) -> Result<()> {
             "bans",
             "sources",
         ]);
-        tiers.push(("dependency policy (cargo deny)", deny));
+        tiers.push(("dependency policy (cargo deny)", Tier::Run(deny)));
         // nextest runs every test in its own process, test binaries side by side, so a binary
         // whose tests wait on sockets or timers does not hold up the others; doctests (which
-        // nextest does not run) follow with libtest.
-        let mut unit_tests = cargo();
+        // nextest does not run) follow with libtest. Both find the test build fresh.
+        let mut unit_tests = test_cargo(lints)?;
         unit_tests
             .args(["nextest", "run", "--workspace", "--no-tests=fail", "--"])
             .args(&test_args);
-        tiers.push(("unit tests", unit_tests));
-        let mut doc_tests = cargo();
+        tiers.push(("unit tests", Tier::Run(unit_tests)));
+        let mut doc_tests = test_cargo(lints)?;
         doc_tests
             .args(["test", "--workspace", "--doc", "--"])
             .args(&test_args);
-        tiers.push(("doctests", doc_tests));
+        tiers.push(("doctests", Tier::Run(doc_tests)));
         // This binary again, so the tier's output and failure go through the same runner.
         let mut fuzzing = Command::new(std::env::current_exe()?);
         fuzzing.args(["fuzz", "--secs", &fuzz::TEST_SECS.to_string()]);
-        tiers.push(("fuzzing (bounded)", fuzzing));
+        tiers.push(("fuzzing (bounded)", Tier::Run(fuzzing)));
     }
     if !unit {
         if !is_root() {
@@ -104,7 +117,7 @@ pub(crate) fn run(args: Args) -> Result<()> {
                 "removed {netns} stale namespace(s) and {cgroups} cgroup(s) from an earlier run"
             );
         }
-        let mut privileged_tests = cargo();
+        let mut privileged_tests = test_cargo(lints)?;
         // The privileged tests are the ones marked #[ignore = "privileged: ..."]; they run
         // here, on the real kernel, and nowhere else.
         // Two at a time, as libtest's `--test-threads=2` ran them, but across binaries.
@@ -125,14 +138,27 @@ pub(crate) fn run(args: Args) -> Result<()> {
             privileged_tests.args(["-E", &left_out.join(" and ")]);
         }
         privileged_tests.arg("--").args(&test_args);
-        tiers.push(("privileged tests (real kernel)", privileged_tests));
+        tiers.push((
+            "privileged tests (real kernel)",
+            Tier::Run(privileged_tests),
+        ));
     }
     let total = tiers.len();
     let mut counts = TestCounts::default();
-    for (i, (name, mut cmd)) in tiers.into_iter().enumerate() {
+    let mut bin_dir = None;
+    for (i, (name, tier)) in tiers.into_iter().enumerate() {
         let t = Instant::now();
         println!("==> test [{}/{total}] {name}", i + 1);
-        if let Err(e) = run_counting(&mut cmd, &mut counts) {
+        let result = match tier {
+            Tier::Build(mut cmd) => run_test_build(&mut cmd).map(|dir| bin_dir = Some(dir)),
+            Tier::Run(mut cmd) => {
+                if let Some(dir) = &bin_dir {
+                    cmd.env(BIN_DIR_ENV, dir);
+                }
+                run_counting(&mut cmd, &mut counts)
+            }
+        };
+        if let Err(e) = result {
             println!("{} passed, {} failed", counts.passed, counts.failed.max(1));
             return Err(e.context(format!("test tier `{name}` failed")));
         }
@@ -149,6 +175,91 @@ pub(crate) fn run(args: Args) -> Result<()> {
     // One closing line over every tier, so the total is not just the last test binary's.
     println!("{} passed, {} failed", counts.passed, counts.failed);
     Ok(())
+}
+
+/// Cargo for the test build and the tiers that run its binaries: with `lints`, the
+/// workspace's own crates are compiled by clippy's driver with warnings denied (what `cargo
+/// clippy -- -D warnings` runs, with code generation), dependencies by rustc. Every such
+/// tier must be run alike, or cargo would build the crates again.
+fn test_cargo(lints: bool) -> Result<Command> {
+    let mut cmd = cargo();
+    if lints {
+        let sysroot = Command::new("rustc")
+            .args(["--print", "sysroot"])
+            .output()
+            .context("running `rustc --print sysroot`")?;
+        ensure!(sysroot.status.success(), "`rustc --print sysroot` failed");
+        let driver = std::path::Path::new(String::from_utf8_lossy(&sysroot.stdout).trim())
+            .join("bin/clippy-driver");
+        ensure!(
+            driver.is_file(),
+            "{} is missing: `rustup component add clippy`",
+            driver.display()
+        );
+        // cargo-clippy's way of handing the driver its arguments, each followed by the marker.
+        cmd.env("RUSTC_WORKSPACE_WRAPPER", driver).env(
+            "CLIPPY_ARGS",
+            "-D__CLIPPY_HACKERY__warnings__CLIPPY_HACKERY__",
+        );
+    }
+    Ok(cmd)
+}
+
+/// Every test binary of the workspace and the binaries the tests start (what nextest would
+/// build), built once for the unit, doctest and privileged tiers.
+fn test_build(lints: bool) -> Result<Command> {
+    let mut cmd = test_cargo(lints)?;
+    cmd.args([
+        "test",
+        "--workspace",
+        "--no-run",
+        "--message-format=json-render-diagnostics",
+    ]);
+    Ok(cmd)
+}
+
+/// Runs the test build (cargo's progress and diagnostics go to the terminal) and links the
+/// non-test binaries it built or found fresh into one directory, which it returns: what
+/// skewless-clients' `bin_dir` then uses instead of a `cargo build` of its own, which would
+/// compile the dependencies again with other features.
+fn run_test_build(cmd: &mut Command) -> Result<PathBuf> {
+    use std::io::{BufRead as _, BufReader};
+    let mut child = cmd
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .map_err(|e| anyhow::anyhow!("could not start {cmd:?}: {e}"))?;
+    let mut bins = Vec::new();
+    if let Some(out) = child.stdout.take() {
+        for line in BufReader::new(out).lines() {
+            let line = line?;
+            let Ok(msg) = serde_json::from_str::<serde_json::Value>(&line) else {
+                println!("{line}");
+                continue;
+            };
+            let is_bin = msg["reason"] == "compiler-artifact"
+                && msg["profile"]["test"] == false
+                && msg["target"]["kind"]
+                    .as_array()
+                    .is_some_and(|k| k.iter().any(|k| k == "bin"));
+            if let (true, Some(exe)) = (is_bin, msg["executable"].as_str()) {
+                bins.push(PathBuf::from(exe));
+            }
+        }
+    }
+    let status = child.wait()?;
+    ensure!(status.success(), "{cmd:?} exited with {status}");
+    let dir = target_dir().join("debug/test-run-bins");
+    if dir.exists() {
+        std::fs::remove_dir_all(&dir).with_context(|| format!("removing {}", dir.display()))?;
+    }
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    for exe in &bins {
+        let name = exe.file_name().context("an executable without a name")?;
+        std::os::unix::fs::symlink(exe, dir.join(name))
+            .with_context(|| format!("linking {} into {}", exe.display(), dir.display()))?;
+    }
+    println!("{} binaries of the build in {}", bins.len(), dir.display());
+    Ok(dir)
 }
 
 #[derive(Default)]

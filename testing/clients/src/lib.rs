@@ -17,5 +17,5 @@ mod spec;
 pub mod tonic_client;
 
 pub use result::{CallTally, ClientResult, Failure, StreamResult, skew};
-pub use run::{Harness, HarnessError, Running, bin_dir, node_modules};
+pub use run::{BIN_DIR_ENV, BINS, Harness, HarnessError, Running, bin_dir, node_modules};
 pub use spec::{ClientKind, ClientSpec, FOUR_MIB};

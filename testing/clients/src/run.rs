@@ -67,14 +67,35 @@ pub fn node_modules() -> PathBuf {
     home.join(".cache/skewless/node/node_modules")
 }
 
-/// Builds this crate's binaries and the tonic echo backend `skewless-echo` (once per
-/// process; a no-op when they are fresh) and returns the directory they are in. A test of another package cannot name them with
-/// `CARGO_BIN_EXE_*`, so it asks cargo.
+/// The binaries [`bin_dir`] provides: this crate's and the tonic echo backend.
+pub const BINS: [&str; 3] = [
+    "skewless-tonic-client",
+    "skewless-framelog",
+    "skewless-echo",
+];
+
+/// Names a directory that holds [`BINS`] as built by the test run's own build, so
+/// [`bin_dir`] builds nothing. `cargo xtask test` sets it: its test build compiles these
+/// binaries with the same features as the tests, where a `cargo build` of the two packages
+/// alone would compile their dependencies a second time.
+pub const BIN_DIR_ENV: &str = "SKEWLESS_TEST_BIN_DIR";
+
+/// The directory that holds [`BINS`]. A test of another package cannot name them with
+/// `CARGO_BIN_EXE_*`: under [`BIN_DIR_ENV`] they are taken from there (and must all be
+/// there); without it they are built with cargo (once per process; a no-op when they are
+/// fresh).
 ///
 /// # Errors
-/// When cargo fails.
+/// When cargo fails, or a binary is missing from [`BIN_DIR_ENV`]'s directory.
 pub fn bin_dir() -> Result<PathBuf> {
     static BUILT: Mutex<bool> = Mutex::new(false);
+    if let Some(dir) = std::env::var_os(BIN_DIR_ENV) {
+        let dir = PathBuf::from(dir);
+        for bin in BINS {
+            fs::metadata(dir.join(bin)).map_err(io(&dir.join(bin)))?;
+        }
+        return Ok(dir);
+    }
     let mut built = BUILT
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
