@@ -153,7 +153,9 @@ struct Outcome {
 }
 
 /// One scenario at a time: each runs seven processes' worth of load, and a starved machine
-/// would fail calls on their deadline whatever the balancer does.
+/// would fail calls on their deadline whatever the balancer does. This serialises libtest's
+/// threads; nextest runs each test in its own process, and its `pod-loss` test group
+/// (.config/nextest.toml) does the same there.
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 async fn run(scenario: Scenario) -> Outcome {
