@@ -30,6 +30,11 @@ pub enum HarnessError {
     },
     #[error("building the harness binaries failed: {stderr}")]
     Build { stderr: String },
+    #[error(
+        "{path} is missing: {BIN_DIR_ENV} names a directory without it (`cargo xtask test` \
+         links its test build's binaries there)"
+    )]
+    MissingBin { path: PathBuf },
     #[error("the {kind} client printed no result; stdout {stdout:?}, stderr {stderr:?}")]
     Parse {
         kind: ClientKind,
@@ -90,11 +95,7 @@ pub const BIN_DIR_ENV: &str = "SKEWLESS_TEST_BIN_DIR";
 pub fn bin_dir() -> Result<PathBuf> {
     static BUILT: Mutex<bool> = Mutex::new(false);
     if let Some(dir) = std::env::var_os(BIN_DIR_ENV) {
-        let dir = PathBuf::from(dir);
-        for bin in BINS {
-            fs::metadata(dir.join(bin)).map_err(io(&dir.join(bin)))?;
-        }
-        return Ok(dir);
+        return prebuilt(PathBuf::from(dir));
     }
     let mut built = BUILT
         .lock()
@@ -122,6 +123,14 @@ pub fn bin_dir() -> Result<PathBuf> {
         *built = true;
     }
     Ok(dir)
+}
+
+/// `dir`, once every one of [`BINS`] is found in it.
+fn prebuilt(dir: PathBuf) -> Result<PathBuf> {
+    match BINS.iter().map(|bin| dir.join(bin)).find(|p| !p.exists()) {
+        Some(path) => Err(HarnessError::MissingBin { path }),
+        None => Ok(dir),
+    }
 }
 
 /// What the clients need: the Python stubs, the proto for grpc-js, the tonic binary.
@@ -373,4 +382,28 @@ fn tail(s: &str, n: usize) -> String {
         .find(|&i| s.is_char_boundary(i))
         .unwrap_or(s.len());
     s[start..].to_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{BINS, HarnessError, prebuilt};
+
+    #[test]
+    fn a_prebuilt_directory_must_hold_every_binary() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        for bin in &BINS[..2] {
+            std::fs::write(dir.path().join(bin), b"").expect("write");
+        }
+        match prebuilt(dir.path().to_owned()) {
+            Err(HarnessError::MissingBin { path }) => {
+                assert_eq!(path, dir.path().join(BINS[2]), "the missing one is named");
+            }
+            other => panic!("a directory without {} is refused: {other:?}", BINS[2]),
+        }
+        std::fs::write(dir.path().join(BINS[2]), b"").expect("write");
+        assert_eq!(
+            prebuilt(dir.path().to_owned()).expect("every binary is there"),
+            dir.path()
+        );
+    }
 }
