@@ -251,6 +251,27 @@ impl Pool {
         self.changed.notify_waiters();
     }
 
+    /// How many connections endpoint `id`'s outstanding streams fill (those h2 queues for want
+    /// of room included), at `per_conn` streams or the server's limit a connection, whichever
+    /// is lower: what its connection task opens extra connections up to when asked to grow.
+    fn connections_wanted(&self, id: EndpointId, per_conn: u32) -> usize {
+        let state = self.lock();
+        let Some(entry) = state.endpoints.get(id) else {
+            return 0;
+        };
+        let upstreams = &entry.value.upstreams;
+        let streams: u32 = upstreams.iter().map(|u| u.signals.streams()).sum();
+        let room = upstreams
+            .iter()
+            .map(|u| {
+                per_conn.min(u32::try_from(u.sender.current_max_send_streams()).unwrap_or(u32::MAX))
+            })
+            .max()
+            .unwrap_or(per_conn)
+            .max(1);
+        usize::try_from(streams.div_ceil(room)).unwrap_or(usize::MAX)
+    }
+
     /// What the liveness monitor of connection `generation` reports.
     fn liveness_report(&self, id: EndpointId, generation: u64, report: Report) {
         let now = Instant::now();
@@ -427,8 +448,8 @@ impl Pool {
                 (up.generation, up.sender.clone(), up.signals.clone());
             let member = &mut entry.value;
             if open > full && member.upstreams.len() < max_conns {
-                // Every connection is full: ask for another. This request still goes out on
-                // the least busy one (h2 queues it if the server's limit is reached).
+                // Every connection is full: ask for more. This request still goes out on the
+                // least busy one (h2 queues it if the server's limit is reached).
                 member.grow.notify_one();
             }
             let sample = std::mem::replace(&mut member.warm, true);
@@ -656,7 +677,14 @@ async fn connection_task(
                         }
                         () = grow.notified() => {
                             while extras.try_join_next().is_some() {}
-                            if extras.len() + 1 < max_conns {
+                            // As many as the streams need: the asks of a burst come faster
+                            // than this task wakes, and are one wake-up by then.
+                            let per_conn = config.borrow().max_streams_per_connection;
+                            let wanted = pool
+                                .upgrade()
+                                .map_or(0, |p| p.connections_wanted(id, per_conn))
+                                .min(max_conns);
+                            while extras.len() + 1 < wanted {
                                 tracing::debug!(connections = extras.len() + 2, "opening another connection");
                                 extras.spawn(extra_connection(pool.clone(), id, addr, timeout, liveness.clone()).in_current_span());
                             }

@@ -427,6 +427,23 @@ async fn full_connections_make_the_balancer_open_more_to_the_same_endpoint() {
     );
 }
 
+#[tokio::test(flavor = "current_thread")]
+async fn a_burst_that_fills_a_connection_at_once_opens_every_connection_it_needs() {
+    // On one thread the 8 calls are all sent before the endpoint's connection task wakes to
+    // their asks for room, which it then sees as one: it must open what 8 streams at 2 a
+    // connection need (4), not one connection per wake-up.
+    let config = Config {
+        max_streams_per_connection: 2,
+        max_connections_per_endpoint: 4,
+        ..short_drain()
+    };
+    let n = calls_over_a_narrow_upstream(config, 2).await;
+    assert_eq!(
+        n, 4,
+        "a burst of 8 calls at 2 streams per connection opens 4 connections"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_servers_stream_limit_makes_the_balancer_open_more_connections() {
     // Our limit stays at its default (100): the server's SETTINGS_MAX_CONCURRENT_STREAMS (2)
