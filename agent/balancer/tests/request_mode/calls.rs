@@ -412,15 +412,19 @@ async fn slow_reader_backpressures_the_upstream_instead_of_buffering() {
     b.stop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn full_connections_make_the_balancer_open_more_to_the_same_endpoint() {
-    // Our own limit: 2 streams per connection (the server allows 2 as well).
-    let config = Config {
+/// Our own limit of 2 streams per connection, at most 4 connections an endpoint.
+fn two_streams_a_connection() -> Config {
+    Config {
         max_streams_per_connection: 2,
         max_connections_per_endpoint: 4,
         ..short_drain()
-    };
-    let n = calls_over_a_narrow_upstream(config, 2).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn full_connections_make_the_balancer_open_more_to_the_same_endpoint() {
+    // The server allows 2 as well.
+    let n = calls_over_a_narrow_upstream(two_streams_a_connection(), 2).await;
     assert!(
         (3..=4).contains(&n),
         "8 concurrent calls at 2 streams per connection open more connections, at most 4: {n}"
@@ -432,12 +436,7 @@ async fn a_burst_that_fills_a_connection_at_once_opens_every_connection_it_needs
     // On one thread the 8 calls are all sent before the endpoint's connection task wakes to
     // their asks for room, which it then sees as one: it must open what 8 streams at 2 a
     // connection need (4), not one connection per wake-up.
-    let config = Config {
-        max_streams_per_connection: 2,
-        max_connections_per_endpoint: 4,
-        ..short_drain()
-    };
-    let n = calls_over_a_narrow_upstream(config, 2).await;
+    let n = calls_over_a_narrow_upstream(two_streams_a_connection(), 2).await;
     assert_eq!(
         n, 4,
         "a burst of 8 calls at 2 streams per connection opens 4 connections"
