@@ -105,6 +105,16 @@ fn start_agent(api: &FakeApi) -> Agent {
     }
 }
 
+/// [`start_agent`], once its initial lists are done.
+async fn start_synced_agent(api: &FakeApi) -> Agent {
+    let mut agent = start_agent(api);
+    wait_for(&mut agent.synced, WAIT, "initial lists done", |s| {
+        s.then_some(())
+    })
+    .await;
+    agent
+}
+
 /// Waits until the agent has a watch open on Services and on EndpointSlices, so that a
 /// `drop_watches` hits both.
 async fn watches_open(api: &FakeApi) {
@@ -134,11 +144,7 @@ async fn opt_in_publishes_vip_and_ready_endpoints() {
     api.apply(&mk_slice("web-a", "web", 2));
     api.apply(&mk_service("web", &[(annotations::MODE, "request")]));
     api.apply(&mk_service("other", &[]));
-    let mut agent = start_agent(&api);
-    wait_for(&mut agent.synced, WAIT, "initial lists done", |s| {
-        s.then_some(())
-    })
-    .await;
+    let mut agent = start_synced_agent(&api).await;
     assert_eq!(
         ready(&agent.snapshots.borrow(), "web"),
         Some(2),
@@ -450,11 +456,7 @@ async fn opt_in_fetches_the_services_slices_and_opt_out_drops_them() {
     api.apply(&mk_service("web", &[]));
     api.apply(&mk_slice("web-a", "web", 2));
     api.apply(&mk_slice("other-a", "other", 3));
-    let mut agent = start_agent(&api);
-    wait_for(&mut agent.synced, WAIT, "initial lists done", |s| {
-        s.then_some(())
-    })
-    .await;
+    let mut agent = start_synced_agent(&api).await;
     assert!(agent.snapshots.borrow().is_empty());
 
     api.apply(&mk_service("web", &[(annotations::MODE, "request")]));
@@ -509,11 +511,7 @@ async fn an_opt_in_leaves_out_a_slice_gone_before_its_get_and_does_not_retry() {
     api.apply(&mk_service("web", &[]));
     api.apply(&mk_slice("web-a", "web", 2));
     api.apply(&mk_slice("web-b", "web", 3));
-    let mut agent = start_agent(&api);
-    wait_for(&mut agent.synced, WAIT, "initial lists done", |s| {
-        s.then_some(())
-    })
-    .await;
+    let mut agent = start_synced_agent(&api).await;
     // The watch showed web-b; its deletion has not reached the agent when web opts in.
     api.change(|c| c.delete_unannounced(Kind::EndpointSlice, "ns", "web-b"));
     api.apply(&mk_service("web", &[(annotations::MODE, "request")]));
@@ -662,11 +660,7 @@ async fn a_change_made_while_an_opt_ins_fetch_is_in_flight_is_not_lost() {
     let api = FakeApi::start().await;
     api.apply(&mk_service("web", &[]));
     api.apply(&mk_slice("web-a", "web", 2));
-    let mut agent = start_agent(&api);
-    wait_for(&mut agent.synced, WAIT, "initial lists done", |s| {
-        s.then_some(())
-    })
-    .await;
+    let mut agent = start_synced_agent(&api).await;
     // The fetch's answer is older than the change below, which the watch delivers first.
     api.set_list_delay(Duration::from_millis(500));
     api.apply(&mk_service("web", &[(annotations::MODE, "request")]));
