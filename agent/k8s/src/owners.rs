@@ -1,9 +1,10 @@
 //! Which Service owns each EndpointSlice the slice watch has shown, by name only: what an
 //! opt-in needs to get that Service's slices one by one, without a list of the collection.
 //!
-//! About 150 bytes per slice (two names and the owner's), whatever the slice holds. Kept
-//! across a relist with a generation mark, so a relist costs no second copy: entries the
-//! relist did not show again are dropped when it ends.
+//! About 300 bytes per slice and its Service (the names, both ways), whatever the slice
+//! holds. Looked up both ways, so an opt-in finds its Service's slices without a scan of the
+//! cluster's. Kept across a relist with a generation mark, so a relist costs no second copy:
+//! entries the relist did not show again are dropped when it ends.
 
 use std::collections::HashMap;
 
@@ -14,25 +15,49 @@ pub(crate) struct Owners {
     /// Slice -> its Service's name (the same namespace) and the list generation that last
     /// showed it.
     by_slice: HashMap<SliceKey, (Box<str>, u32)>,
+    /// Service -> the names of its slices: `by_slice` the other way round. A Service with no
+    /// slice left has no entry.
+    by_owner: HashMap<ServiceKey, Vec<Box<str>>>,
     generation: u32,
 }
 
 impl Owners {
     /// Records a slice's owner as its latest change shows it (none: the label is gone).
     pub(crate) fn set(&mut self, slice: SliceKey, owner: Option<&ServiceKey>) {
-        match owner {
-            Some(owner) => {
-                self.by_slice
-                    .insert(slice, (owner.name.as_str().into(), self.generation));
-            }
-            None => {
-                self.by_slice.remove(&slice);
+        let Some(owner) = owner else {
+            self.remove(&slice);
+            return;
+        };
+        let entry = (owner.name.as_str().into(), self.generation);
+        match self.by_slice.insert(slice.clone(), entry) {
+            Some((previous, _)) if *previous == *owner.name => {}
+            previous => {
+                if let Some((previous, _)) = previous {
+                    self.unlink(&slice, &previous);
+                }
+                self.by_owner
+                    .entry(owner.clone())
+                    .or_default()
+                    .push(slice.name.as_str().into());
             }
         }
     }
 
     pub(crate) fn remove(&mut self, slice: &SliceKey) {
-        self.by_slice.remove(slice);
+        if let Some((owner, _)) = self.by_slice.remove(slice) {
+            self.unlink(slice, &owner);
+        }
+    }
+
+    /// Takes `slice` out of `owner`'s names, and `owner` out when it has none left.
+    fn unlink(&mut self, slice: &SliceKey, owner: &str) {
+        let key = ServiceKey::new(slice.namespace.as_str(), owner);
+        if let Some(names) = self.by_owner.get_mut(&key) {
+            names.retain(|n| **n != *slice.name);
+            if names.is_empty() {
+                self.by_owner.remove(&key);
+            }
+        }
     }
 
     /// A relist begins: what it does not show again is dropped at [`Owners::end_relist`].
@@ -42,19 +67,24 @@ impl Owners {
 
     pub(crate) fn end_relist(&mut self) {
         let current = self.generation;
-        self.by_slice.retain(|_, (_, g)| *g == current);
-    }
-
-    /// The names of `service`'s slices. A scan of every slice: it runs once per opt-in.
-    pub(crate) fn slices_of(&self, service: &ServiceKey) -> Vec<String> {
-        let mut names: Vec<String> = self
+        let stale: Vec<SliceKey> = self
             .by_slice
             .iter()
-            .filter(|(slice, (owner, _))| {
-                **owner == *service.name && slice.namespace == service.namespace
-            })
-            .map(|(slice, _)| slice.name.clone())
+            .filter(|(_, (_, g))| *g != current)
+            .map(|(slice, _)| slice.clone())
             .collect();
+        for slice in stale {
+            self.remove(&slice);
+        }
+    }
+
+    /// The names of `service`'s slices.
+    pub(crate) fn slices_of(&self, service: &ServiceKey) -> Vec<String> {
+        let mut names: Vec<String> = self
+            .by_owner
+            .get(service)
+            .map(|names| names.iter().map(|n| n.to_string()).collect())
+            .unwrap_or_default();
         names.sort_unstable();
         names
     }
@@ -103,6 +133,18 @@ mod tests {
         o.set(slice("a", "t"), Some(&svc("a", "db")));
         o.remove(&slice("a", "t"));
         assert_eq!(o.len(), 0);
+        assert!(o.by_owner.is_empty(), "no Service is kept without a slice");
+    }
+
+    #[test]
+    fn a_slice_shown_again_is_listed_once() {
+        let mut o = Owners::default();
+        o.set(slice("a", "s"), Some(&svc("a", "web")));
+        o.set(slice("a", "s"), Some(&svc("a", "web")));
+        o.begin_relist();
+        o.set(slice("a", "s"), Some(&svc("a", "web")));
+        o.end_relist();
+        assert_eq!(o.slices_of(&svc("a", "web")), ["s"]);
     }
 
     #[test]
@@ -114,7 +156,16 @@ mod tests {
         // Until the relist ends, what it has not shown yet is still known.
         assert_eq!(o.slices_of(&svc("a", "web")), ["gone", "kept"]);
         o.set(slice("a", "kept"), Some(&svc("a", "web")));
+        o.set(slice("a", "moved"), Some(&svc("a", "db")));
         o.end_relist();
         assert_eq!(o.slices_of(&svc("a", "web")), ["kept"]);
+        assert_eq!(o.slices_of(&svc("a", "db")), ["moved"]);
+        o.begin_relist();
+        o.end_relist();
+        assert_eq!(o.len(), 0);
+        assert!(
+            o.by_owner.is_empty(),
+            "a relist that shows nothing forgets every Service"
+        );
     }
 }
