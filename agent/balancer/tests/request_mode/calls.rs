@@ -97,24 +97,7 @@ async fn all_four_streaming_kinds_pass_through_with_trailers() {
 async fn messages_larger_than_4_mib_pass_through() {
     let pods = pods(1).await;
     let b = balancer(Config::default(), endpoints(&pods)).await;
-    let mut c = client(b.addr).await;
-    let big = vec![7u8; 6 * 1024 * 1024];
-    let r = c.echo(req(&big)).await.expect("6 MiB request").into_inner();
-    assert_eq!(
-        r.payload.len(),
-        big.len(),
-        "a 6 MiB message comes back whole"
-    );
-    assert!(r.payload == big, "and unchanged");
-    let r = c
-        .echo(EchoRequest {
-            reply_size: 8 * 1024 * 1024,
-            ..EchoRequest::default()
-        })
-        .await
-        .expect("8 MiB reply")
-        .into_inner();
-    assert_eq!(r.payload.len(), 8 * 1024 * 1024);
+    support::large_messages_pass(&mut client(b.addr).await).await;
     b.stop().await;
 }
 
@@ -346,69 +329,9 @@ async fn two_hundred_in_flight_on_one_connection_fail_no_calls() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slow_reader_backpressures_the_upstream_instead_of_buffering() {
-    // An upstream that streams 64 KiB chunks as fast as it is allowed to, counting them.
-    struct Flood(Arc<std::sync::atomic::AtomicUsize>);
-    impl Body for Flood {
-        type Data = Bytes;
-        type Error = Infallible;
-        fn poll_frame(
-            self: Pin<&mut Self>,
-            _: &mut Context<'_>,
-        ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
-            self.0
-                .fetch_add(64 * 1024, std::sync::atomic::Ordering::Relaxed);
-            Poll::Ready(Some(Ok(Frame::data(Bytes::from(vec![0u8; 64 * 1024])))))
-        }
-    }
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let up = listener.local_addr().expect("addr");
-    let produced = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let count = produced.clone();
-    tokio::spawn(async move {
-        while let Ok((stream, _)) = listener.accept().await {
-            let count = count.clone();
-            tokio::spawn(async move {
-                let service = hyper::service::service_fn(move |_req: http::Request<Incoming>| {
-                    let count = count.clone();
-                    async move {
-                        let mut resp = http::Response::new(Flood(count));
-                        resp.headers_mut()
-                            .insert("content-type", "application/grpc".parse().expect("header"));
-                        Ok::<_, Infallible>(resp)
-                    }
-                });
-                let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
-                    .serve_connection(TokioIo::new(stream), service)
-                    .await;
-            });
-        }
-    });
+    let (up, produced) = support::flood_upstream().await;
     let b = balancer(short_drain(), vec![Endpoint::new(up, "flood")]).await;
-    let mut send = raw_client(b.addr).await;
-    let resp = send
-        .send_request(grpc_request(b.addr, None))
-        .await
-        .expect("response headers");
-    // The client does not read for a second.
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    let stalled = produced.load(std::sync::atomic::Ordering::Relaxed);
-    assert!(
-        stalled < 24 * 1024 * 1024,
-        "with a reader that does not read, only the HTTP/2 windows' worth may be produced \
-         (client + balancer + upstream buffers), not {stalled} bytes"
-    );
-    // Reading resumes the flow.
-    let mut body = resp.into_body();
-    let mut read = 0;
-    while read < 8 * 1024 * 1024 {
-        let frame = body.frame().await.expect("more").expect("data");
-        read += frame.data_ref().map_or(0, Bytes::len);
-    }
-    assert!(
-        produced.load(std::sync::atomic::Ordering::Relaxed) > stalled,
-        "reading lets the upstream go on"
-    );
-    drop(body);
+    support::a_slow_reader_holds_back_the_upstream(b.addr, &produced).await;
     b.stop().await;
 }
 

@@ -13,7 +13,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::{BodyExt as _, Full};
+use http_body_util::BodyExt as _;
 use hyper::body::{Body, Frame, Incoming};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use skewless_balancer::{Balancer, Config, Endpoint, RetryBudgetConfig};
@@ -24,7 +24,7 @@ use skewless_frame::{
     ErrorCode, Frames, GoAway, Head, Kind, MAX_MAX_FRAME_SIZE, MAX_STREAM_ID, PREFACE, Ping,
     Settings,
 };
-use support::{empty_settings, endpoints, pods};
+use support::{empty_settings, endpoints, grpc_request, pods, raw_client};
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch};
 use tonic::Code;
@@ -60,28 +60,6 @@ fn tally(names: &[String], n: usize) -> Vec<usize> {
     (0..n)
         .map(|i| names.iter().filter(|p| **p == format!("pod-{i}")).count())
         .collect()
-}
-
-async fn raw_client(addr: SocketAddr) -> hyper::client::conn::http2::SendRequest<Full<Bytes>> {
-    let tcp = tokio::net::TcpStream::connect(addr).await.expect("connect");
-    let (send, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
-        .handshake(TokioIo::new(tcp))
-        .await
-        .expect("handshake");
-    tokio::spawn(conn);
-    send
-}
-
-/// A unary Echo call with an empty `EchoRequest` (one gRPC frame: no compression, length 0).
-fn grpc_request(addr: SocketAddr, timeout: Option<&str>) -> http::Request<Full<Bytes>> {
-    let mut b = http::Request::post(format!("http://{addr}/skewless.echo.v1.Echo/Echo"))
-        .header("content-type", "application/grpc")
-        .header("te", "trailers");
-    if let Some(t) = timeout {
-        b = b.header("grpc-timeout", t);
-    }
-    b.body(Full::new(Bytes::from_static(&[0, 0, 0, 0, 0])))
-        .expect("request")
 }
 
 /// The hanging upstream keeps calls open: let the balancer cut them soon when a test stops it.

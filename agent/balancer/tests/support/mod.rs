@@ -1,19 +1,31 @@
 //! What the balancer's test suites share: the bed that serves a balancer of either mode on a
-//! loopback listener ([`Serving`]), echo pods and their endpoints, and builders of the raw
-//! HTTP/2 frames the frame-level tests write and read.
+//! loopback listener ([`Serving`]), echo pods and their endpoints, builders of the raw HTTP/2
+//! frames the frame-level tests write and read, and the checks both request-mode data paths
+//! must pass (large messages, a slow reader's backpressure).
 
 #![allow(
     dead_code,
     reason = "each test binary uses a different part of the support"
 )]
 
+use std::convert::Infallible;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::task::{Context, Poll};
 use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt as _, Full};
+use hyper::body::{Body, Frame, Incoming};
+use hyper_util::rt::{TokioExecutor, TokioIo};
 
 use skewless_balancer::metrics::{ClientErrorReason, RotationReason, ServiceSnapshot};
 use skewless_balancer::{Endpoint, NewConnection};
 use skewless_echo::SpawnedEcho;
+use skewless_echo::pb::EchoRequest;
+use skewless_echo::pb::echo_client::EchoClient;
 use skewless_frame::{
     ErrorCode, Frames, GoAway, HEADER_LEN, Head, Kind, MAX_MAX_FRAME_SIZE, PREFACE, Ping, Settings,
 };
@@ -193,4 +205,127 @@ pub async fn next_frame(io: &mut (impl AsyncRead + Unpin)) -> (Head, Vec<u8>) {
     let mut payload = vec![0u8; head.len as usize];
     io.read_exact(&mut payload).await.expect("the payload");
     (head, payload)
+}
+
+/// An HTTP/2 client connection to `addr`, driven on its own task.
+pub async fn raw_client(addr: SocketAddr) -> hyper::client::conn::http2::SendRequest<Full<Bytes>> {
+    let tcp = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let (send, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+        .handshake(TokioIo::new(tcp))
+        .await
+        .expect("handshake");
+    tokio::spawn(conn);
+    send
+}
+
+/// A unary Echo call with an empty `EchoRequest` (one gRPC frame: no compression, length 0).
+pub fn grpc_request(addr: SocketAddr, timeout: Option<&str>) -> http::Request<Full<Bytes>> {
+    let mut b = http::Request::post(format!("http://{addr}/skewless.echo.v1.Echo/Echo"))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers");
+    if let Some(t) = timeout {
+        b = b.header("grpc-timeout", t);
+    }
+    b.body(Full::new(Bytes::from_static(&[0, 0, 0, 0, 0])))
+        .expect("request")
+}
+
+/// A 6 MiB request and an 8 MiB reply pass through whole (both far over every HTTP/2 window,
+/// and over gRPC's default 4 MiB message bound, which `c` must lift).
+pub async fn large_messages_pass(c: &mut EchoClient<tonic::transport::Channel>) {
+    let big = vec![7u8; 6 * 1024 * 1024];
+    let r = c
+        .echo(EchoRequest {
+            payload: big.clone(),
+            ..EchoRequest::default()
+        })
+        .await
+        .expect("6 MiB request")
+        .into_inner();
+    assert_eq!(
+        r.payload.len(),
+        big.len(),
+        "a 6 MiB message comes back whole"
+    );
+    assert!(r.payload == big, "and unchanged");
+    let r = c
+        .echo(EchoRequest {
+            reply_size: 8 * 1024 * 1024,
+            ..EchoRequest::default()
+        })
+        .await
+        .expect("8 MiB reply")
+        .into_inner();
+    assert_eq!(r.payload.len(), 8 * 1024 * 1024);
+}
+
+/// An upstream that answers every request with 64 KiB chunks as fast as it is allowed to
+/// send them, counting the bytes it produced.
+pub async fn flood_upstream() -> (SocketAddr, Arc<AtomicUsize>) {
+    struct Flood(Arc<AtomicUsize>);
+    impl Body for Flood {
+        type Data = Bytes;
+        type Error = Infallible;
+        fn poll_frame(
+            self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+            self.0.fetch_add(64 * 1024, Ordering::Relaxed);
+            Poll::Ready(Some(Ok(Frame::data(Bytes::from(vec![0u8; 64 * 1024])))))
+        }
+    }
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let up = listener.local_addr().expect("addr");
+    let produced = Arc::new(AtomicUsize::new(0));
+    let count = produced.clone();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let count = count.clone();
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(move |_req: http::Request<Incoming>| {
+                    let count = count.clone();
+                    async move {
+                        let mut resp = http::Response::new(Flood(count));
+                        resp.headers_mut()
+                            .insert("content-type", "application/grpc".parse().expect("header"));
+                        Ok::<_, Infallible>(resp)
+                    }
+                });
+                let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                    .serve_connection(TokioIo::new(stream), service)
+                    .await;
+            });
+        }
+    });
+    (up, produced)
+}
+
+/// Through the balancer at `addr` to a [`flood_upstream`] that counts into `produced`: a
+/// client that does not read holds the upstream back (only the HTTP/2 windows' worth is
+/// produced, nothing is buffered beyond them), and reading again lets it go on.
+pub async fn a_slow_reader_holds_back_the_upstream(addr: SocketAddr, produced: &AtomicUsize) {
+    let mut send = raw_client(addr).await;
+    let resp = send
+        .send_request(grpc_request(addr, None))
+        .await
+        .expect("response headers");
+    // The client does not read for a second.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let stalled = produced.load(Ordering::Relaxed);
+    assert!(
+        stalled < 24 * 1024 * 1024,
+        "with a reader that does not read, only the HTTP/2 windows' worth may be produced \
+         (client + balancer + upstream buffers), not {stalled} bytes"
+    );
+    // Reading resumes the flow.
+    let mut body = resp.into_body();
+    let mut read = 0;
+    while read < 8 * 1024 * 1024 {
+        let frame = body.frame().await.expect("more").expect("data");
+        read += frame.data_ref().map_or(0, Bytes::len);
+    }
+    assert!(
+        produced.load(Ordering::Relaxed) > stalled,
+        "reading lets the upstream go on"
+    );
 }
