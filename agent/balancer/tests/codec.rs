@@ -1,6 +1,6 @@
-//! Request mode on the frame codec (`CodecBalancer`, experimental): what its minimal data path
-//! does today, with real tonic clients and real echo servers over loopback. Bounded to a few
-//! seconds and a few hundred calls each.
+//! Request mode on the frame codec (`CodecBalancer`, experimental): what its data path does
+//! today, with real tonic clients and real echo servers over loopback (and raw frames where a
+//! test must break the protocol). Bounded to a few seconds and a few hundred calls each.
 
 #[path = "support/mod.rs"]
 mod support;
@@ -8,10 +8,12 @@ mod support;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use skewless_balancer::{CodecBalancer, Config};
+use skewless_balancer::{CodecBalancer, Config, Endpoint};
 use skewless_echo::pb::EchoRequest;
 use skewless_echo::pb::echo_client::EchoClient;
-use support::{Serving, endpoints, pods, serve};
+use skewless_frame::{ErrorCode, Kind, RstStream, flags};
+use support::{Serving, endpoints, frame, hello, next_frame, pods, serve};
+use tokio::io::AsyncWriteExt as _;
 use tonic::transport::Channel;
 
 /// A codec balancer serving on loopback over `pods`.
@@ -144,4 +146,140 @@ async fn no_endpoint_gives_unavailable() {
     let mut c = client(b.addr).await;
     let status = c.echo(req(b"x")).await.expect_err("nothing to serve it");
     assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_larger_than_every_window_pass_through_the_codec_path() {
+    let pods = pods(1).await;
+    let b = codec_balancer(&pods).await;
+    let mut c = client(b.addr)
+        .await
+        .max_decoding_message_size(skewless_echo::MAX_MESSAGE_SIZE)
+        .max_encoding_message_size(skewless_echo::MAX_MESSAGE_SIZE);
+    until_ready(&mut c).await;
+    support::large_messages_pass(&mut c).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_reader_holds_back_the_upstream_on_the_codec_path() {
+    let (up, produced) = support::flood_upstream().await;
+    let b = serve(vec![Endpoint::new(up, "flood")], |rx| {
+        CodecBalancer::new(Config::default(), rx)
+    })
+    .await;
+    // Until the upstream connection is up, a call gets UNAVAILABLE at once (trailers only);
+    // then its response is the flood.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let resp = support::raw_client(b.addr)
+            .await
+            .send_request(support::grpc_request(b.addr, None))
+            .await
+            .expect("response headers");
+        if !resp.headers().contains_key("grpc-status") {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the upstream is not up within 5 s"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    support::a_slow_reader_holds_back_the_upstream(b.addr, &produced).await;
+}
+
+/// An upstream that takes request streams but never reads their bodies nor answers: its
+/// stream windows stay at the 65,535 bytes of RFC 9113.
+async fn stalled_upstream() -> std::net::SocketAddr {
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let service =
+                    hyper::service::service_fn(|_req: http::Request<hyper::body::Incoming>| {
+                        std::future::pending::<
+                            Result<
+                                http::Response<http_body_util::Empty<bytes::Bytes>>,
+                                std::convert::Infallible,
+                            >,
+                        >()
+                    });
+                let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                    .initial_stream_window_size(65_535)
+                    .serve_connection(TokioIo::new(stream), service)
+                    .await;
+            });
+        }
+    });
+    addr
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_overruns_its_stream_window_gets_a_flow_control_error() {
+    let up = stalled_upstream().await;
+    let b = serve(vec![Endpoint::new(up, "stalled")], |rx| {
+        CodecBalancer::new(Config::default(), rx)
+    })
+    .await;
+    let mut io = tokio::net::TcpStream::connect(b.addr)
+        .await
+        .expect("connect");
+    io.write_all(&hello()).await.expect("hello");
+    // POST /, a static-table header block, without END_STREAM: a request whose body follows.
+    // Until the upstream connection is up it is answered at once (trailers-only UNAVAILABLE)
+    // and the next stream tries again; once one goes upstream, nothing comes back.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    let mut stream = 1u32;
+    'ready: loop {
+        io.write_all(&frame(
+            Kind::Headers,
+            flags::END_HEADERS,
+            stream,
+            &[0x83, 0x86, 0x84],
+        ))
+        .await
+        .expect("headers");
+        loop {
+            match tokio::time::timeout(Duration::from_millis(300), next_frame(&mut io)).await {
+                Err(_) => break 'ready,
+                Ok((head, _)) if head.kind == Kind::Headers && head.stream_id == stream => break,
+                Ok(_) => {}
+            }
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the upstream is not up within 5 s"
+        );
+        stream += 2;
+    }
+    // The upstream takes 65,535 bytes and no more; the balancer holds what the client sends
+    // beyond, up to the 1 MiB stream window it gave the client, and gives nothing back while
+    // it holds it. 65 frames of 16 KiB are 16 KiB over.
+    let chunk = vec![0u8; 16 * 1024];
+    for _ in 0..65 {
+        io.write_all(&frame(Kind::Data, 0, stream, &chunk))
+            .await
+            .expect("data");
+    }
+    let reset = tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            let (head, payload) = next_frame(&mut io).await;
+            if head.kind == Kind::RstStream && head.stream_id == stream {
+                return RstStream::decode(&head, &payload)
+                    .expect("RST_STREAM")
+                    .error_code;
+            }
+            assert!(
+                !(head.kind == Kind::WindowUpdate && head.stream_id == stream),
+                "no window comes back for bytes the balancer still holds"
+            );
+        }
+    })
+    .await
+    .expect("the overrun stream is reset within 5 s");
+    assert_eq!(reset, ErrorCode::FLOW_CONTROL_ERROR);
 }

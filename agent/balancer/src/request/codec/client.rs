@@ -14,7 +14,7 @@ use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 use super::fields::{self, Fields, HpackDecoder, HpackEncoder};
-use super::frames::{self, DEFAULT_WINDOW, HeaderBlocks, SendLimits};
+use super::frames::{self, DEFAULT_WINDOW, HeaderBlocks, Held, Outgoing, RecvWindow, SendLimits};
 use super::out::{HasOut, Out, Shared};
 use super::upstream::{HEADER_TABLE_SIZE, MAX_FRAME, UpShared};
 use super::{CodecPool, StreamMap};
@@ -35,6 +35,12 @@ pub(crate) struct ClientState {
     streams: StreamMap<ClientStream>,
     /// What may be sent to the client.
     limits: SendLimits,
+    /// What the client may still send on the connection: given back as its bytes go
+    /// upstream, so a client can make the balancer hold at most this much of its requests.
+    recv: RecvWindow,
+    /// Streams whose response bytes wait for the client's windows, in the order they began
+    /// to wait (ids of streams gone since are skipped).
+    waiting: Vec<u32>,
 }
 
 impl HasOut for ClientState {
@@ -50,11 +56,17 @@ struct ClientStream {
     up_stream: u32,
     /// Send window of this stream (towards the client).
     window: i64,
+    /// Response bytes (and the end) the client's windows have not taken yet.
+    held: Held,
     /// The client's side ended (END_STREAM seen).
     request_ended: bool,
-    /// Request bytes received and not yet given back in a WINDOW_UPDATE.
-    unacked: u32,
+    /// What the client may still send on the stream: given back as its bytes go upstream.
+    recv: RecvWindow,
 }
+
+/// Response bytes that reached the client for an upstream stream, whose window they give
+/// back: the upstream connection, its stream, how many bytes.
+pub(crate) type UpCredit = (Arc<UpShared>, u32, usize);
 
 impl ClientState {
     fn new() -> Self {
@@ -63,6 +75,8 @@ impl ClientState {
             encoder: HpackEncoder::new(),
             streams: StreamMap::default(),
             limits: SendLimits::new(),
+            recv: RecvWindow::new(CONNECTION_WINDOW),
+            waiting: Vec::new(),
         }
     }
 
@@ -73,10 +87,15 @@ impl ClientState {
         fields: &Fields,
         end_stream: bool,
     ) -> bool {
-        if !self.streams.contains_key(&stream) {
+        let Some(s) = self.streams.get_mut(&stream) else {
             return false;
-        }
+        };
         let forwarded = fields.iter().filter(|(n, _)| !is_connection_specific(n));
+        if s.held.is_waiting() {
+            // Trailers behind body bytes that wait for window: they wait too.
+            s.held.hold_trailers(forwarded);
+            return true;
+        }
         fields::put_headers(
             &mut self.out.buf,
             &mut self.encoder,
@@ -90,41 +109,80 @@ impl ClientState {
         true
     }
 
-    /// Sends response body bytes on `stream`; `false` when the stream is gone or the bytes do
-    /// not fit the client's window (then the stream is reset).
-    pub(crate) fn respond_data(&mut self, stream: u32, data: &[u8], end_stream: bool) -> bool {
-        let Some(s) = self.streams.get_mut(&stream) else {
-            return false;
-        };
-        if !self.limits.take(&mut s.window, data.len()) {
-            tracing::debug!(
-                stream,
-                len = data.len(),
-                "response does not fit the client's window"
-            );
-            self.streams.remove(&stream);
-            RstStream {
-                stream_id: stream,
-                error_code: ErrorCode::INTERNAL_ERROR,
-            }
-            .encode(&mut self.out.buf);
-            return false;
-        }
-        fields::put_data(
-            &mut self.out.buf,
+    /// Sends response body bytes on `stream` as far as the client's windows take them, and
+    /// holds the rest until they open. Returns the bytes sent now, whose window the upstream
+    /// stream gets back; `None` when the stream is gone.
+    pub(crate) fn respond_data(
+        &mut self,
+        stream: u32,
+        data: &[u8],
+        end_stream: bool,
+    ) -> Option<usize> {
+        let s = self.streams.get_mut(&stream)?;
+        let was_waiting = s.held.is_waiting();
+        let sent = Outgoing {
             stream,
-            data,
-            end_stream,
-            self.limits.max_frame,
-        );
-        if end_stream {
+            window: &mut s.window,
+            held: &mut s.held,
+        }
+        .send(&mut self.out.buf, &mut self.limits, data, end_stream);
+        if s.held.is_waiting() {
+            if !was_waiting {
+                self.waiting.push(stream);
+            }
+        } else if end_stream {
             self.streams.remove(&stream);
         }
-        true
+        Some(sent)
     }
 
-    /// The upstream reset the stream (or failed): reset it for the client.
-    pub(crate) fn reset(&mut self, stream: u32, code: ErrorCode) {
+    /// The client's windows opened: sends what they now take of the held response bytes,
+    /// stream by stream in the order they began to wait. Returns the bytes sent per upstream
+    /// stream, whose windows the caller gives back.
+    fn resume(&mut self) -> Vec<UpCredit> {
+        let mut credits = Vec::new();
+        let mut waiting = std::mem::take(&mut self.waiting);
+        waiting.retain(|&stream| {
+            let Some(s) = self.streams.get_mut(&stream) else {
+                return false;
+            };
+            let (sent, over) = Outgoing {
+                stream,
+                window: &mut s.window,
+                held: &mut s.held,
+            }
+            .resume(&mut self.out.buf, &mut self.limits, &mut self.encoder);
+            if sent > 0 {
+                credits.push((s.up.clone(), s.up_stream, sent));
+            }
+            let waits = s.held.is_waiting();
+            if over {
+                self.streams.remove(&stream);
+            }
+            waits
+        });
+        self.waiting = waiting;
+        credits
+    }
+
+    /// `n` of the client's request bytes on `stream` went upstream (or were dropped): their
+    /// window goes back to the client.
+    pub(crate) fn released(&mut self, stream: u32, n: usize) {
+        self.recv.release(n, 0, &mut self.out.buf);
+        if let Some(s) = self.streams.get_mut(&stream)
+            && !s.request_ended
+        {
+            s.recv.release(n, stream, &mut self.out.buf);
+        }
+    }
+
+    /// The upstream reset the stream (or failed): reset it for the client. `dropped` request
+    /// bytes were held for the upstream and are dropped: the connection's window gets them
+    /// back.
+    pub(crate) fn reset(&mut self, stream: u32, code: ErrorCode, dropped: usize) {
+        if dropped > 0 {
+            self.recv.release(dropped, 0, &mut self.out.buf);
+        }
         if self.streams.remove(&stream).is_some() {
             RstStream {
                 stream_id: stream,
@@ -184,7 +242,6 @@ pub(crate) async fn serve(pool: Arc<CodecPool>, stream: TcpStream, _stop: Stop<C
         dirty: Vec::new(),
         blocks: HeaderBlocks::default(),
         last_stream: 0,
-        unacked: 0,
     };
     let mut rbuf = BytesMut::with_capacity(64 * 1024);
     let mut preface = 0usize;
@@ -257,8 +314,6 @@ struct Conn {
     blocks: HeaderBlocks,
     /// The highest stream id the client opened.
     last_stream: u32,
-    /// Request bytes received on the connection not yet given back.
-    unacked: u32,
 }
 
 impl Conn {
@@ -284,8 +339,7 @@ impl Conn {
                     payload.len(),
                     head.has(flags::END_STREAM),
                     now,
-                );
-                Ok(())
+                )
             }
             Kind::RstStream => {
                 let rst =
@@ -299,34 +353,44 @@ impl Conn {
                 if settings.ack {
                     return Ok(());
                 }
-                let mut state = self.shared.lock();
-                for s in settings.iter() {
-                    let delta = state.limits.apply(s);
-                    if delta != 0 {
-                        for st in state.streams.values_mut() {
-                            st.window += delta;
+                let credits = {
+                    let mut state = self.shared.lock();
+                    for s in settings.iter() {
+                        let delta = state.limits.apply(s);
+                        if delta != 0 {
+                            for st in state.streams.values_mut() {
+                                st.window += delta;
+                            }
+                        }
+                        match s.id {
+                            SettingId::HEADER_TABLE_SIZE
+                                if (s.value as usize) < HEADER_TABLE_SIZE =>
+                            {
+                                // No size update can be sent yet: refuse the connection.
+                                return Err(ErrorCode::INTERNAL_ERROR);
+                            }
+                            _ => {}
                         }
                     }
-                    match s.id {
-                        SettingId::HEADER_TABLE_SIZE if (s.value as usize) < HEADER_TABLE_SIZE => {
-                            // No size update can be sent yet: refuse the connection.
-                            return Err(ErrorCode::INTERNAL_ERROR);
-                        }
-                        _ => {}
-                    }
-                }
-                Settings::encode(true, &[], &mut state.out.buf);
+                    Settings::encode(true, &[], &mut state.out.buf);
+                    state.resume()
+                };
+                self.give_back(credits);
                 Ok(())
             }
             Kind::Ping => frames::answer_ping(&head, payload, &mut self.shared.lock().out.buf),
             Kind::WindowUpdate => {
                 let (stream, inc) = frames::window_update(&head, payload)?;
-                let mut state = self.shared.lock();
-                if stream == 0 {
-                    state.limits.window += inc;
-                } else if let Some(s) = state.streams.get_mut(&stream) {
-                    s.window += inc;
-                }
+                let credits = {
+                    let mut state = self.shared.lock();
+                    if stream == 0 {
+                        state.limits.window += inc;
+                    } else if let Some(s) = state.streams.get_mut(&stream) {
+                        s.window += inc;
+                    }
+                    state.resume()
+                };
+                self.give_back(credits);
                 Ok(())
             }
             Kind::GoAway => Ok(()),
@@ -388,17 +452,20 @@ impl Conn {
             .open(&self.shared, stream, lease, end_stream, forwarded);
         match opened {
             Ok(up_stream) => {
-                let initial = self.shared.lock().limits.initial_window;
-                self.shared.lock().streams.insert(
+                let mut state = self.shared.lock();
+                let window = state.limits.initial_window;
+                state.streams.insert(
                     stream,
                     ClientStream {
                         up: up.clone(),
                         up_stream,
-                        window: initial,
+                        window,
+                        held: Held::default(),
                         request_ended: end_stream,
-                        unacked: 0,
+                        recv: RecvWindow::new(STREAM_WINDOW),
                     },
                 );
+                drop(state);
                 self.touch(&up);
             }
             Err(lease) => {
@@ -437,44 +504,65 @@ impl Conn {
         Ok(())
     }
 
-    fn data(&mut self, stream: u32, data: &[u8], flow_len: usize, end_stream: bool, now: Instant) {
-        self.unacked += flow_len as u32;
+    /// A DATA frame of the client's: counted against its windows (`Err`: a connection
+    /// error), sent upstream as far as the upstream's windows take it, the rest held there.
+    /// The client's windows get back what went upstream now (and the padding); what is held
+    /// comes back as the upstream's reader sends it.
+    fn data(
+        &mut self,
+        stream: u32,
+        data: &[u8],
+        flow_len: usize,
+        end_stream: bool,
+        now: Instant,
+    ) -> Result<(), ErrorCode> {
         let target = {
             let mut state = self.shared.lock();
-            if self.unacked >= CONNECTION_WINDOW / 2 {
-                WindowUpdate {
-                    stream_id: 0,
-                    increment: std::mem::take(&mut self.unacked),
-                }
-                .encode(&mut state.out.buf);
-            }
             let st = &mut *state;
+            st.recv.receive(flow_len)?;
             match st.streams.get_mut(&stream) {
-                Some(s) if !s.request_ended => {
-                    s.request_ended = end_stream;
-                    s.unacked += flow_len as u32;
-                    if !end_stream && s.unacked >= STREAM_WINDOW / 2 {
-                        let increment = std::mem::take(&mut s.unacked);
-                        WindowUpdate {
-                            stream_id: stream,
-                            increment,
-                        }
-                        .encode(&mut st.out.buf);
+                Some(s) if !s.request_ended => match s.recv.receive(flow_len) {
+                    Ok(()) => {
+                        s.request_ended = end_stream;
+                        Ok((s.up.clone(), s.up_stream))
                     }
-                    Some((s.up.clone(), s.up_stream))
+                    Err(code) => Err(code),
+                },
+                _ => {
+                    // No stream to pass it on to: its window goes back at once.
+                    st.recv.release(flow_len, 0, &mut st.out.buf);
+                    return Ok(());
                 }
-                _ => None,
             }
         };
-        let Some((up, up_stream)) = target else {
-            return;
+        let (up, up_stream) = match target {
+            Ok(target) => target,
+            Err(code) => {
+                tracing::debug!(stream, "client overran the stream's flow-control window");
+                self.cancel(stream, now);
+                self.refuse(stream, code);
+                self.shared.lock().released(stream, flow_len);
+                return Ok(());
+            }
         };
         let sent = up.lock().data(up_stream, data, end_stream);
         self.touch(&up);
-        if !sent {
-            tracing::debug!(stream, "request data does not fit the upstream's window");
-            self.cancel(stream, now);
-            self.refuse(stream, ErrorCode::INTERNAL_ERROR);
+        let passed = match sent {
+            Some(n) => n + (flow_len - data.len()),
+            // The upstream stream is over (its response ended first): dropped.
+            None => flow_len,
+        };
+        if passed > 0 {
+            self.shared.lock().released(stream, passed);
+        }
+        Ok(())
+    }
+
+    /// Response bytes that reached the client give their upstream streams' windows back.
+    fn give_back(&mut self, credits: Vec<UpCredit>) {
+        for (up, up_stream, n) in credits {
+            up.lock().released(up_stream, n);
+            self.touch(&up);
         }
     }
 
@@ -483,8 +571,12 @@ impl Conn {
         let Some(s) = self.shared.lock().streams.remove(&stream) else {
             return;
         };
-        let lease = s.up.lock().cancel(s.up_stream, ErrorCode::CANCEL);
+        let (lease, dropped) = s.up.lock().cancel(s.up_stream, ErrorCode::CANCEL);
         self.touch(&s.up);
+        if dropped > 0 {
+            // Request bytes held for the upstream: the connection's window gets them back.
+            self.shared.lock().released(stream, dropped);
+        }
         if let Some(lease) = lease {
             self.pool.finish(lease, Outcome::Cancelled, now);
         }
@@ -506,7 +598,7 @@ impl Conn {
             self.shared.lock().streams.drain().map(|(_, s)| s).collect();
         let now = Instant::now();
         for s in streams {
-            let lease = s.up.lock().cancel(s.up_stream, ErrorCode::CANCEL);
+            let (lease, _) = s.up.lock().cancel(s.up_stream, ErrorCode::CANCEL);
             s.up.flush();
             if let Some(lease) = lease {
                 self.pool.finish(lease, Outcome::Cancelled, now);

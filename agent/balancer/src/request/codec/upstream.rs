@@ -16,7 +16,7 @@ use tokio::time::Instant;
 
 use super::client::ClientShared;
 use super::fields::{self, Fields, HpackDecoder, HpackEncoder};
-use super::frames::{self, DEFAULT_WINDOW, HeaderBlocks, SendLimits};
+use super::frames::{self, DEFAULT_WINDOW, HeaderBlocks, Held, Outgoing, RecvWindow, SendLimits};
 use super::out::{HasOut, Out, Shared};
 use super::{CodecPool, Lease, StreamMap};
 use crate::endpoints::EndpointId;
@@ -42,6 +42,13 @@ pub(crate) struct UpState {
     max_streams: u32,
     /// No new streams: the server sent GOAWAY, or the connection ended.
     closed: bool,
+    /// What the server may still send on the connection. Given back as soon as it arrives:
+    /// only the streams' windows bound what a server can make the balancer hold, so one
+    /// client that reads slowly holds up its own streams, not the connection others share.
+    recv: RecvWindow,
+    /// Streams whose request bytes wait for the server's windows, in the order they began to
+    /// wait (ids of streams gone since are skipped).
+    waiting: Vec<u32>,
 }
 
 impl HasOut for UpState {
@@ -50,6 +57,10 @@ impl HasOut for UpState {
     }
 }
 
+/// Request bytes that reached the upstream for a client stream, whose window they give back:
+/// the client connection, its stream, how many bytes.
+pub(crate) type ClientCredit = (Arc<ClientShared>, u32, usize);
+
 /// One request stream on this connection and the client stream it answers.
 pub(crate) struct Route {
     client: Arc<ClientShared>,
@@ -57,8 +68,11 @@ pub(crate) struct Route {
     lease: Option<Lease>,
     /// Send window of this stream.
     window: i64,
-    /// Response bytes received and not yet given back in a WINDOW_UPDATE.
-    unacked: u32,
+    /// Request bytes (and the end) the server's windows have not taken yet.
+    held: Held,
+    /// What the server may still send on the stream: given back as its bytes reach the
+    /// client.
+    recv: RecvWindow,
     /// The response's headers arrived.
     answered: bool,
     /// The response's `:status` is a server error.
@@ -75,6 +89,8 @@ impl UpState {
             limits: SendLimits::new(),
             max_streams: u32::MAX,
             closed: false,
+            recv: RecvWindow::new(UPSTREAM_CONNECTION_WINDOW),
+            waiting: Vec::new(),
         }
     }
 
@@ -106,7 +122,8 @@ impl UpState {
                 client_stream,
                 lease: Some(lease),
                 window: self.limits.initial_window,
-                unacked: 0,
+                held: Held::default(),
+                recv: RecvWindow::new(STREAM_WINDOW),
                 answered: false,
                 failed_status: false,
             },
@@ -114,35 +131,71 @@ impl UpState {
         Ok(id)
     }
 
-    /// Sends request body bytes on `stream`. `false` when they do not fit its window (the
-    /// caller resets the stream) or the stream is gone.
-    pub(crate) fn data(&mut self, stream: u32, payload: &[u8], end_stream: bool) -> bool {
-        let Some(route) = self.routes.get_mut(&stream) else {
-            return false;
-        };
-        if !self.limits.take(&mut route.window, payload.len()) {
-            return false;
-        }
-        fields::put_data(
-            &mut self.out.buf,
+    /// Sends request body bytes on `stream` as far as the server's windows take them, and
+    /// holds the rest until they open. Returns the bytes sent now, whose window the client
+    /// stream gets back; `None` when the stream is gone.
+    pub(crate) fn data(&mut self, stream: u32, payload: &[u8], end_stream: bool) -> Option<usize> {
+        let route = self.routes.get_mut(&stream)?;
+        let was_waiting = route.held.is_waiting();
+        let sent = Outgoing {
             stream,
-            payload,
-            end_stream,
-            self.limits.max_frame,
-        );
-        true
+            window: &mut route.window,
+            held: &mut route.held,
+        }
+        .send(&mut self.out.buf, &mut self.limits, payload, end_stream);
+        if route.held.is_waiting() && !was_waiting {
+            self.waiting.push(stream);
+        }
+        Some(sent)
+    }
+
+    /// The server's windows opened: sends what they now take of the held request bytes,
+    /// stream by stream in the order they began to wait. Returns the bytes sent per client
+    /// stream, whose windows the caller gives back.
+    fn resume(&mut self) -> Vec<ClientCredit> {
+        let mut credits = Vec::new();
+        let mut waiting = std::mem::take(&mut self.waiting);
+        waiting.retain(|&stream| {
+            let Some(route) = self.routes.get_mut(&stream) else {
+                return false;
+            };
+            let (sent, over) = Outgoing {
+                stream,
+                window: &mut route.window,
+                held: &mut route.held,
+            }
+            .resume(&mut self.out.buf, &mut self.limits, &mut self.encoder);
+            if sent > 0 {
+                credits.push((route.client.clone(), route.client_stream, sent));
+            }
+            // Its request side over, or nothing left to wait: off the list.
+            !over && route.held.is_waiting()
+        });
+        self.waiting = waiting;
+        credits
+    }
+
+    /// `n` of the server's response bytes on `stream` reached the client: their window goes
+    /// back to the server.
+    pub(crate) fn released(&mut self, stream: u32, n: usize) {
+        if let Some(route) = self.routes.get_mut(&stream) {
+            route.recv.release(n, stream, &mut self.out.buf);
+        }
     }
 
     /// The client is gone from `stream` (reset, or its connection closed): reset it here too.
-    /// Returns the lease, which the caller finishes.
-    pub(crate) fn cancel(&mut self, stream: u32, code: ErrorCode) -> Option<Lease> {
-        let mut route = self.routes.remove(&stream)?;
+    /// Returns the lease, which the caller finishes, and the request bytes that were held for
+    /// the server and are dropped.
+    pub(crate) fn cancel(&mut self, stream: u32, code: ErrorCode) -> (Option<Lease>, usize) {
+        let Some(mut route) = self.routes.remove(&stream) else {
+            return (None, 0);
+        };
         RstStream {
             stream_id: stream,
             error_code: code,
         }
         .encode(&mut self.out.buf);
-        route.lease.take()
+        (route.lease.take(), route.held.len())
     }
 }
 
@@ -336,8 +389,7 @@ impl Reader<'_> {
                     data,
                     payload.len(),
                     head.has(flags::END_STREAM),
-                );
-                Ok(())
+                )
             }
             Kind::RstStream => {
                 let rst =
@@ -349,12 +401,16 @@ impl Reader<'_> {
             Kind::Ping => frames::answer_ping(&head, payload, &mut self.shared.lock().out.buf),
             Kind::WindowUpdate => {
                 let (stream, inc) = frames::window_update(&head, payload)?;
-                let mut state = self.shared.lock();
-                if stream == 0 {
-                    state.limits.window += inc;
-                } else if let Some(r) = state.routes.get_mut(&stream) {
-                    r.window += inc;
-                }
+                let credits = {
+                    let mut state = self.shared.lock();
+                    if stream == 0 {
+                        state.limits.window += inc;
+                    } else if let Some(r) = state.routes.get_mut(&stream) {
+                        r.window += inc;
+                    }
+                    state.resume()
+                };
+                self.give_back(credits);
                 Ok(())
             }
             Kind::GoAway => {
@@ -384,27 +440,39 @@ impl Reader<'_> {
         if settings.ack {
             return Ok(());
         }
-        let mut state = self.shared.lock();
-        for s in settings.iter() {
-            let delta = state.limits.apply(s);
-            if delta != 0 {
-                for r in state.routes.values_mut() {
-                    r.window += delta;
+        let credits = {
+            let mut state = self.shared.lock();
+            for s in settings.iter() {
+                let delta = state.limits.apply(s);
+                if delta != 0 {
+                    for r in state.routes.values_mut() {
+                        r.window += delta;
+                    }
+                }
+                match s.id {
+                    SettingId::MAX_CONCURRENT_STREAMS => state.max_streams = s.value,
+                    // The encoder keeps the 4096 of RFC 7541 unless told less; a server that
+                    // allows less is not served yet (no size update is sent).
+                    SettingId::HEADER_TABLE_SIZE if (s.value as usize) < HEADER_TABLE_SIZE => {
+                        tracing::debug!(size = s.value, "server allows a smaller HPACK table");
+                        state.closed = true;
+                    }
+                    _ => {}
                 }
             }
-            match s.id {
-                SettingId::MAX_CONCURRENT_STREAMS => state.max_streams = s.value,
-                // The encoder keeps the 4096 of RFC 7541 unless told less; a server that
-                // allows less is not served yet (no size update is sent).
-                SettingId::HEADER_TABLE_SIZE if (s.value as usize) < HEADER_TABLE_SIZE => {
-                    tracing::debug!(size = s.value, "server allows a smaller HPACK table");
-                    state.closed = true;
-                }
-                _ => {}
-            }
-        }
-        Settings::encode(true, &[], &mut state.out.buf);
+            Settings::encode(true, &[], &mut state.out.buf);
+            state.resume()
+        };
+        self.give_back(credits);
         Ok(())
+    }
+
+    /// Request bytes that reached the server give their client streams' windows back.
+    fn give_back(&mut self, credits: Vec<ClientCredit>) {
+        for (client, client_stream, n) in credits {
+            client.lock().released(client_stream, n);
+            self.touch(&client);
+        }
     }
 
     fn headers(&mut self, stream: u32, block: &[u8], end_stream: bool) -> Result<(), ErrorCode> {
@@ -433,15 +501,15 @@ impl Reader<'_> {
         if first && let Some(lease) = &route.lease {
             self.pool.headers_received(lease, self.now);
         }
-        let lease = if end_stream {
-            state
-                .routes
-                .remove(&stream)
-                .and_then(|mut r| r.lease.take())
+        let (lease, dropped) = if end_stream {
+            take_lease(state.routes.remove(&stream))
         } else {
-            None
+            (None, 0)
         };
         drop(state);
+        if dropped > 0 {
+            client.lock().released(client_stream, dropped);
+        }
         if decoded.is_err() {
             // Too large a list: the call fails, the connection goes on.
             self.fail(stream, &client, client_stream, lease);
@@ -465,37 +533,70 @@ impl Reader<'_> {
         Ok(())
     }
 
-    fn data(&mut self, stream: u32, data: &[u8], flow_len: usize, end_stream: bool) {
+    /// A DATA frame of the server's: counted against its windows (`Err`: a connection
+    /// error), sent to the client as far as the client's windows take it, the rest held
+    /// there. The stream's window gets back what reached the client now (and the padding);
+    /// what is held comes back as the client's reader sends it.
+    fn data(
+        &mut self,
+        stream: u32,
+        data: &[u8],
+        flow_len: usize,
+        end_stream: bool,
+    ) -> Result<(), ErrorCode> {
         let mut state = self.shared.lock();
-        let Some(route) = state.routes.get_mut(&stream) else {
-            return;
+        let st = &mut *state;
+        st.recv.receive(flow_len)?;
+        st.recv.release(flow_len, 0, &mut st.out.buf);
+        let Some(route) = st.routes.get_mut(&stream) else {
+            return Ok(());
         };
-        route.unacked += flow_len as u32;
         let client = route.client.clone();
         let client_stream = route.client_stream;
-        let lease = if end_stream {
-            state
-                .routes
-                .remove(&stream)
-                .and_then(|mut r| r.lease.take())
-        } else {
-            if route.unacked >= STREAM_WINDOW / 2 {
-                WindowUpdate {
-                    stream_id: stream,
-                    increment: std::mem::take(&mut route.unacked),
-                }
-                .encode(&mut state.out.buf);
+        if route.recv.receive(flow_len).is_err() {
+            drop(state);
+            tracing::debug!(stream, "upstream overran the stream's flow-control window");
+            let (lease, dropped) = self
+                .shared
+                .lock()
+                .cancel(stream, ErrorCode::FLOW_CONTROL_ERROR);
+            client
+                .lock()
+                .reset(client_stream, ErrorCode::INTERNAL_ERROR, dropped);
+            self.touch(&client);
+            if let Some(lease) = lease {
+                self.pool.finish(lease, Outcome::Failure, self.now);
             }
-            None
+            return Ok(());
+        }
+        let padding = flow_len - data.len();
+        let (lease, dropped) = if end_stream {
+            take_lease(st.routes.remove(&stream))
+        } else {
+            if padding > 0 {
+                route.recv.release(padding, stream, &mut st.out.buf);
+            }
+            (None, 0)
         };
         drop(state);
-        let ok = client.lock().respond_data(client_stream, data, end_stream);
+        let sent = {
+            let mut c = client.lock();
+            if dropped > 0 {
+                c.released(client_stream, dropped);
+            }
+            c.respond_data(client_stream, data, end_stream)
+        };
         self.touch(&client);
         if let Some(lease) = lease {
             self.pool.finish(lease, Outcome::Success, self.now);
-        } else if !ok {
-            self.cancel(stream);
+        } else {
+            match sent {
+                None => self.cancel(stream),
+                Some(0) => {}
+                Some(n) => self.shared.lock().released(stream, n),
+            }
         }
+        Ok(())
     }
 
     /// The server reset `stream`: the client's stream ends with it.
@@ -508,7 +609,10 @@ impl Reader<'_> {
         } else {
             Outcome::Failure
         };
-        route.client.lock().reset(route.client_stream, code);
+        route
+            .client
+            .lock()
+            .reset(route.client_stream, code, route.held.len());
         self.touch(&route.client);
         if let Some(lease) = route.lease.take() {
             self.pool.finish(lease, outcome, self.now);
@@ -517,7 +621,7 @@ impl Reader<'_> {
 
     /// The client's stream is gone: reset the upstream one.
     fn cancel(&mut self, stream: u32) {
-        let lease = self.shared.lock().cancel(stream, ErrorCode::CANCEL);
+        let (lease, _) = self.shared.lock().cancel(stream, ErrorCode::CANCEL);
         if let Some(lease) = lease {
             self.pool.finish(lease, Outcome::Cancelled, self.now);
         }
@@ -532,7 +636,7 @@ impl Reader<'_> {
     ) {
         client
             .lock()
-            .reset(client_stream, ErrorCode::INTERNAL_ERROR);
+            .reset(client_stream, ErrorCode::INTERNAL_ERROR, 0);
         self.touch(client);
         match lease {
             Some(lease) => self.pool.finish(lease, Outcome::Failure, self.now),
@@ -550,10 +654,11 @@ fn fail_all(pool: &Weak<CodecPool>, shared: &Arc<UpShared>) {
     };
     let now = Instant::now();
     for mut route in routes {
-        route
-            .client
-            .lock()
-            .reset(route.client_stream, ErrorCode::INTERNAL_ERROR);
+        route.client.lock().reset(
+            route.client_stream,
+            ErrorCode::INTERNAL_ERROR,
+            route.held.len(),
+        );
         route.client.flush();
         if let (Some(lease), Some(p)) = (route.lease.take(), pool.upgrade()) {
             p.finish(lease, Outcome::Failure, now);
@@ -561,10 +666,21 @@ fn fail_all(pool: &Weak<CodecPool>, shared: &Arc<UpShared>) {
     }
 }
 
+/// A route that ended: its lease, and the request bytes still held for the server (dropped:
+/// the client's connection window gets them back).
+fn take_lease(route: Option<Route>) -> (Option<Lease>, usize) {
+    route.map_or((None, 0), |mut r| (r.lease.take(), r.held.len()))
+}
+
 impl UpState {
-    /// Sends request trailers on `stream`, which end it.
+    /// Sends request trailers on `stream`, which end it (after any request bytes held for
+    /// the server's window).
     pub(crate) fn put_trailers(&mut self, stream: u32, trailers: &Fields) {
-        if self.routes.contains_key(&stream) {
+        if let Some(route) = self.routes.get_mut(&stream) {
+            if route.held.is_waiting() {
+                route.held.hold_trailers(trailers.iter());
+                return;
+            }
             fields::put_headers(
                 &mut self.out.buf,
                 &mut self.encoder,
