@@ -13,12 +13,14 @@
 //! Invariants: no task holds two connections' locks at once (a reader takes its own, lets
 //! it go, then the peer's); every length a peer declares is checked before it is used.
 //!
+//! Flow control holds what a receiver's windows do not take and gives a stream's window back
+//! to its sender only once its bytes have been passed on (`frames::Held`, `RecvWindow`), so
+//! what the balancer holds is bounded by the windows it gave.
+//!
 //! What it does not do yet (so it stays off by default): waiting for a ready endpoint,
-//! retries and re-dispatch, deadlines
-//! enforced here (`grpc-timeout` is forwarded as the remaining budget, not timed),
-//! waiting for flow-control window (a frame that does not fit resets its stream), health
-//! checks, liveness PINGs, flood guards, GOAWAY on max age, drain and idle, CONTINUATION on
-//! the way out.
+//! retries and re-dispatch, deadlines enforced here (`grpc-timeout` is forwarded unchanged),
+//! the stalled-reader reset, health checks, liveness PINGs, flood guards, GOAWAY on max age,
+//! drain and idle, CONTINUATION on the way out.
 
 mod client;
 mod fields;
