@@ -60,6 +60,19 @@ pub enum Flood {
     RstStream,
 }
 
+impl Flood {
+    /// The flood as the `client_protocol_errors` label.
+    #[must_use]
+    pub fn client_error_reason(self) -> crate::metrics::ClientErrorReason {
+        use crate::metrics::ClientErrorReason;
+        match self {
+            Self::Ping => ClientErrorReason::PingFlood,
+            Self::Settings => ClientErrorReason::SettingsFlood,
+            Self::RstStream => ClientErrorReason::RstStreamFlood,
+        }
+    }
+}
+
 #[derive(Debug)]
 struct Bucket {
     budget: FrameBudget,

@@ -78,9 +78,7 @@ impl ProtocolError {
     pub fn client_error_reason(&self) -> ClientErrorReason {
         match self {
             Self::NoPreface(_) => ClientErrorReason::NoPreface,
-            Self::Flood(Flood::Ping) => ClientErrorReason::PingFlood,
-            Self::Flood(Flood::Settings) => ClientErrorReason::SettingsFlood,
-            Self::Flood(Flood::RstStream) => ClientErrorReason::RstStreamFlood,
+            Self::Flood(flood) => flood.client_error_reason(),
             Self::TooManyStreams { .. } => ClientErrorReason::TooManyStreams,
             Self::Frame(_)
             | Self::InsideHeaderBlock { .. }
