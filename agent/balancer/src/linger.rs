@@ -11,7 +11,7 @@
 
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::io::{AsyncRead, AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::TcpStream;
 
 /// After its FIN, how long a closed connection's socket is kept reading (and discarding) what
@@ -32,10 +32,17 @@ pub(crate) fn close(stream: TcpStream) {
 /// FIN after what is written, then read and discard until the peer closes, an error, or
 /// [`LINGER`].
 async fn linger(mut stream: TcpStream) {
+    let _ = tokio::time::timeout(LINGER, stream.shutdown()).await;
+    discard(stream).await;
+}
+
+/// The lingering of a connection whose halves went separate ways: the write half sends its
+/// FIN when it is dropped; this reads the read half and discards what comes until the peer
+/// closes, an error, or [`LINGER`].
+pub(crate) async fn discard(mut read: impl AsyncRead + Unpin) {
     let _ = tokio::time::timeout(LINGER, async {
-        let _ = stream.shutdown().await;
         let mut discard = [0u8; DISCARD_CHUNK];
-        while matches!(stream.read(&mut discard).await, Ok(n) if n > 0) {}
+        while matches!(read.read(&mut discard).await, Ok(n) if n > 0) {}
     })
     .await;
 }
