@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use skewless_balancer::connection::{ConnectionBalancer, ConnectionConfig};
 use skewless_balancer::metrics::{ClientErrorReason, RotationReason, ServiceSnapshot};
-use skewless_balancer::{Balancer, Config, Endpoint};
+use skewless_balancer::{Balancer, CodecBalancer, Config, Endpoint};
 use skewless_echo::SpawnedEcho;
 use skewless_echo::pb::EchoRequest;
 use skewless_echo::pb::echo_client::EchoClient;
@@ -38,11 +38,14 @@ fn ping() -> Vec<u8> {
 enum Mode {
     Request,
     Connection,
+    /// Request mode on the frame codec (experimental), where it already has the guard.
+    Codec,
 }
 
 enum Served {
     Request(Serving<Balancer>),
     Connection(Serving<ConnectionBalancer>),
+    Codec(Serving<CodecBalancer>),
 }
 
 struct Bed {
@@ -77,6 +80,26 @@ impl Bed {
                     support::serve(endpoints, |rx| ConnectionBalancer::new(connection, rx)).await;
                 (s.addr, Served::Connection(s))
             }
+            Mode::Codec => {
+                let s = support::serve(endpoints, |rx| CodecBalancer::new(config, rx)).await;
+                // A call that finds no upstream connection up yet fails at once on this path:
+                // the bed is ready when one succeeds.
+                let channel = Channel::from_shared(format!("http://{}", s.addr))
+                    .expect("uri")
+                    .connect()
+                    .await
+                    .expect("connects");
+                let mut c = EchoClient::new(channel);
+                let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+                while c.echo(EchoRequest::default()).await.is_err() {
+                    assert!(
+                        tokio::time::Instant::now() < deadline,
+                        "the codec path serves no call within 5 s"
+                    );
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                (s.addr, Served::Codec(s))
+            }
         };
         Self {
             addr,
@@ -90,6 +113,7 @@ impl Bed {
         match &self.served {
             Served::Request(s) => s.balancer.metrics(),
             Served::Connection(s) => s.balancer.metrics(),
+            Served::Codec(s) => s.balancer.metrics(),
         }
     }
 
@@ -104,7 +128,7 @@ impl Bed {
         };
         let counted = match &self.served {
             Served::Request(s) => flood(s.balancer.counters()),
-            Served::Connection(_) => 0,
+            Served::Connection(_) | Served::Codec(_) => 0,
         };
         counted + client_errors(&self.metrics(), reason)
     }
@@ -122,6 +146,7 @@ impl Bed {
         match &mut self.served {
             Served::Request(s) => s.start_drain(),
             Served::Connection(s) => s.start_drain(),
+            Served::Codec(s) => s.start_drain(),
         }
     }
 
@@ -130,6 +155,7 @@ impl Bed {
         match &mut self.served {
             Served::Request(s) => s.stop_within(within).await,
             Served::Connection(s) => s.stop_within(within).await,
+            Served::Codec(s) => s.stop_within(within).await,
         }
     }
 
@@ -300,6 +326,13 @@ async fn both_modes<F: std::future::Future<Output = ()>>(case: impl Fn(Mode) -> 
     }
 }
 
+/// Runs `case` for each mode and for request mode on the frame codec, one after the other.
+async fn both_modes_and_codec<F: std::future::Future<Output = ()>>(case: impl Fn(Mode) -> F) {
+    for mode in [Mode::Request, Mode::Connection, Mode::Codec] {
+        case(mode).await;
+    }
+}
+
 /// Checks that exactly one client connection was closed, for `reason` (counted by the time
 /// its client saw the close, or a moment after: h2 counts once the connection's task sees the
 /// end it wrote).
@@ -323,7 +356,7 @@ async fn assert_cut_off_once(bed: &Bed, mode: Mode, reason: ClientErrorReason) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_ping_flood_is_cut_off_with_enhance_your_calm_and_counted_and_other_clients_are_served() {
-    both_modes(|mode| async move {
+    both_modes_and_codec(|mode| async move {
         let (sent, bed) =
             flooded_while_serving(mode, hello(), |_| ping(), ErrorCode::ENHANCE_YOUR_CALM).await;
         assert_cut_off_once(&bed, mode, ClientErrorReason::PingFlood).await;
@@ -336,7 +369,7 @@ async fn a_ping_flood_is_cut_off_with_enhance_your_calm_and_counted_and_other_cl
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_settings_flood_is_cut_off_with_enhance_your_calm_and_counted_and_other_clients_are_served()
  {
-    both_modes(|mode| async move {
+    both_modes_and_codec(|mode| async move {
         let settings = frame(Kind::Settings, 0, 0, &[]);
         let (sent, bed) = flooded_while_serving(
             mode,
@@ -356,7 +389,7 @@ async fn a_settings_flood_is_cut_off_with_enhance_your_calm_and_counted_and_othe
 async fn an_rst_stream_flood_on_a_closed_stream_is_cut_off_with_enhance_your_calm_and_counted() {
     // One stream (GET /, a static-table header block), then RST_STREAM on it again and
     // again: h2 ignores a reset of a closed stream, so only the guard can stop this.
-    both_modes(|mode| async move {
+    both_modes_and_codec(|mode| async move {
         let mut opening = hello();
         opening.extend(frame(
             Kind::Headers,
@@ -409,7 +442,7 @@ async fn a_settings_ack_instead_of_the_preface_is_closed_at_once_and_counted() {
     // The magic, then a SETTINGS ACK (acknowledging the server's SETTINGS) and never a
     // SETTINGS of its own, then a request: no preface (RFC 9113 section 3.4), closed by the
     // handshake deadline (at once) and counted, while a good client loses nothing.
-    both_modes(|mode| async move {
+    both_modes_and_codec(|mode| async move {
         let bed = Bed::mode(mode).await;
         let stop = Arc::new(AtomicBool::new(false));
         let good = good_client(bed.addr, stop.clone());
@@ -432,11 +465,11 @@ async fn a_settings_ack_instead_of_the_preface_is_closed_at_once_and_counted() {
             waited < Duration::from_secs(9),
             "{mode:?}: closed by the 10 s handshake deadline, at once: {waited:?}"
         );
-        if mode == Mode::Request {
+        if mode != Mode::Connection {
             assert_eq!(
                 got.go_aways,
                 [ErrorCode::PROTOCOL_ERROR],
-                "request mode's h2 spoke first: told why"
+                "request mode spoke first: told why"
             );
         }
         stop.store(true, Ordering::Relaxed);

@@ -18,6 +18,8 @@ use super::frames::{self, DEFAULT_WINDOW, HeaderBlocks, Held, Outgoing, RecvWind
 use super::out::{HasOut, Out, Shared};
 use super::upstream::{HEADER_TABLE_SIZE, MAX_FRAME, UpShared};
 use super::{CodecPool, StreamMap};
+use crate::flood::{self, FloodLimits, FrameBudgets};
+use crate::metrics::ClientErrorReason;
 use crate::request::config::Config;
 use crate::request::picker::Outcome;
 use crate::server::Stop;
@@ -242,6 +244,8 @@ pub(crate) async fn serve(pool: Arc<CodecPool>, stream: TcpStream, _stop: Stop<C
         dirty: Vec::new(),
         blocks: HeaderBlocks::default(),
         last_stream: 0,
+        budgets: FrameBudgets::new(FloodLimits::default(), Instant::now()),
+        settings_seen: false,
     };
     let mut rbuf = BytesMut::with_capacity(64 * 1024);
     let mut preface = 0usize;
@@ -274,7 +278,9 @@ pub(crate) async fn serve(pool: Arc<CodecPool>, stream: TcpStream, _stop: Stop<C
         let mut failed = None;
         for frame in &mut frames {
             let result = match frame {
-                Ok((head, payload)) => conn.frame(head, payload, now),
+                Ok((head, payload)) => conn
+                    .guard(&head, now)
+                    .and_then(|()| conn.frame(head, payload, now)),
                 Err(_) => Err(ErrorCode::FRAME_SIZE_ERROR),
             };
             if let Err(code) = result {
@@ -301,6 +307,10 @@ pub(crate) async fn serve(pool: Arc<CodecPool>, stream: TcpStream, _stop: Stop<C
         shared.flush();
     }
     conn.close();
+    // The write half sends its FIN once the writer task and the streams have let it go; what
+    // the client still sends meanwhile is read and dropped, never answered with a reset.
+    drop((conn, shared));
+    tokio::spawn(crate::linger::discard(read));
 }
 
 /// The client reader's own state.
@@ -314,6 +324,10 @@ struct Conn {
     blocks: HeaderBlocks,
     /// The highest stream id the client opened.
     last_stream: u32,
+    /// What its PINGs, SETTINGS and RST_STREAMs may spend (see [`crate::flood`]).
+    budgets: FrameBudgets,
+    /// Its first frame after the magic came, a SETTINGS without ACK as it must be.
+    settings_seen: bool,
 }
 
 impl Conn {
@@ -321,6 +335,28 @@ impl Conn {
         if !self.dirty.iter().any(|u| Arc::ptr_eq(u, up)) {
             self.dirty.push(up.clone());
         }
+    }
+
+    /// What every frame of the client's is checked for before it is handled: the first one
+    /// must be a SETTINGS that is not an ACK (RFC 9113 section 3.4), and PINGs, SETTINGS and
+    /// RST_STREAMs spend from their budgets, as on the h2 path (`request::flood_guard`). A
+    /// client that breaks either is counted and cut off: `Err` with its GOAWAY's code.
+    fn guard(&mut self, head: &Head, now: Instant) -> Result<(), ErrorCode> {
+        if !std::mem::replace(&mut self.settings_seen, true)
+            && (head.kind != Kind::Settings || head.is_ack())
+        {
+            tracing::debug!(kind = ?head.kind, "client's first frame is not its SETTINGS");
+            self.pool.metrics.client_error(ClientErrorReason::Malformed);
+            return Err(ErrorCode::PROTOCOL_ERROR);
+        }
+        if flood::budgeted(head)
+            && let Some(flood) = self.budgets.spend(head, now)
+        {
+            tracing::debug!(%flood, "client cut off");
+            self.pool.metrics.client_error(flood.client_error_reason());
+            return Err(ErrorCode::ENHANCE_YOUR_CALM);
+        }
+        Ok(())
     }
 
     fn frame(&mut self, head: Head, payload: &[u8], now: Instant) -> Result<(), ErrorCode> {

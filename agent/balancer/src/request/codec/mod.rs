@@ -15,12 +15,14 @@
 //!
 //! Flow control holds what a receiver's windows do not take and gives a stream's window back
 //! to its sender only once its bytes have been passed on (`frames::Held`, `RecvWindow`), so
-//! what the balancer holds is bounded by the windows it gave.
+//! what the balancer holds is bounded by the windows it gave. A client's PINGs, SETTINGS and
+//! RST_STREAMs spend from the flood budgets of the h2 path, and its first frame must be its
+//! SETTINGS.
 //!
 //! What it does not do yet (so it stays off by default): waiting for a ready endpoint,
 //! retries and re-dispatch, deadlines enforced here (`grpc-timeout` is forwarded unchanged),
-//! the stalled-reader reset, health checks, liveness PINGs, flood guards, GOAWAY on max age,
-//! drain and idle, CONTINUATION on the way out.
+//! the stalled-reader reset, health checks, liveness PINGs, GOAWAY on max age, drain and
+//! idle, the handshake timeout, CONTINUATION on the way out.
 
 mod client;
 mod fields;
