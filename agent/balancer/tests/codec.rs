@@ -11,7 +11,7 @@ use std::time::Duration;
 use skewless_balancer::{CodecBalancer, Config, Endpoint};
 use skewless_echo::pb::EchoRequest;
 use skewless_echo::pb::echo_client::EchoClient;
-use skewless_frame::{ErrorCode, Kind, RstStream, flags};
+use skewless_frame::{ErrorCode, GoAway, Kind, MAX_STREAM_ID, Ping, RstStream, flags};
 use support::{Serving, endpoints, frame, hello, next_frame, pods, serve};
 use tokio::io::AsyncWriteExt as _;
 use tonic::transport::Channel;
@@ -282,4 +282,88 @@ async fn a_client_that_overruns_its_stream_window_gets_a_flow_control_error() {
     .await
     .expect("the overrun stream is reset within 5 s");
     assert_eq!(reset, ErrorCode::FLOW_CONTROL_ERROR);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_lets_a_call_in_flight_finish_then_stops_the_codec_path() {
+    let pods = pods(1).await;
+    pods[0].control.set_delay(Duration::from_millis(300));
+    let mut b = codec_balancer(&pods).await;
+    let mut c = client(b.addr).await;
+    until_ready(&mut c).await;
+    let mut caller = c.clone();
+    let call = tokio::spawn(async move { caller.echo(req(b"d")).await });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // The client keeps its connection; the drain grace is 10 s: the balancer must close the
+    // connection once its call is over, not then.
+    b.stop_within(Duration::from_secs(5)).await;
+    drop(c);
+    let r = call.await.expect("task");
+    assert!(
+        r.is_ok(),
+        "a call in flight when the drain starts completes: {r:?}"
+    );
+    assert!(
+        tokio::net::TcpStream::connect(b.addr).await.is_err(),
+        "no new connections after the drain"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_age_winds_a_codec_connection_down_with_two_goaways() {
+    let pods = pods(1).await;
+    let config = Config {
+        max_connection_age: Some(Duration::from_millis(200)),
+        ..Config::default()
+    };
+    let b = serve(endpoints(&pods), |rx| CodecBalancer::new(config, rx)).await;
+    let mut io = tokio::net::TcpStream::connect(b.addr)
+        .await
+        .expect("connect");
+    io.write_all(&hello()).await.expect("hello");
+    let go_away = |payload: &[u8]| {
+        let head = skewless_frame::Head::new(Kind::GoAway, 0, 0, payload.len() as u32);
+        let g = GoAway::decode(&head, payload).expect("GOAWAY");
+        (g.last_stream_id, g.error_code)
+    };
+    let within = Duration::from_secs(5);
+    // First: GOAWAY with the highest stream id, then a PING.
+    let first = tokio::time::timeout(within, async {
+        loop {
+            let (head, payload) = next_frame(&mut io).await;
+            if head.kind == Kind::GoAway {
+                return go_away(&payload);
+            }
+        }
+    })
+    .await
+    .expect("a GOAWAY at the max age");
+    assert_eq!(first, (MAX_STREAM_ID, ErrorCode::NO_ERROR));
+    let (head, payload) = next_frame(&mut io).await;
+    assert!(
+        head.kind == Kind::Ping && !head.is_ack(),
+        "a PING follows the first GOAWAY: {head:?}"
+    );
+    let ping = Ping::decode(&head, &payload).expect("PING");
+    let mut ack = Vec::new();
+    Ping {
+        ack: true,
+        opaque: ping.opaque,
+    }
+    .encode(&mut ack);
+    io.write_all(&ack).await.expect("PING ACK");
+    // Then, once the PING is back: GOAWAY with the last stream id taken (none), and the close.
+    let (head, payload) = tokio::time::timeout(within, next_frame(&mut io))
+        .await
+        .expect("the second GOAWAY");
+    assert_eq!(head.kind, Kind::GoAway);
+    assert_eq!(go_away(&payload), (0, ErrorCode::NO_ERROR));
+    let mut rest = Vec::new();
+    let closed = tokio::time::timeout(
+        within,
+        tokio::io::AsyncReadExt::read_to_end(&mut io, &mut rest),
+    )
+    .await
+    .expect("the connection closes with no stream left");
+    assert!(closed.is_ok() && rest.is_empty(), "{closed:?} {rest:?}");
 }

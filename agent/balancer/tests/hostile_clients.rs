@@ -490,8 +490,8 @@ async fn clients_that_send_no_preface_are_closed_after_the_handshake_timeout_and
     // 50 connections that send nothing, one that sends half the magic and one the whole
     // magic but no SETTINGS (h2's handshake is over then: the preface is not), beside a good
     // client: each is closed at the 10 s handshake timeout (not before), counted once. Both
-    // modes at once (each waits the same 10 s).
-    let cases = [Mode::Request, Mode::Connection].map(|mode| async move {
+    // modes and the codec path at once (each waits the same 10 s).
+    let cases = [Mode::Request, Mode::Connection, Mode::Codec].map(|mode| async move {
         let bed = Bed::mode(mode).await;
         let stop = Arc::new(AtomicBool::new(false));
         let good = good_client(bed.addr, stop.clone());
@@ -541,8 +541,8 @@ async fn clients_that_send_no_preface_are_closed_after_the_handshake_timeout_and
         );
         bed.stop().await;
     });
-    let [a, b] = cases;
-    tokio::join!(a, b);
+    let [a, b, c] = cases;
+    tokio::join!(a, b, c);
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]

@@ -6,8 +6,8 @@ use std::sync::Arc;
 
 use bytes::{Buf as _, BytesMut};
 use skewless_frame::{
-    ErrorCode, Frames, GoAway, Head, Kind, PREFACE, RstStream, Setting, SettingId, Settings,
-    WindowUpdate, flags,
+    ErrorCode, Frames, GoAway, Head, Kind, MAX_STREAM_ID, PREFACE, Ping, RstStream, Setting,
+    SettingId, Settings, WindowUpdate, flags,
 };
 use tokio::io::AsyncReadExt as _;
 use tokio::net::TcpStream;
@@ -29,6 +29,15 @@ pub(crate) type ClientShared = Shared<ClientState>;
 
 /// Most streams one client connection may have open at once (as on the h2 path).
 const MAX_CLIENT_STREAMS: u32 = 1024;
+/// How long a new client connection may take to send its HTTP/2 preface and SETTINGS (as on
+/// the h2 path).
+const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+/// The opaque data of the PING that follows the first GOAWAY of a wind-down: its ACK says the
+/// client has seen that GOAWAY.
+const WIND_DOWN_PING: [u8; 8] = *b"skewless";
+/// While a connection winds down, how often it looks whether its last stream has ended
+/// (streams end on upstream readers' tasks).
+const WIND_DOWN_CHECK: std::time::Duration = std::time::Duration::from_millis(20);
 
 /// What upstream readers write responses into.
 pub(crate) struct ClientState {
@@ -204,7 +213,7 @@ fn is_connection_specific(name: &[u8]) -> bool {
 }
 
 /// Serves one client connection until it closes.
-pub(crate) async fn serve(pool: Arc<CodecPool>, stream: TcpStream, _stop: Stop<Config>) {
+pub(crate) async fn serve(pool: Arc<CodecPool>, stream: TcpStream, mut stop: Stop<Config>) {
     // The reader reads through `AsyncRead`, which takes a short read as "drained" (no read
     // that would find nothing); writers share the write half.
     let (mut read, write) = stream.into_split();
@@ -246,65 +255,61 @@ pub(crate) async fn serve(pool: Arc<CodecPool>, stream: TcpStream, _stop: Stop<C
         last_stream: 0,
         budgets: FrameBudgets::new(FloodLimits::default(), Instant::now()),
         settings_seen: false,
+        magic: 0,
+        winding: Winding::No,
     };
     let mut rbuf = BytesMut::with_capacity(64 * 1024);
-    let mut preface = 0usize;
-    loop {
-        if rbuf.capacity() - rbuf.len() < 16 * 1024 {
-            rbuf.reserve(64 * 1024);
+    // Until its preface (the magic, then its SETTINGS) is in, the connection has no stream to
+    // finish: a drain or the handshake deadline closes it at once.
+    let preface_deadline = Instant::now() + HANDSHAKE_TIMEOUT;
+    let mut open = true;
+    while open && !conn.settings_seen {
+        tokio::select! {
+            biased;
+            _ = stop.drained() => {
+                tracing::debug!("client wound down before its preface, closing");
+                open = false;
+            }
+            () = tokio::time::sleep_until(preface_deadline) => {
+                conn.pool.metrics.client_error(ClientErrorReason::NoPreface);
+                tracing::debug!("client sent no HTTP/2 preface in time");
+                open = false;
+            }
+            more = read_more(&mut read, &mut rbuf) => open = more && conn.input(&mut rbuf),
         }
-        match read.read_buf(&mut rbuf).await {
-            Ok(0) => break,
-            Ok(_) => {}
-            Err(error) => {
-                tracing::debug!(%error, "client read failed");
+    }
+    if open {
+        // From the preface on, its max age counts too. Told to wind down, it gets the
+        // two-phase GOAWAY of the h2 path and its streams the drain grace to finish.
+        let stopped = stop.stopped();
+        tokio::pin!(stopped);
+        let mut grace_end = None;
+        loop {
+            tokio::select! {
+                biased;
+                _ = &mut stopped, if grace_end.is_none() => {
+                    conn.wind_down();
+                    grace_end = Some(Instant::now() + conn.pool.drain_grace());
+                }
+                () = tokio::time::sleep_until(grace_end.unwrap_or(preface_deadline)),
+                    if grace_end.is_some() =>
+                {
+                    tracing::debug!("grace period over, closing client connection");
+                    conn.final_go_away();
+                    break;
+                }
+                () = tokio::time::sleep(WIND_DOWN_CHECK), if grace_end.is_some() => {}
+                more = read_more(&mut read, &mut rbuf) => {
+                    if !(more && conn.input(&mut rbuf)) {
+                        break;
+                    }
+                }
+            }
+            if conn.wound_down() {
+                tracing::debug!("client connection wound down");
                 break;
             }
         }
-        if preface < PREFACE.len() {
-            let n = (PREFACE.len() - preface).min(rbuf.len());
-            if rbuf[..n] != PREFACE[preface..preface + n] {
-                tracing::debug!("client sent no HTTP/2 preface");
-                break;
-            }
-            preface += n;
-            rbuf.advance(n);
-            if preface < PREFACE.len() {
-                continue;
-            }
-        }
-        let now = Instant::now();
-        let mut frames = Frames::new(&rbuf, MAX_FRAME);
-        let mut failed = None;
-        for frame in &mut frames {
-            let result = match frame {
-                Ok((head, payload)) => conn
-                    .guard(&head, now)
-                    .and_then(|()| conn.frame(head, payload, now)),
-                Err(_) => Err(ErrorCode::FRAME_SIZE_ERROR),
-            };
-            if let Err(code) = result {
-                failed = Some(code);
-                break;
-            }
-        }
-        let used = rbuf.len() - frames.rest().len();
-        rbuf.advance(used);
-        for up in conn.dirty.drain(..) {
-            up.flush();
-        }
-        if let Some(code) = failed {
-            let mut state = shared.lock();
-            GoAway {
-                last_stream_id: conn.last_stream,
-                error_code: code,
-                debug_data: b"",
-            }
-            .encode(&mut state.out.buf);
-            shared.flush_locked(&mut state);
-            break;
-        }
-        shared.flush();
     }
     conn.close();
     // The write half sends its FIN once the writer task and the streams have let it go; what
@@ -328,9 +333,142 @@ struct Conn {
     budgets: FrameBudgets,
     /// Its first frame after the magic came, a SETTINGS without ACK as it must be.
     settings_seen: bool,
+    /// How much of the magic (the preface's first 24 bytes) has come.
+    magic: usize,
+    winding: Winding,
+}
+
+/// Where a connection is in its wind-down (the two-phase GOAWAY of RFC 9113 section 6.8, as
+/// h2 sends it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Winding {
+    No,
+    /// GOAWAY with the highest stream id and a PING sent: streams the client opens before it
+    /// sees them are still served.
+    Pinged,
+    /// The PING came back (or the time ran out): GOAWAY with the last stream id taken sent;
+    /// streams above it are refused.
+    Final {
+        last: u32,
+    },
+}
+
+/// Reads what the client sent into `rbuf`; `false` when the connection is over (EOF or an
+/// error).
+async fn read_more(read: &mut tokio::net::tcp::OwnedReadHalf, rbuf: &mut BytesMut) -> bool {
+    if rbuf.capacity() - rbuf.len() < 16 * 1024 {
+        rbuf.reserve(64 * 1024);
+    }
+    match read.read_buf(rbuf).await {
+        Ok(0) => false,
+        Ok(_) => true,
+        Err(error) => {
+            tracing::debug!(%error, "client read failed");
+            false
+        }
+    }
 }
 
 impl Conn {
+    /// Handles what the client sent: the magic, then every whole frame, flushing what they
+    /// produced. `false` when the connection is over (a connection error, with its GOAWAY
+    /// written).
+    fn input(&mut self, rbuf: &mut BytesMut) -> bool {
+        if self.magic < PREFACE.len() {
+            let n = (PREFACE.len() - self.magic).min(rbuf.len());
+            if rbuf[..n] != PREFACE[self.magic..self.magic + n] {
+                tracing::debug!("client sent no HTTP/2 preface");
+                self.pool.metrics.client_error(ClientErrorReason::Malformed);
+                return false;
+            }
+            self.magic += n;
+            rbuf.advance(n);
+            if self.magic < PREFACE.len() {
+                return true;
+            }
+        }
+        let now = Instant::now();
+        let mut frames = Frames::new(rbuf, MAX_FRAME);
+        let mut failed = None;
+        for frame in &mut frames {
+            let result = match frame {
+                Ok((head, payload)) => self
+                    .guard(&head, now)
+                    .and_then(|()| self.frame(head, payload, now)),
+                Err(_) => Err(ErrorCode::FRAME_SIZE_ERROR),
+            };
+            if let Err(code) = result {
+                failed = Some(code);
+                break;
+            }
+        }
+        let used = rbuf.len() - frames.rest().len();
+        rbuf.advance(used);
+        for up in self.dirty.drain(..) {
+            up.flush();
+        }
+        if let Some(code) = failed {
+            let mut state = self.shared.lock();
+            GoAway {
+                last_stream_id: self.last_stream,
+                error_code: code,
+                debug_data: b"",
+            }
+            .encode(&mut state.out.buf);
+            self.shared.flush_locked(&mut state);
+            return false;
+        }
+        self.shared.flush();
+        true
+    }
+
+    /// Starts the wind-down: GOAWAY with the highest stream id, then a PING whose ACK says the
+    /// client saw it.
+    fn wind_down(&mut self) {
+        if self.winding != Winding::No {
+            return;
+        }
+        let mut state = self.shared.lock();
+        GoAway {
+            last_stream_id: MAX_STREAM_ID,
+            error_code: ErrorCode::NO_ERROR,
+            debug_data: b"",
+        }
+        .encode(&mut state.out.buf);
+        Ping {
+            ack: false,
+            opaque: WIND_DOWN_PING,
+        }
+        .encode(&mut state.out.buf);
+        drop(state);
+        self.shared.flush();
+        self.winding = Winding::Pinged;
+    }
+
+    /// The second GOAWAY, with the last stream id taken: nothing above it is served.
+    fn final_go_away(&mut self) {
+        if matches!(self.winding, Winding::Final { .. }) {
+            return;
+        }
+        let last = self.last_stream;
+        let mut state = self.shared.lock();
+        GoAway {
+            last_stream_id: last,
+            error_code: ErrorCode::NO_ERROR,
+            debug_data: b"",
+        }
+        .encode(&mut state.out.buf);
+        // Written now: a connection whose grace is over closes right after.
+        self.shared.flush_locked(&mut state);
+        drop(state);
+        self.winding = Winding::Final { last };
+    }
+
+    /// The wind-down is over: the final GOAWAY is out and no stream is left.
+    fn wound_down(&self) -> bool {
+        matches!(self.winding, Winding::Final { .. }) && self.shared.lock().streams.is_empty()
+    }
+
     fn touch(&mut self, up: &Arc<UpShared>) {
         if !self.dirty.iter().any(|u| Arc::ptr_eq(u, up)) {
             self.dirty.push(up.clone());
@@ -414,6 +552,13 @@ impl Conn {
                 self.give_back(credits);
                 Ok(())
             }
+            Kind::Ping if head.is_ack() => {
+                let ping = Ping::decode(&head, payload).map_err(|_| ErrorCode::PROTOCOL_ERROR)?;
+                if ping.opaque == WIND_DOWN_PING && self.winding == Winding::Pinged {
+                    self.final_go_away();
+                }
+                Ok(())
+            }
             Kind::Ping => frames::answer_ping(&head, payload, &mut self.shared.lock().out.buf),
             Kind::WindowUpdate => {
                 let (stream, inc) = frames::window_update(&head, payload)?;
@@ -453,6 +598,13 @@ impl Conn {
             // Trailers of an open request, or a stream id going back: trailers are
             // forwarded, anything else is a protocol error.
             return self.trailers(stream, end_stream, now);
+        }
+        if let Winding::Final { last } = self.winding
+            && stream > last
+        {
+            // Opened after the final GOAWAY: never served, so the client may retry it.
+            self.refuse(stream, ErrorCode::REFUSED_STREAM);
+            return Ok(());
         }
         self.last_stream = stream;
         if decoded.is_err() {

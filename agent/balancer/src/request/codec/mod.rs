@@ -17,12 +17,13 @@
 //! to its sender only once its bytes have been passed on (`frames::Held`, `RecvWindow`), so
 //! what the balancer holds is bounded by the windows it gave. A client's PINGs, SETTINGS and
 //! RST_STREAMs spend from the flood budgets of the h2 path, and its first frame must be its
-//! SETTINGS.
+//! SETTINGS, within the handshake timeout. A drain or the max age winds a client connection
+//! down with the h2 path's two-phase GOAWAY; its streams get the drain grace.
 //!
 //! What it does not do yet (so it stays off by default): waiting for a ready endpoint,
 //! retries and re-dispatch, deadlines enforced here (`grpc-timeout` is forwarded unchanged),
-//! the stalled-reader reset, health checks, liveness PINGs, GOAWAY on max age, drain and
-//! idle, the handshake timeout, CONTINUATION on the way out.
+//! the stalled-reader reset, health checks, liveness PINGs, the idle timeout, CONTINUATION on
+//! the way out.
 
 mod client;
 mod fields;
@@ -196,6 +197,11 @@ impl CodecPool {
 
     fn connect_settings(&self) -> Duration {
         self.config.borrow().connect_timeout
+    }
+
+    /// How long a client connection's streams may run on once it winds down.
+    fn drain_grace(&self) -> Duration {
+        self.config.borrow().drain_grace
     }
 
     /// The endpoint's connection is up (or gone: `None`).
