@@ -672,7 +672,7 @@ async fn an_idle_connection_gets_a_goaway_after_the_idle_timeout_and_keepalive_p
     // Paused time: ten minutes of idleness cost nothing. Two clients send their preface: one
     // then nothing (GOAWAY(NO_ERROR) between the idle timeout and an eighth of it later), one
     // a keepalive PING every 4 minutes for 30 minutes (kept all along), then nothing.
-    for mode in [Mode::Request, Mode::Connection] {
+    for mode in [Mode::Request, Mode::Connection, Mode::Codec] {
         let bed = Bed::mode(mode).await;
         let idle = skewless_balancer::config::DEFAULT_IDLE_TIMEOUT;
         let t0 = tokio::time::Instant::now();

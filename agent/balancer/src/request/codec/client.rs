@@ -19,7 +19,7 @@ use super::out::{HasOut, Out, Shared};
 use super::upstream::{HEADER_TABLE_SIZE, MAX_FRAME, UpShared};
 use super::{CodecPool, StreamMap};
 use crate::flood::{self, FloodLimits, FrameBudgets};
-use crate::metrics::ClientErrorReason;
+use crate::metrics::{ClientErrorReason, RotationReason};
 use crate::request::config::Config;
 use crate::request::picker::Outcome;
 use crate::server::Stop;
@@ -257,6 +257,7 @@ pub(crate) async fn serve(pool: Arc<CodecPool>, stream: TcpStream, mut stop: Sto
         settings_seen: false,
         magic: 0,
         winding: Winding::No,
+        pinged: false,
     };
     let mut rbuf = BytesMut::with_capacity(64 * 1024);
     // Until its preface (the magic, then its SETTINGS) is in, the connection has no stream to
@@ -279,17 +280,43 @@ pub(crate) async fn serve(pool: Arc<CodecPool>, stream: TcpStream, mut stop: Sto
         }
     }
     if open {
-        // From the preface on, its max age counts too. Told to wind down, it gets the
-        // two-phase GOAWAY of the h2 path and its streams the drain grace to finish.
+        // From the preface on, its max age counts too, and its idleness: no stream and no PING
+        // from one check to the next, every eighth of the idle timeout, for the whole timeout
+        // (as on the h2 path). Told to wind down, or idle, it gets the two-phase GOAWAY of the
+        // h2 path and its streams the drain grace to finish.
         let stopped = stop.stopped();
         tokio::pin!(stopped);
         let mut grace_end = None;
+        let mut idle_since = Instant::now();
+        let mut next_check = conn.pool.idle_check_after(idle_since);
+        let idle_timer = tokio::time::sleep_until(next_check.unwrap_or(idle_since));
+        tokio::pin!(idle_timer);
         loop {
             tokio::select! {
                 biased;
                 _ = &mut stopped, if grace_end.is_none() => {
                     conn.wind_down();
                     grace_end = Some(Instant::now() + conn.pool.drain_grace());
+                }
+                () = &mut idle_timer, if grace_end.is_none() && next_check.is_some() => {
+                    let now = Instant::now();
+                    let busy = !conn.shared.lock().streams.is_empty();
+                    if busy || std::mem::take(&mut conn.pinged) {
+                        idle_since = now;
+                    } else if conn
+                        .pool
+                        .idle_timeout()
+                        .is_some_and(|t| now.saturating_duration_since(idle_since) >= t)
+                    {
+                        tracing::debug!("client connection idle, winding it down");
+                        conn.pool.metrics.rotated(RotationReason::Idle);
+                        conn.wind_down();
+                        grace_end = Some(now + conn.pool.drain_grace());
+                    }
+                    next_check = conn.pool.idle_check_after(now);
+                    if let Some(at) = next_check {
+                        idle_timer.as_mut().reset(at);
+                    }
                 }
                 () = tokio::time::sleep_until(grace_end.unwrap_or(preface_deadline)),
                     if grace_end.is_some() =>
@@ -336,6 +363,8 @@ struct Conn {
     /// How much of the magic (the preface's first 24 bytes) has come.
     magic: usize,
     winding: Winding,
+    /// A PING (not an ACK) came since the last idle check: the client keeps the connection.
+    pinged: bool,
 }
 
 /// Where a connection is in its wind-down (the two-phase GOAWAY of RFC 9113 section 6.8, as
@@ -559,7 +588,10 @@ impl Conn {
                 }
                 Ok(())
             }
-            Kind::Ping => frames::answer_ping(&head, payload, &mut self.shared.lock().out.buf),
+            Kind::Ping => {
+                self.pinged = true;
+                frames::answer_ping(&head, payload, &mut self.shared.lock().out.buf)
+            }
             Kind::WindowUpdate => {
                 let (stream, inc) = frames::window_update(&head, payload)?;
                 let credits = {

@@ -17,13 +17,13 @@
 //! to its sender only once its bytes have been passed on (`frames::Held`, `RecvWindow`), so
 //! what the balancer holds is bounded by the windows it gave. A client's PINGs, SETTINGS and
 //! RST_STREAMs spend from the flood budgets of the h2 path, and its first frame must be its
-//! SETTINGS, within the handshake timeout. A drain or the max age winds a client connection
-//! down with the h2 path's two-phase GOAWAY; its streams get the drain grace.
+//! SETTINGS, within the handshake timeout. A drain, the max age or the idle timeout winds a
+//! client connection down with the h2 path's two-phase GOAWAY; its streams get the drain
+//! grace.
 //!
 //! What it does not do yet (so it stays off by default): waiting for a ready endpoint,
 //! retries and re-dispatch, deadlines enforced here (`grpc-timeout` is forwarded unchanged),
-//! the stalled-reader reset, health checks, liveness PINGs, the idle timeout, CONTINUATION on
-//! the way out.
+//! the stalled-reader reset, health checks, liveness PINGs, CONTINUATION on the way out.
 
 mod client;
 mod fields;
@@ -197,6 +197,16 @@ impl CodecPool {
 
     fn connect_settings(&self) -> Duration {
         self.config.borrow().connect_timeout
+    }
+
+    /// When a client connection's next idle check is due after `now`: an eighth of the idle
+    /// timeout in effect (none: no idle timeout), as on the h2 path.
+    fn idle_check_after(&self, now: Instant) -> Option<Instant> {
+        self.config.borrow().idle_timeout.map(|t| now + t / 8)
+    }
+
+    fn idle_timeout(&self) -> Option<Duration> {
+        self.config.borrow().idle_timeout
     }
 
     /// How long a client connection's streams may run on once it winds down.
