@@ -367,3 +367,62 @@ async fn max_age_winds_a_codec_connection_down_with_two_goaways() {
     .expect("the connection closes with no stream left");
     assert!(closed.is_ok() && rest.is_empty(), "{closed:?} {rest:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_waits_for_an_endpoint_that_is_still_connecting_on_the_codec_path() {
+    // The pod's port is known, the pod starts 200 ms after the call: the call waits for the
+    // balancer's connection to it instead of failing at once.
+    let addr = std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr");
+    let config = Config {
+        ready_timeout: Duration::from_secs(3),
+        ..Config::default()
+    };
+    let b = serve(vec![Endpoint::new(addr, "late")], |rx| {
+        CodecBalancer::new(config, rx)
+    })
+    .await;
+    let mut c = client(b.addr).await;
+    let call = tokio::spawn(async move { c.echo(req(b"waited")).await });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let _pod = skewless_echo::SpawnedEcho::start(addr, "late")
+        .await
+        .expect("the pod starts");
+    let reply = call
+        .await
+        .expect("task")
+        .expect("the call waits for the endpoint and succeeds")
+        .into_inner();
+    assert_eq!(reply.payload, b"waited", "with its request body");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_that_finds_no_endpoint_ready_in_time_gets_unavailable_after_the_ready_timeout() {
+    // An endpoint that never answers: the call waits the ready timeout, then fails.
+    let addr = std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr");
+    let config = Config {
+        ready_timeout: Duration::from_millis(300),
+        ..Config::default()
+    };
+    let b = serve(vec![Endpoint::new(addr, "never")], |rx| {
+        CodecBalancer::new(config, rx)
+    })
+    .await;
+    let mut c = client(b.addr).await;
+    let t0 = tokio::time::Instant::now();
+    let status = c
+        .echo(req(b"x"))
+        .await
+        .expect_err("no endpoint is ever ready");
+    let waited = t0.elapsed();
+    assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+    assert!(
+        waited >= Duration::from_millis(290),
+        "it waited the ready timeout first: {waited:?}"
+    );
+}

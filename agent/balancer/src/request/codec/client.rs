@@ -62,9 +62,11 @@ impl HasOut for ClientState {
 
 /// One open client stream.
 struct ClientStream {
-    /// The upstream stream carrying it.
-    up: Arc<UpShared>,
-    up_stream: u32,
+    /// The upstream connection and stream carrying it; none while it waits for a ready
+    /// endpoint.
+    up: Option<(Arc<UpShared>, u32)>,
+    /// While it waits for a ready endpoint: its request, kept until it can be sent.
+    parked: Option<Box<Parked>>,
     /// Send window of this stream (towards the client).
     window: i64,
     /// Response bytes (and the end) the client's windows have not taken yet.
@@ -73,6 +75,14 @@ struct ClientStream {
     request_ended: bool,
     /// What the client may still send on the stream: given back as its bytes go upstream.
     recv: RecvWindow,
+}
+
+/// A request that waits for a ready endpoint: its header list (as forwarded), and its body
+/// bytes, end and trailers as they came (bounded by the stream's window, which they keep
+/// until they go upstream).
+struct Parked {
+    fields: Fields,
+    body: Held,
 }
 
 /// Response bytes that reached the client for an upstream stream, whose window they give
@@ -163,8 +173,10 @@ impl ClientState {
                 held: &mut s.held,
             }
             .resume(&mut self.out.buf, &mut self.limits, &mut self.encoder);
-            if sent > 0 {
-                credits.push((s.up.clone(), s.up_stream, sent));
+            if sent > 0
+                && let Some((up, up_stream)) = &s.up
+            {
+                credits.push((up.clone(), *up_stream, sent));
             }
             let waits = s.held.is_waiting();
             if over {
@@ -246,7 +258,7 @@ pub(crate) async fn serve(pool: Arc<CodecPool>, stream: TcpStream, mut stop: Sto
         shared.flush_locked(&mut state);
     }
     let mut conn = Conn {
-        pool,
+        pool: pool.clone(),
         shared: shared.clone(),
         decoder: HpackDecoder::new(HEADER_TABLE_SIZE as u32),
         fields: Fields::default(),
@@ -258,6 +270,8 @@ pub(crate) async fn serve(pool: Arc<CodecPool>, stream: TcpStream, mut stop: Sto
         magic: 0,
         winding: Winding::No,
         pinged: false,
+        parked: std::collections::VecDeque::new(),
+        ready: pool.readiness(),
     };
     let mut rbuf = BytesMut::with_capacity(64 * 1024);
     // Until its preface (the magic, then its SETTINGS) is in, the connection has no stream to
@@ -318,14 +332,23 @@ pub(crate) async fn serve(pool: Arc<CodecPool>, stream: TcpStream, mut stop: Sto
                         idle_timer.as_mut().reset(at);
                     }
                 }
-                () = tokio::time::sleep_until(grace_end.unwrap_or(preface_deadline)),
+                // Timers in `async` blocks: a disabled branch's expression is still evaluated,
+                // and a timer made on every read would cost every call.
+                () = async { tokio::time::sleep_until(grace_end.unwrap_or(preface_deadline)).await },
                     if grace_end.is_some() =>
                 {
                     tracing::debug!("grace period over, closing client connection");
                     conn.final_go_away();
                     break;
                 }
-                () = tokio::time::sleep(WIND_DOWN_CHECK), if grace_end.is_some() => {}
+                () = async { tokio::time::sleep(WIND_DOWN_CHECK).await }, if grace_end.is_some() => {}
+                _ = conn.ready.changed(), if !conn.parked.is_empty() => {
+                    conn.dispatch_parked(Instant::now());
+                }
+                () = async {
+                    let first = conn.parked.front().map_or(preface_deadline, |&(_, at)| at);
+                    tokio::time::sleep_until(first).await;
+                }, if !conn.parked.is_empty() => conn.dispatch_parked(Instant::now()),
                 more = read_more(&mut read, &mut rbuf) => {
                     if !(more && conn.input(&mut rbuf)) {
                         break;
@@ -365,6 +388,10 @@ struct Conn {
     winding: Winding,
     /// A PING (not an ACK) came since the last idle check: the client keeps the connection.
     pinged: bool,
+    /// Streams waiting for a ready endpoint, with when each gives up, in arrival order.
+    parked: std::collections::VecDeque<(u32, Instant)>,
+    /// Moves when an upstream connection comes up: parked streams try again.
+    ready: tokio::sync::watch::Receiver<u64>,
 }
 
 /// Where a connection is in its wind-down (the two-phase GOAWAY of RFC 9113 section 6.8, as
@@ -652,15 +679,30 @@ impl Conn {
             return Ok(());
         }
         let Some((up, lease)) = self.pool.pick(now) else {
-            // No endpoint: a trailers-only UNAVAILABLE.
-            let mut state = self.shared.lock();
-            let mut f = Fields::default();
-            f.push(b":status", b"200");
-            f.push(b"content-type", b"application/grpc");
-            f.push(b"grpc-status", b"14");
-            f.push(b"grpc-message", b"skewless: no endpoint is ready");
-            let st = &mut *state;
-            fields::put_headers(&mut st.out.buf, &mut st.encoder, stream, true, f.iter());
+            if !self.pool.has_endpoints() {
+                self.unavailable(stream, b"skewless: the service has no endpoints");
+                return Ok(());
+            }
+            // Endpoints still connecting (right after start, or a reconnect): the request
+            // waits for one, as on the h2 path, up to the ready timeout.
+            let mut fields = Fields::default();
+            for (name, value) in self
+                .fields
+                .iter()
+                .filter(|(n, _)| !is_connection_specific(n))
+            {
+                fields.push(name, value);
+            }
+            let mut body = Held::default();
+            body.push(&[], end_stream);
+            self.insert_stream(
+                stream,
+                None,
+                Some(Box::new(Parked { fields, body })),
+                end_stream,
+            );
+            self.parked
+                .push_back((stream, now + self.pool.ready_timeout()));
             return Ok(());
         };
         let forwarded = self
@@ -672,20 +714,7 @@ impl Conn {
             .open(&self.shared, stream, lease, end_stream, forwarded);
         match opened {
             Ok(up_stream) => {
-                let mut state = self.shared.lock();
-                let window = state.limits.initial_window;
-                state.streams.insert(
-                    stream,
-                    ClientStream {
-                        up: up.clone(),
-                        up_stream,
-                        window,
-                        held: Held::default(),
-                        request_ended: end_stream,
-                        recv: RecvWindow::new(STREAM_WINDOW),
-                    },
-                );
-                drop(state);
+                self.insert_stream(stream, Some((up.clone(), up_stream)), None, end_stream);
                 self.touch(&up);
             }
             Err(lease) => {
@@ -694,6 +723,122 @@ impl Conn {
             }
         }
         Ok(())
+    }
+
+    fn insert_stream(
+        &mut self,
+        stream: u32,
+        up: Option<(Arc<UpShared>, u32)>,
+        parked: Option<Box<Parked>>,
+        request_ended: bool,
+    ) {
+        let mut state = self.shared.lock();
+        let window = state.limits.initial_window;
+        state.streams.insert(
+            stream,
+            ClientStream {
+                up,
+                parked,
+                window,
+                held: Held::default(),
+                request_ended,
+                recv: RecvWindow::new(STREAM_WINDOW),
+            },
+        );
+    }
+
+    /// Answers `stream` with a trailers-only UNAVAILABLE saying `message`, and forgets it.
+    fn unavailable(&mut self, stream: u32, message: &[u8]) {
+        let mut f = Fields::default();
+        f.push(b":status", b"200");
+        f.push(b"content-type", b"application/grpc");
+        f.push(b"grpc-status", b"14");
+        f.push(b"grpc-message", message);
+        let mut state = self.shared.lock();
+        let st = &mut *state;
+        st.streams.remove(&stream);
+        fields::put_headers(&mut st.out.buf, &mut st.encoder, stream, true, f.iter());
+    }
+
+    /// The parked streams try again: each one sent upstream if an endpoint is ready now, or
+    /// answered UNAVAILABLE once its ready timeout is over.
+    fn dispatch_parked(&mut self, now: Instant) {
+        let parked = std::mem::take(&mut self.parked);
+        for (stream, give_up) in parked {
+            let waiting = self
+                .shared
+                .lock()
+                .streams
+                .get(&stream)
+                .is_some_and(|s| s.parked.is_some());
+            if !waiting {
+                continue;
+            }
+            let Some((up, lease)) = self.pool.pick(now) else {
+                if now >= give_up {
+                    let dropped = self
+                        .shared
+                        .lock()
+                        .streams
+                        .get_mut(&stream)
+                        .and_then(|s| s.parked.take())
+                        .map_or(0, |p| p.body.len());
+                    self.unavailable(stream, b"skewless: no endpoint became ready in time");
+                    self.shared.lock().released(stream, dropped);
+                } else {
+                    self.parked.push_back((stream, give_up));
+                }
+                continue;
+            };
+            let Some(parked) = self
+                .shared
+                .lock()
+                .streams
+                .get_mut(&stream)
+                .and_then(|s| s.parked.take())
+            else {
+                self.pool.finish(lease, Outcome::Cancelled, now);
+                continue;
+            };
+            let Parked { fields, body } = *parked;
+            let (data, end, trailers) = body.into_parts();
+            let headers_end = end && data.is_empty() && trailers.is_none();
+            let opened = up
+                .lock()
+                .open(&self.shared, stream, lease, headers_end, fields.iter());
+            let up_stream = match opened {
+                Ok(up_stream) => up_stream,
+                Err(lease) => {
+                    self.pool.finish(lease, Outcome::Cancelled, now);
+                    self.refuse(stream, ErrorCode::REFUSED_STREAM);
+                    self.shared.lock().released(stream, data.len());
+                    continue;
+                }
+            };
+            if let Some(s) = self.shared.lock().streams.get_mut(&stream) {
+                s.up = Some((up.clone(), up_stream));
+            }
+            let mut sent = 0;
+            if !headers_end {
+                let mut u = up.lock();
+                if !data.is_empty() || trailers.is_none() {
+                    sent = u
+                        .data(up_stream, &data, end && trailers.is_none())
+                        .unwrap_or(0);
+                }
+                if let Some(trailers) = &trailers {
+                    u.put_trailers(up_stream, trailers);
+                }
+            }
+            self.touch(&up);
+            if sent > 0 {
+                self.shared.lock().released(stream, sent);
+            }
+        }
+        for up in self.dirty.drain(..) {
+            up.flush();
+        }
+        self.shared.flush();
     }
 
     /// Request trailers (a second header block on an open stream).
@@ -706,7 +851,10 @@ impl Conn {
             match state.streams.get_mut(&stream) {
                 Some(s) if !s.request_ended => {
                     s.request_ended = true;
-                    Some((s.up.clone(), s.up_stream))
+                    if let Some(parked) = &mut s.parked {
+                        parked.body.hold_trailers(self.fields.iter());
+                    }
+                    s.up.clone()
                 }
                 _ => None,
             }
@@ -744,7 +892,22 @@ impl Conn {
                 Some(s) if !s.request_ended => match s.recv.receive(flow_len) {
                     Ok(()) => {
                         s.request_ended = end_stream;
-                        Ok((s.up.clone(), s.up_stream))
+                        match (&mut s.parked, &s.up) {
+                            (Some(parked), _) => {
+                                // Kept until the request goes upstream, its window with it.
+                                parked.body.push(data, end_stream);
+                                let padding = flow_len - data.len();
+                                if padding > 0 {
+                                    st.released(stream, padding);
+                                }
+                                return Ok(());
+                            }
+                            (None, Some((up, up_stream))) => Ok((up.clone(), *up_stream)),
+                            (None, None) => {
+                                st.recv.release(flow_len, 0, &mut st.out.buf);
+                                return Ok(());
+                            }
+                        }
                     }
                     Err(code) => Err(code),
                 },
@@ -791,8 +954,15 @@ impl Conn {
         let Some(s) = self.shared.lock().streams.remove(&stream) else {
             return;
         };
-        let (lease, dropped) = s.up.lock().cancel(s.up_stream, ErrorCode::CANCEL);
-        self.touch(&s.up);
+        let Some((up, up_stream)) = s.up else {
+            // Parked: nothing went upstream; what it kept goes back to the connection's window.
+            if let Some(parked) = s.parked {
+                self.shared.lock().released(stream, parked.body.len());
+            }
+            return;
+        };
+        let (lease, dropped) = up.lock().cancel(up_stream, ErrorCode::CANCEL);
+        self.touch(&up);
         if dropped > 0 {
             // Request bytes held for the upstream: the connection's window gets them back.
             self.shared.lock().released(stream, dropped);
@@ -818,8 +988,11 @@ impl Conn {
             self.shared.lock().streams.drain().map(|(_, s)| s).collect();
         let now = Instant::now();
         for s in streams {
-            let (lease, _) = s.up.lock().cancel(s.up_stream, ErrorCode::CANCEL);
-            s.up.flush();
+            let Some((up, up_stream)) = s.up else {
+                continue;
+            };
+            let (lease, _) = up.lock().cancel(up_stream, ErrorCode::CANCEL);
+            up.flush();
             if let Some(lease) = lease {
                 self.pool.finish(lease, Outcome::Cancelled, now);
             }

@@ -203,6 +203,17 @@ impl Held {
         self.data.len()
     }
 
+    /// Holds `data` (and the end after it) behind what is held already.
+    pub(crate) fn push(&mut self, data: &[u8], end: bool) {
+        self.data.extend_from_slice(data);
+        self.end |= end;
+    }
+
+    /// What is held: the bytes, whether END_STREAM follows them, the trailers that follow.
+    pub(crate) fn into_parts(self) -> (BytesMut, bool, Option<Fields>) {
+        (self.data, self.end, self.trailers)
+    }
+
     /// Holds trailers behind the waiting bytes.
     pub(crate) fn hold_trailers<'f>(
         &mut self,

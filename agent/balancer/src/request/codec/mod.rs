@@ -21,8 +21,10 @@
 //! client connection down with the h2 path's two-phase GOAWAY; its streams get the drain
 //! grace.
 //!
-//! What it does not do yet (so it stays off by default): waiting for a ready endpoint,
-//! retries and re-dispatch, deadlines enforced here (`grpc-timeout` is forwarded unchanged),
+//! A request that finds no endpoint ready while some are connecting waits for one, up to the
+//! ready timeout, with its body kept in its stream's window.
+//!
+//! What it does not do yet (so it stays off by default): retries and re-dispatch, deadlines enforced here (`grpc-timeout` is forwarded unchanged),
 //! the stalled-reader reset, health checks, liveness PINGs, CONTINUATION on the way out.
 
 mod client;
@@ -77,6 +79,7 @@ impl CodecBalancer {
             }),
             config: watch::Sender::new(Arc::new(config)),
             metrics: Arc::new(ServiceMetrics::default()),
+            ready: watch::Sender::new(0),
         });
         let discovery = crate::endpoints::follow(&pool, endpoints, CodecPool::update);
         Self { pool, discovery }
@@ -124,6 +127,9 @@ pub(crate) struct CodecPool {
     config: watch::Sender<Arc<Config>>,
     state: Mutex<PoolState>,
     pub(crate) metrics: Arc<ServiceMetrics>,
+    /// Counts the upstream connections that came up: client connections with calls waiting
+    /// for a ready endpoint follow it to try again.
+    ready: watch::Sender<u64>,
 }
 
 struct PoolState {
@@ -228,6 +234,26 @@ impl CodecPool {
                 picker.proven(endpoints, id, now);
             }
         }
+        drop(state);
+        if ready {
+            self.ready.send_modify(|n| *n += 1);
+        }
+    }
+
+    /// Follows the upstream connections that come up.
+    pub(crate) fn readiness(&self) -> watch::Receiver<u64> {
+        self.ready.subscribe()
+    }
+
+    /// Whether the Service has any endpoint (a call may wait for one to be ready; with none,
+    /// it fails at once).
+    pub(crate) fn has_endpoints(&self) -> bool {
+        !self.lock().endpoints.is_empty()
+    }
+
+    /// How long a call waits for a ready endpoint.
+    pub(crate) fn ready_timeout(&self) -> Duration {
+        self.config.borrow().ready_timeout
     }
 
     /// Picks an endpoint for one request at `now`: its connection and the lease.
