@@ -26,22 +26,30 @@ pub const GRPC_TIMEOUT: &str = "grpc-timeout";
 /// Returns `None` for a malformed value, which is then ignored (no deadline), as gRPC servers do.
 #[must_use]
 pub fn parse_timeout(value: &HeaderValue) -> Option<Duration> {
-    let s = value.to_str().ok()?;
-    if s.len() < 2 || s.len() > 9 {
+    parse_timeout_bytes(value.as_bytes())
+}
+
+/// [`parse_timeout`] of a value's bytes (a header list decoded without `http`'s types).
+#[must_use]
+pub fn parse_timeout_bytes(value: &[u8]) -> Option<Duration> {
+    if value.len() < 2 || value.len() > 9 {
         return None;
     }
-    let (digits, unit) = s.split_at(s.len() - 1);
-    if !digits.bytes().all(|b| b.is_ascii_digit()) {
+    let (digits, unit) = value.split_at(value.len() - 1);
+    if !digits.iter().all(u8::is_ascii_digit) {
         return None;
     }
-    let n: u64 = digits.parse().ok()?;
+    // At most 8 digits: no overflow.
+    let n = digits
+        .iter()
+        .fold(0u64, |n, d| n * 10 + u64::from(d - b'0'));
     Some(match unit {
-        "H" => Duration::from_secs(n.checked_mul(3600)?),
-        "M" => Duration::from_secs(n.checked_mul(60)?),
-        "S" => Duration::from_secs(n),
-        "m" => Duration::from_millis(n),
-        "u" => Duration::from_micros(n),
-        "n" => Duration::from_nanos(n),
+        b"H" => Duration::from_secs(n.checked_mul(3600)?),
+        b"M" => Duration::from_secs(n.checked_mul(60)?),
+        b"S" => Duration::from_secs(n),
+        b"m" => Duration::from_millis(n),
+        b"u" => Duration::from_micros(n),
+        b"n" => Duration::from_nanos(n),
         _ => return None,
     })
 }
