@@ -19,7 +19,7 @@ use super::out::{HasOut, Out, Shared};
 use super::upstream::{HEADER_TABLE_SIZE, MAX_FRAME, UpShared};
 use super::{CodecPool, StreamMap};
 use crate::flood::{self, FloodLimits, FrameBudgets};
-use crate::metrics::{ClientErrorReason, RotationReason};
+use crate::metrics::{ClientErrorReason, FailureReason, RotationReason};
 use crate::request::config::Config;
 use crate::request::picker::Outcome;
 use crate::server::Stop;
@@ -71,6 +71,8 @@ struct ClientStream {
     window: i64,
     /// Response bytes (and the end) the client's windows have not taken yet.
     held: Held,
+    /// The response's headers went to the client (a deadline then ends it with trailers).
+    answered: bool,
     /// The client's side ended (END_STREAM seen).
     request_ended: bool,
     /// What the client may still send on the stream: given back as its bytes go upstream.
@@ -126,6 +128,8 @@ impl ClientState {
         );
         if end_stream {
             self.streams.remove(&stream);
+        } else {
+            s.answered = true;
         }
         true
     }
@@ -272,6 +276,7 @@ pub(crate) async fn serve(pool: Arc<CodecPool>, stream: TcpStream, mut stop: Sto
         pinged: false,
         parked: std::collections::VecDeque::new(),
         ready: pool.readiness(),
+        deadlines: std::collections::BinaryHeap::new(),
     };
     let mut rbuf = BytesMut::with_capacity(64 * 1024);
     // Until its preface (the magic, then its SETTINGS) is in, the connection has no stream to
@@ -349,6 +354,13 @@ pub(crate) async fn serve(pool: Arc<CodecPool>, stream: TcpStream, mut stop: Sto
                     let first = conn.parked.front().map_or(preface_deadline, |&(_, at)| at);
                     tokio::time::sleep_until(first).await;
                 }, if !conn.parked.is_empty() => conn.dispatch_parked(Instant::now()),
+                () = async {
+                    let first = conn
+                        .deadlines
+                        .peek()
+                        .map_or(preface_deadline, |std::cmp::Reverse((at, _))| *at);
+                    tokio::time::sleep_until(first).await;
+                }, if !conn.deadlines.is_empty() => conn.expire(Instant::now()),
                 more = read_more(&mut read, &mut rbuf) => {
                     if !(more && conn.input(&mut rbuf)) {
                         break;
@@ -392,6 +404,8 @@ struct Conn {
     parked: std::collections::VecDeque<(u32, Instant)>,
     /// Moves when an upstream connection comes up: parked streams try again.
     ready: tokio::sync::watch::Receiver<u64>,
+    /// The deadlines of streams whose request carried `grpc-timeout`, earliest first.
+    deadlines: std::collections::BinaryHeap<std::cmp::Reverse<(Instant, u32)>>,
 }
 
 /// Where a connection is in its wind-down (the two-phase GOAWAY of RFC 9113 section 6.8, as
@@ -678,6 +692,22 @@ impl Conn {
             self.refuse(stream, ErrorCode::REFUSED_STREAM);
             return Ok(());
         }
+        if let Some(timeout) = self
+            .fields
+            .get(b"grpc-timeout")
+            .and_then(crate::grpc::parse_timeout_bytes)
+            && let Some(deadline) = now.checked_add(timeout)
+        {
+            // Forgotten when it is due if the stream is gone by then; the deadlines of streams
+            // already over are swept out once they outnumber the most streams a connection
+            // has, so they stay bounded however long the timeouts are.
+            self.deadlines.push(std::cmp::Reverse((deadline, stream)));
+            if self.deadlines.len() > 2 * MAX_CLIENT_STREAMS as usize {
+                let state = self.shared.lock();
+                self.deadlines
+                    .retain(|std::cmp::Reverse((_, id))| state.streams.contains_key(id));
+            }
+        }
         let Some((up, lease)) = self.pool.pick(now) else {
             if !self.pool.has_endpoints() {
                 self.unavailable(stream, b"skewless: the service has no endpoints");
@@ -741,6 +771,7 @@ impl Conn {
                 parked,
                 window,
                 held: Held::default(),
+                answered: false,
                 request_ended,
                 recv: RecvWindow::new(STREAM_WINDOW),
             },
@@ -758,6 +789,57 @@ impl Conn {
         let st = &mut *state;
         st.streams.remove(&stream);
         fields::put_headers(&mut st.out.buf, &mut st.encoder, stream, true, f.iter());
+    }
+
+    /// Ends the streams whose deadline has come: the client gets DEADLINE_EXCEEDED (trailers
+    /// only, or trailers after the response so far), the upstream stream is cancelled.
+    fn expire(&mut self, now: Instant) {
+        while let Some(&std::cmp::Reverse((at, stream))) = self.deadlines.peek() {
+            if at > now {
+                break;
+            }
+            self.deadlines.pop();
+            let gone = {
+                let mut state = self.shared.lock();
+                let st = &mut *state;
+                let Some(s) = st.streams.remove(&stream) else {
+                    continue;
+                };
+                let mut f = Fields::default();
+                if !s.answered {
+                    f.push(b":status", b"200");
+                    f.push(b"content-type", b"application/grpc");
+                }
+                f.push(b"grpc-status", b"4");
+                f.push(
+                    b"grpc-message",
+                    b"skewless: deadline exceeded in the balancer",
+                );
+                fields::put_headers(&mut st.out.buf, &mut st.encoder, stream, true, f.iter());
+                s
+            };
+            tracing::debug!(stream, "deadline exceeded");
+            self.pool.metrics.failed(FailureReason::Deadline);
+            let dropped = match (gone.up, gone.parked) {
+                (Some((up, up_stream)), _) => {
+                    let (lease, dropped) = up.lock().cancel(up_stream, ErrorCode::CANCEL);
+                    self.touch(&up);
+                    if let Some(lease) = lease {
+                        self.pool.finish(lease, Outcome::Cancelled, now);
+                    }
+                    dropped
+                }
+                (None, Some(parked)) => parked.body.len(),
+                (None, None) => 0,
+            };
+            if dropped > 0 {
+                self.shared.lock().released(stream, dropped);
+            }
+        }
+        for up in self.dirty.drain(..) {
+            up.flush();
+        }
+        self.shared.flush();
     }
 
     /// The parked streams try again: each one sent upstream if an endpoint is ready now, or

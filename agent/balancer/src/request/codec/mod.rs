@@ -24,8 +24,12 @@
 //! A request that finds no endpoint ready while some are connecting waits for one, up to the
 //! ready timeout, with its body kept in its stream's window.
 //!
-//! What it does not do yet (so it stays off by default): retries and re-dispatch, deadlines enforced here (`grpc-timeout` is forwarded unchanged),
-//! the stalled-reader reset, health checks, liveness PINGs, CONTINUATION on the way out.
+//! A request's `grpc-timeout` is enforced here too: at its deadline the client gets
+//! DEADLINE_EXCEEDED and the upstream stream is cancelled.
+//!
+//! What it does not do yet (so it stays off by default): retries and re-dispatch, the
+//! remaining budget in the forwarded `grpc-timeout` (it is forwarded unchanged), the
+//! stalled-reader reset, health checks, liveness PINGs, CONTINUATION on the way out.
 
 mod client;
 mod fields;
