@@ -466,3 +466,84 @@ async fn a_call_past_its_grpc_timeout_gets_deadline_exceeded_from_the_codec_path
         "at the deadline: {waited:?}"
     );
 }
+
+/// How [`refusing_upstream`] refuses a request.
+#[derive(Clone, Copy)]
+enum Refusal {
+    /// RST_STREAM with REFUSED_STREAM.
+    Reset,
+    /// GOAWAY with last stream id 0 (a pod shutting down), the connection left open.
+    GoAway,
+}
+
+/// An HTTP/2 server that refuses every request stream (it provably processed nothing), as a
+/// pod that is shutting down may.
+async fn refusing_upstream(how: Refusal) -> std::net::SocketAddr {
+    use tokio::io::AsyncReadExt as _;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        while let Ok((mut io, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut magic = [0u8; 24];
+                if io.read_exact(&mut magic).await.is_err()
+                    || io.write_all(&support::empty_settings()).await.is_err()
+                {
+                    return;
+                }
+                loop {
+                    let (head, _) = next_frame(&mut io).await;
+                    let answer = match head.kind {
+                        Kind::Settings if !head.is_ack() => support::settings_ack(),
+                        Kind::Headers => match how {
+                            Refusal::Reset => frame(
+                                Kind::RstStream,
+                                0,
+                                head.stream_id,
+                                &ErrorCode::REFUSED_STREAM.0.to_be_bytes(),
+                            ),
+                            Refusal::GoAway => support::go_away(0, ErrorCode::NO_ERROR),
+                        },
+                        _ => continue,
+                    };
+                    if io.write_all(&answer).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_an_endpoint_refuses_goes_to_another_on_the_codec_path() {
+    refused_requests_go_to_another_endpoint(Refusal::Reset).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_above_an_endpoints_goaway_goes_to_another_on_the_codec_path() {
+    refused_requests_go_to_another_endpoint(Refusal::GoAway).await;
+}
+
+/// One pod serves, one endpoint refuses every stream `how`: every call still succeeds, each
+/// one the refuser took sent on to the pod.
+async fn refused_requests_go_to_another_endpoint(how: Refusal) {
+    let pods = pods(1).await;
+    let mut endpoints = endpoints(&pods);
+    endpoints.push(Endpoint::new(refusing_upstream(how).await, "refuser"));
+    let b = serve(endpoints, |rx| CodecBalancer::new(Config::default(), rx)).await;
+    let mut c = client(b.addr).await;
+    for i in 0..60u32 {
+        let payload = i.to_be_bytes();
+        let reply = c
+            .echo(req(&payload))
+            .await
+            .unwrap_or_else(|s| panic!("call {i} fails: {s:?}"))
+            .into_inner();
+        assert_eq!(reply.payload, payload, "with its own body");
+        assert_eq!(reply.pod, "pod-0");
+    }
+}

@@ -17,7 +17,7 @@ use super::fields::{self, Fields, HpackDecoder, HpackEncoder};
 use super::frames::{self, DEFAULT_WINDOW, HeaderBlocks, Held, Outgoing, RecvWindow, SendLimits};
 use super::out::{HasOut, Out, Shared};
 use super::upstream::{HEADER_TABLE_SIZE, MAX_FRAME, UpShared};
-use super::{CodecPool, StreamMap};
+use super::{CodecPool, NoPick, StreamMap};
 use crate::flood::{self, FloodLimits, FrameBudgets};
 use crate::metrics::{ClientErrorReason, FailureReason, RotationReason};
 use crate::request::config::Config;
@@ -35,6 +35,11 @@ const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10
 /// The opaque data of the PING that follows the first GOAWAY of a wind-down: its ACK says the
 /// client has seen that GOAWAY.
 const WIND_DOWN_PING: [u8; 8] = *b"skewless";
+/// Largest request body kept to send a refused request again (as on the h2 path); a larger
+/// one is not sent again.
+const REPLAY_CAP: usize = 64 * 1024;
+/// How many times a request refused by its endpoint is sent to another.
+const MAX_REFUSALS: usize = 3;
 /// While a connection winds down, how often it looks whether its last stream has ended
 /// (streams end on upstream readers' tasks).
 const WIND_DOWN_CHECK: std::time::Duration = std::time::Duration::from_millis(20);
@@ -52,6 +57,10 @@ pub(crate) struct ClientState {
     /// Streams whose response bytes wait for the client's windows, in the order they began
     /// to wait (ids of streams gone since are skipped).
     waiting: Vec<u32>,
+    /// Streams whose request an endpoint refused, to be sent to another by the client's
+    /// reader, which [`ClientState::redispatch`] wakes.
+    refused: Vec<u32>,
+    redispatch: Arc<tokio::sync::Notify>,
 }
 
 impl HasOut for ClientState {
@@ -66,7 +75,10 @@ struct ClientStream {
     /// endpoint.
     up: Option<(Arc<UpShared>, u32)>,
     /// While it waits for a ready endpoint: its request, kept until it can be sent.
-    parked: Option<Box<Parked>>,
+    parked: Option<Box<Request>>,
+    /// Once sent, until its response begins: a copy, to send it to another endpoint if its
+    /// endpoint refuses it (none once its body outgrows [`REPLAY_CAP`]).
+    replay: Option<Box<Request>>,
     /// Send window of this stream (towards the client).
     window: i64,
     /// Response bytes (and the end) the client's windows have not taken yet.
@@ -79,12 +91,16 @@ struct ClientStream {
     recv: RecvWindow,
 }
 
-/// A request that waits for a ready endpoint: its header list (as forwarded), and its body
-/// bytes, end and trailers as they came (bounded by the stream's window, which they keep
-/// until they go upstream).
-struct Parked {
+/// A request as the balancer keeps it to send (again): its header list (as forwarded), and
+/// its body bytes, end and trailers as they came (bounded by the stream's window, which they
+/// keep until they go upstream, or by [`REPLAY_CAP`]).
+struct Request {
     fields: Fields,
     body: Held,
+    /// How many of its body bytes gave the client's windows back already (it was sent before).
+    credited: usize,
+    /// The endpoints that refused it.
+    tried: Vec<crate::endpoints::EndpointId>,
 }
 
 /// Response bytes that reached the client for an upstream stream, whose window they give
@@ -100,6 +116,8 @@ impl ClientState {
             limits: SendLimits::new(),
             recv: RecvWindow::new(CONNECTION_WINDOW),
             waiting: Vec::new(),
+            refused: Vec::new(),
+            redispatch: Arc::new(tokio::sync::Notify::new()),
         }
     }
 
@@ -113,6 +131,8 @@ impl ClientState {
         let Some(s) = self.streams.get_mut(&stream) else {
             return false;
         };
+        // Its response began: it is not sent anywhere else.
+        s.replay = None;
         let forwarded = fields.iter().filter(|(n, _)| !is_connection_specific(n));
         if s.held.is_waiting() {
             // Trailers behind body bytes that wait for window: they wait too.
@@ -203,6 +223,34 @@ impl ClientState {
         }
     }
 
+    /// `endpoint` refused the request of `stream` (it provably did not process it), which
+    /// held back `dropped` of its bytes: when its copy is whole (its body within
+    /// [`REPLAY_CAP`]; what the client sends from now on joins it) and it was not refused too
+    /// often, it is parked again for the client's reader to send elsewhere, and the waker of
+    /// that reader returned. `None`: the caller resets the stream.
+    pub(crate) fn refused(
+        &mut self,
+        stream: u32,
+        endpoint: crate::endpoints::EndpointId,
+        dropped: usize,
+    ) -> Option<Arc<tokio::sync::Notify>> {
+        let s = self.streams.get_mut(&stream)?;
+        if s.replay.as_ref()?.tried.len() >= MAX_REFUSALS {
+            return None;
+        }
+        let mut request = s.replay.take()?;
+        request.tried.push(endpoint);
+        // What it sent gave the window back; what it held does now, below.
+        request.credited = request.body.len();
+        s.up = None;
+        s.parked = Some(request);
+        // Its held bytes did not go out; every byte of the copy has given its window back
+        // once it is sent again.
+        self.released(stream, dropped);
+        self.refused.push(stream);
+        Some(self.redispatch.clone())
+    }
+
     /// The upstream reset the stream (or failed): reset it for the client. `dropped` request
     /// bytes were held for the upstream and are dropped: the connection's window gets them
     /// back.
@@ -276,6 +324,7 @@ pub(crate) async fn serve(pool: Arc<CodecPool>, stream: TcpStream, mut stop: Sto
         pinged: false,
         parked: std::collections::VecDeque::new(),
         ready: pool.readiness(),
+        redispatch: shared.lock().redispatch.clone(),
         deadlines: std::collections::BinaryHeap::new(),
     };
     let mut rbuf = BytesMut::with_capacity(64 * 1024);
@@ -350,6 +399,13 @@ pub(crate) async fn serve(pool: Arc<CodecPool>, stream: TcpStream, mut stop: Sto
                 _ = conn.ready.changed(), if !conn.parked.is_empty() => {
                     conn.dispatch_parked(Instant::now());
                 }
+                () = conn.redispatch.notified() => {
+                    let now = Instant::now();
+                    let give_up = now + conn.pool.ready_timeout();
+                    let refused = std::mem::take(&mut conn.shared.lock().refused);
+                    conn.parked.extend(refused.into_iter().map(|stream| (stream, give_up)));
+                    conn.dispatch_parked(now);
+                }
                 () = async {
                     let first = conn.parked.front().map_or(preface_deadline, |&(_, at)| at);
                     tokio::time::sleep_until(first).await;
@@ -404,6 +460,9 @@ struct Conn {
     parked: std::collections::VecDeque<(u32, Instant)>,
     /// Moves when an upstream connection comes up: parked streams try again.
     ready: tokio::sync::watch::Receiver<u64>,
+    /// Woken when an endpoint refused requests of this connection (see
+    /// [`ClientState::refused`]).
+    redispatch: Arc<tokio::sync::Notify>,
     /// The deadlines of streams whose request carried `grpc-timeout`, earliest first.
     deadlines: std::collections::BinaryHeap<std::cmp::Reverse<(Instant, u32)>>,
 }
@@ -708,67 +767,35 @@ impl Conn {
                     .retain(|std::cmp::Reverse((_, id))| state.streams.contains_key(id));
             }
         }
-        let Some((up, lease)) = self.pool.pick(now) else {
-            if !self.pool.has_endpoints() {
-                self.unavailable(stream, b"skewless: the service has no endpoints");
-                return Ok(());
-            }
-            // Endpoints still connecting (right after start, or a reconnect): the request
-            // waits for one, as on the h2 path, up to the ready timeout.
-            let mut fields = Fields::default();
-            for (name, value) in self
-                .fields
-                .iter()
-                .filter(|(n, _)| !is_connection_specific(n))
-            {
-                fields.push(name, value);
-            }
-            let mut body = Held::default();
-            body.push(&[], end_stream);
-            self.insert_stream(
-                stream,
-                None,
-                Some(Box::new(Parked { fields, body })),
-                end_stream,
-            );
-            self.parked
-                .push_back((stream, now + self.pool.ready_timeout()));
-            return Ok(());
-        };
-        let forwarded = self
+        let mut request = Box::new(Request {
+            fields: Fields::default(),
+            body: Held::default(),
+            credited: 0,
+            tried: Vec::new(),
+        });
+        for (name, value) in self
             .fields
             .iter()
-            .filter(|(n, _)| !is_connection_specific(n));
-        let opened = up
-            .lock()
-            .open(&self.shared, stream, lease, end_stream, forwarded);
-        match opened {
-            Ok(up_stream) => {
-                self.insert_stream(stream, Some((up.clone(), up_stream)), None, end_stream);
-                self.touch(&up);
-            }
-            Err(lease) => {
-                self.pool.finish(lease, Outcome::Cancelled, now);
-                self.refuse(stream, ErrorCode::REFUSED_STREAM);
-            }
+            .filter(|(n, _)| !is_connection_specific(n))
+        {
+            request.fields.push(name, value);
         }
+        request.body.push(&[], end_stream);
+        self.insert_stream(stream, end_stream);
+        let give_up = now + self.pool.ready_timeout();
+        self.dispatch(stream, request, now, give_up);
         Ok(())
     }
 
-    fn insert_stream(
-        &mut self,
-        stream: u32,
-        up: Option<(Arc<UpShared>, u32)>,
-        parked: Option<Box<Parked>>,
-        request_ended: bool,
-    ) {
+    fn insert_stream(&mut self, stream: u32, request_ended: bool) {
         let mut state = self.shared.lock();
         let window = state.limits.initial_window;
         state.streams.insert(
             stream,
             ClientStream {
-                up,
-                parked,
+                up: None,
+                parked: None,
+                replay: None,
                 window,
                 held: Held::default(),
                 answered: false,
@@ -829,7 +856,7 @@ impl Conn {
                     }
                     dropped
                 }
-                (None, Some(parked)) => parked.body.len(),
+                (None, Some(parked)) => parked.body.len() - parked.credited,
                 (None, None) => 0,
             };
             if dropped > 0 {
@@ -845,82 +872,105 @@ impl Conn {
     /// The parked streams try again: each one sent upstream if an endpoint is ready now, or
     /// answered UNAVAILABLE once its ready timeout is over.
     fn dispatch_parked(&mut self, now: Instant) {
-        let parked = std::mem::take(&mut self.parked);
-        for (stream, give_up) in parked {
-            let waiting = self
-                .shared
-                .lock()
-                .streams
-                .get(&stream)
-                .is_some_and(|s| s.parked.is_some());
-            if !waiting {
-                continue;
-            }
-            let Some((up, lease)) = self.pool.pick(now) else {
-                if now >= give_up {
-                    let dropped = self
-                        .shared
-                        .lock()
-                        .streams
-                        .get_mut(&stream)
-                        .and_then(|s| s.parked.take())
-                        .map_or(0, |p| p.body.len());
-                    self.unavailable(stream, b"skewless: no endpoint became ready in time");
-                    self.shared.lock().released(stream, dropped);
-                } else {
-                    self.parked.push_back((stream, give_up));
-                }
-                continue;
-            };
-            let Some(parked) = self
+        for (stream, give_up) in std::mem::take(&mut self.parked) {
+            let request = self
                 .shared
                 .lock()
                 .streams
                 .get_mut(&stream)
-                .and_then(|s| s.parked.take())
-            else {
-                self.pool.finish(lease, Outcome::Cancelled, now);
-                continue;
-            };
-            let Parked { fields, body } = *parked;
-            let (data, end, trailers) = body.into_parts();
-            let headers_end = end && data.is_empty() && trailers.is_none();
-            let opened = up
-                .lock()
-                .open(&self.shared, stream, lease, headers_end, fields.iter());
-            let up_stream = match opened {
-                Ok(up_stream) => up_stream,
-                Err(lease) => {
-                    self.pool.finish(lease, Outcome::Cancelled, now);
-                    self.refuse(stream, ErrorCode::REFUSED_STREAM);
-                    self.shared.lock().released(stream, data.len());
-                    continue;
-                }
-            };
-            if let Some(s) = self.shared.lock().streams.get_mut(&stream) {
-                s.up = Some((up.clone(), up_stream));
-            }
-            let mut sent = 0;
-            if !headers_end {
-                let mut u = up.lock();
-                if !data.is_empty() || trailers.is_none() {
-                    sent = u
-                        .data(up_stream, &data, end && trailers.is_none())
-                        .unwrap_or(0);
-                }
-                if let Some(trailers) = &trailers {
-                    u.put_trailers(up_stream, trailers);
-                }
-            }
-            self.touch(&up);
-            if sent > 0 {
-                self.shared.lock().released(stream, sent);
+                .and_then(|s| s.parked.take());
+            if let Some(request) = request {
+                self.dispatch(stream, request, now, give_up);
             }
         }
         for up in self.dirty.drain(..) {
             up.flush();
         }
         self.shared.flush();
+    }
+
+    /// Sends `request` of `stream` to a ready endpoint that has not refused it, and keeps it
+    /// as the stream's copy; parks it when the endpoints are still connecting (until
+    /// `give_up`, then UNAVAILABLE); with nowhere to send it, answers UNAVAILABLE (no
+    /// endpoints) or resets the stream with REFUSED_STREAM (every endpoint refused it: the
+    /// client may try again later).
+    fn dispatch(&mut self, stream: u32, mut request: Box<Request>, now: Instant, give_up: Instant) {
+        loop {
+            let (up, lease) = match self.pool.pick(now, &request.tried) {
+                Ok(picked) => picked,
+                Err(NoPick::NotReady) if now < give_up => {
+                    if let Some(s) = self.shared.lock().streams.get_mut(&stream) {
+                        s.parked = Some(request);
+                        self.parked.push_back((stream, give_up));
+                    }
+                    return;
+                }
+                Err(no_pick) => {
+                    let kept = request.body.len() - request.credited;
+                    if no_pick == NoPick::NotReady {
+                        self.unavailable(stream, b"skewless: no endpoint became ready in time");
+                    } else if request.tried.is_empty() {
+                        self.unavailable(stream, b"skewless: the service has no endpoints");
+                    } else {
+                        self.refuse(stream, ErrorCode::REFUSED_STREAM);
+                    }
+                    if kept > 0 {
+                        self.shared.lock().released(stream, kept);
+                    }
+                    return;
+                }
+            };
+            let endpoint = lease.id;
+            let (data, end, trailers) = request.body.parts();
+            let headers_end = end && data.is_empty() && trailers.is_none();
+            let mut u = up.lock();
+            let up_stream = match u.open(
+                &self.shared,
+                stream,
+                lease,
+                headers_end,
+                request.fields.iter(),
+            ) {
+                Ok(up_stream) => up_stream,
+                Err(lease) => {
+                    // The connection takes no new stream (its server sent GOAWAY): another.
+                    drop(u);
+                    self.pool.finish(lease, Outcome::Cancelled, now);
+                    request.tried.push(endpoint);
+                    continue;
+                }
+            };
+            let mut sent = 0;
+            if !headers_end {
+                if !data.is_empty() || trailers.is_none() {
+                    sent = u
+                        .data(up_stream, data, end && trailers.is_none())
+                        .unwrap_or(0);
+                }
+                if let Some(trailers) = trailers {
+                    u.put_trailers(up_stream, trailers);
+                }
+            }
+            // The bytes that gave the window back before give nothing now: those sent, and
+            // those the route holds (counted as they go).
+            let credit = sent.saturating_sub(request.credited);
+            u.skip_credits(up_stream, request.credited.saturating_sub(sent));
+            drop(u);
+            self.touch(&up);
+            // From here on every byte of the copy gives the window back through this route.
+            request.credited = request.body.len();
+            let mut state = self.shared.lock();
+            if let Some(s) = state.streams.get_mut(&stream) {
+                s.up = Some((up, up_stream));
+                if request.body.len() <= REPLAY_CAP {
+                    s.replay = Some(request);
+                }
+            }
+            if credit > 0 {
+                state.released(stream, credit);
+            }
+            return;
+        }
     }
 
     /// Request trailers (a second header block on an open stream).
@@ -933,8 +983,8 @@ impl Conn {
             match state.streams.get_mut(&stream) {
                 Some(s) if !s.request_ended => {
                     s.request_ended = true;
-                    if let Some(parked) = &mut s.parked {
-                        parked.body.hold_trailers(self.fields.iter());
+                    for request in [&mut s.parked, &mut s.replay].into_iter().flatten() {
+                        request.body.hold_trailers(self.fields.iter());
                     }
                     s.up.clone()
                 }
@@ -974,6 +1024,13 @@ impl Conn {
                 Some(s) if !s.request_ended => match s.recv.receive(flow_len) {
                     Ok(()) => {
                         s.request_ended = end_stream;
+                        if let Some(replay) = &mut s.replay {
+                            if replay.body.len() + data.len() > REPLAY_CAP {
+                                s.replay = None;
+                            } else {
+                                replay.body.push(data, end_stream);
+                            }
+                        }
                         match (&mut s.parked, &s.up) {
                             (Some(parked), _) => {
                                 // Kept until the request goes upstream, its window with it.
@@ -1039,7 +1096,8 @@ impl Conn {
         let Some((up, up_stream)) = s.up else {
             // Parked: nothing went upstream; what it kept goes back to the connection's window.
             if let Some(parked) = s.parked {
-                self.shared.lock().released(stream, parked.body.len());
+                let kept = parked.body.len() - parked.credited;
+                self.shared.lock().released(stream, kept);
             }
             return;
         };

@@ -210,8 +210,8 @@ impl Held {
     }
 
     /// What is held: the bytes, whether END_STREAM follows them, the trailers that follow.
-    pub(crate) fn into_parts(self) -> (BytesMut, bool, Option<Fields>) {
-        (self.data, self.end, self.trailers)
+    pub(crate) fn parts(&self) -> (&[u8], bool, Option<&Fields>) {
+        (&self.data, self.end, self.trailers.as_ref())
     }
 
     /// Holds trailers behind the waiting bytes.

@@ -27,9 +27,14 @@
 //! A request's `grpc-timeout` is enforced here too: at its deadline the client gets
 //! DEADLINE_EXCEEDED and the upstream stream is cancelled.
 //!
-//! What it does not do yet (so it stays off by default): retries and re-dispatch, the
-//! remaining budget in the forwarded `grpc-timeout` (it is forwarded unchanged), the
-//! stalled-reader reset, health checks, liveness PINGs, CONTINUATION on the way out.
+//! A request its endpoint provably did not process (REFUSED_STREAM, or above a GOAWAY's last
+//! stream id, or a connection that takes no new stream) is sent to another endpoint, from a
+//! copy kept until its response begins (bodies up to 64 KiB).
+//!
+//! What it does not do yet (so it stays off by default): retries of failed calls and the
+//! retry budget, the remaining budget in the forwarded `grpc-timeout` (it is forwarded
+//! unchanged), the stalled-reader reset, health checks, liveness PINGs, CONTINUATION on the
+//! way out.
 
 mod client;
 mod fields;
@@ -164,10 +169,19 @@ impl AsMut<Slot> for Member {
     }
 }
 
+/// Why no endpoint was picked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum NoPick {
+    /// Endpoints are there but none is ready (connecting): the request may wait.
+    NotReady,
+    /// No endpoint, or every one excluded: nowhere to send it.
+    Nowhere,
+}
+
 /// A request's hold on its endpoint, from the pick to the end of its response.
 #[derive(Debug)]
 pub(crate) struct Lease {
-    id: EndpointId,
+    pub(crate) id: EndpointId,
     probe: bool,
     /// Whether its response headers are a latency sample.
     sample: bool,
@@ -249,33 +263,40 @@ impl CodecPool {
         self.ready.subscribe()
     }
 
-    /// Whether the Service has any endpoint (a call may wait for one to be ready; with none,
-    /// it fails at once).
-    pub(crate) fn has_endpoints(&self) -> bool {
-        !self.lock().endpoints.is_empty()
-    }
-
     /// How long a call waits for a ready endpoint.
     pub(crate) fn ready_timeout(&self) -> Duration {
         self.config.borrow().ready_timeout
     }
 
-    /// Picks an endpoint for one request at `now`: its connection and the lease.
-    pub(crate) fn pick(&self, now: Instant) -> Option<(Arc<upstream::UpShared>, Lease)> {
+    /// Picks an endpoint for one request at `now`, none of `exclude` (those that refused
+    /// it): its connection and the lease.
+    pub(crate) fn pick(
+        &self,
+        now: Instant,
+        exclude: &[EndpointId],
+    ) -> Result<(Arc<upstream::UpShared>, Lease), NoPick> {
         let mut state = self.lock();
         let PoolState { picker, endpoints } = &mut *state;
-        let pick = picker.pick(endpoints, now, &[])?;
+        let Some(pick) = picker.pick(endpoints, now, exclude) else {
+            return Err(if endpoints.is_empty() || endpoints.all_excluded(exclude) {
+                NoPick::Nowhere
+            } else {
+                NoPick::NotReady
+            });
+        };
         let up = endpoints
             .get(pick.id)
             .and_then(|entry| entry.value.up.clone());
         let Some(up) = up else {
             // Ready in the picker but no connection (both change together): undo the pick.
             picker.complete(endpoints, pick.id, pick.probe, Outcome::Cancelled, now);
-            return None;
+            return Err(NoPick::NotReady);
         };
-        let member = &mut endpoints.get_mut(pick.id)?.value;
+        let Some(member) = endpoints.get_mut(pick.id).map(|e| &mut e.value) else {
+            return Err(NoPick::NotReady);
+        };
         let sample = std::mem::replace(&mut member.warm, true);
-        Some((
+        Ok((
             up,
             Lease {
                 id: pick.id,

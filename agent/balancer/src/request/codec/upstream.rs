@@ -77,6 +77,9 @@ pub(crate) struct Route {
     answered: bool,
     /// The response's `:status` is a server error.
     failed_status: bool,
+    /// How many of its request bytes, as they go, give the client's windows nothing back: a
+    /// request sent again after a refusal starts with bytes that gave them back before.
+    skip: usize,
 }
 
 impl UpState {
@@ -126,6 +129,7 @@ impl UpState {
                 recv: RecvWindow::new(STREAM_WINDOW),
                 answered: false,
                 failed_status: false,
+                skip: 0,
             },
         );
         Ok(id)
@@ -165,14 +169,24 @@ impl UpState {
                 held: &mut route.held,
             }
             .resume(&mut self.out.buf, &mut self.limits, &mut self.encoder);
-            if sent > 0 {
-                credits.push((route.client.clone(), route.client_stream, sent));
+            let give = sent.saturating_sub(route.skip);
+            route.skip = route.skip.saturating_sub(sent);
+            if give > 0 {
+                credits.push((route.client.clone(), route.client_stream, give));
             }
             // Its request side over, or nothing left to wait: off the list.
             !over && route.held.is_waiting()
         });
         self.waiting = waiting;
         credits
+    }
+
+    /// The next `n` request bytes of `stream` that go out (after those sent already) give no
+    /// window back: they gave it back before (a request sent again).
+    pub(crate) fn skip_credits(&mut self, stream: u32, n: usize) {
+        if let Some(route) = self.routes.get_mut(&stream) {
+            route.skip = n;
+        }
     }
 
     /// `n` of the server's response bytes on `stream` reached the client: their window goes
@@ -195,7 +209,7 @@ impl UpState {
             error_code: code,
         }
         .encode(&mut self.out.buf);
-        (route.lease.take(), route.held.len())
+        (route.lease.take(), route.held_uncredited())
     }
 }
 
@@ -609,10 +623,29 @@ impl Reader<'_> {
         } else {
             Outcome::Failure
         };
+        let dropped = route.held_uncredited();
+        if code == ErrorCode::REFUSED_STREAM
+            && !route.answered
+            && let Some(lease) = route.lease.take()
+        {
+            // Refused (or above a GOAWAY's last stream id): the server provably did not
+            // process it, so its client stream may send it to another endpoint.
+            let endpoint = lease.id;
+            self.pool.finish(lease, Outcome::Cancelled, self.now);
+            let again = route
+                .client
+                .lock()
+                .refused(route.client_stream, endpoint, dropped);
+            if let Some(wake) = again {
+                self.touch(&route.client);
+                wake.notify_one();
+                return;
+            }
+        }
         route
             .client
             .lock()
-            .reset(route.client_stream, code, route.held.len());
+            .reset(route.client_stream, code, dropped);
         self.touch(&route.client);
         if let Some(lease) = route.lease.take() {
             self.pool.finish(lease, outcome, self.now);
@@ -657,7 +690,7 @@ fn fail_all(pool: &Weak<CodecPool>, shared: &Arc<UpShared>) {
         route.client.lock().reset(
             route.client_stream,
             ErrorCode::INTERNAL_ERROR,
-            route.held.len(),
+            route.held_uncredited(),
         );
         route.client.flush();
         if let (Some(lease), Some(p)) = (route.lease.take(), pool.upgrade()) {
@@ -666,10 +699,18 @@ fn fail_all(pool: &Weak<CodecPool>, shared: &Arc<UpShared>) {
     }
 }
 
+impl Route {
+    /// The request bytes held for the server that have not given the client's windows back
+    /// (dropped with the route, they give them back then).
+    fn held_uncredited(&self) -> usize {
+        self.held.len().saturating_sub(self.skip)
+    }
+}
+
 /// A route that ended: its lease, and the request bytes still held for the server (dropped:
 /// the client's connection window gets them back).
 fn take_lease(route: Option<Route>) -> (Option<Lease>, usize) {
-    route.map_or((None, 0), |mut r| (r.lease.take(), r.held.len()))
+    route.map_or((None, 0), |mut r| (r.lease.take(), r.held_uncredited()))
 }
 
 impl UpState {
