@@ -38,6 +38,9 @@ const WIND_DOWN_PING: [u8; 8] = *b"skewless";
 /// Largest request body kept to send a refused request again (as on the h2 path); a larger
 /// one is not sent again.
 const REPLAY_CAP: usize = 64 * 1024;
+/// Copies of requests kept per client connection to be filled again (see
+/// [`ClientState::spare`]).
+const MAX_SPARE_COPIES: usize = 64;
 /// How many times a request refused by its endpoint is sent to another.
 const MAX_REFUSALS: usize = 3;
 /// While a connection winds down, how often it looks whether its last stream has ended
@@ -61,6 +64,13 @@ pub(crate) struct ClientState {
     /// reader, which [`ClientState::redispatch`] wakes.
     refused: Vec<u32>,
     redispatch: Arc<tokio::sync::Notify>,
+    /// Copies no longer needed (their response began), kept to be filled again: a request's
+    /// copy then costs no allocation.
+    #[allow(
+        clippy::vec_box,
+        reason = "the copies move between here and the streams as boxes, never allocated again"
+    )]
+    spare: Vec<Box<Request>>,
 }
 
 impl HasOut for ClientState {
@@ -94,6 +104,7 @@ struct ClientStream {
 /// A request as the balancer keeps it to send (again): its header list (as forwarded), and
 /// its body bytes, end and trailers as they came (bounded by the stream's window, which they
 /// keep until they go upstream, or by [`REPLAY_CAP`]).
+#[derive(Default)]
 struct Request {
     fields: Fields,
     body: Held,
@@ -118,6 +129,7 @@ impl ClientState {
             waiting: Vec::new(),
             refused: Vec::new(),
             redispatch: Arc::new(tokio::sync::Notify::new()),
+            spare: Vec::new(),
         }
     }
 
@@ -132,7 +144,11 @@ impl ClientState {
             return false;
         };
         // Its response began: it is not sent anywhere else.
-        s.replay = None;
+        if let Some(copy) = s.replay.take()
+            && self.spare.len() < MAX_SPARE_COPIES
+        {
+            self.spare.push(copy);
+        }
         let forwarded = fields.iter().filter(|(n, _)| !is_connection_specific(n));
         if s.held.is_waiting() {
             // Trailers behind body bytes that wait for window: they wait too.
@@ -767,18 +783,22 @@ impl Conn {
                     .retain(|std::cmp::Reverse((_, id))| state.streams.contains_key(id));
             }
         }
-        let mut request = Box::new(Request {
-            fields: Fields::default(),
-            body: Held::default(),
-            credited: 0,
-            tried: Vec::new(),
-        });
-        for (name, value) in self
-            .fields
-            .iter()
-            .filter(|(n, _)| !is_connection_specific(n))
-        {
-            request.fields.push(name, value);
+        // The copy that is sent (and kept), in a spare one's buffers.
+        let mut request = self.shared.lock().spare.pop().unwrap_or_default();
+        request.body.clear();
+        request.credited = 0;
+        request.tried.clear();
+        if self.fields.iter().any(|(n, _)| is_connection_specific(n)) {
+            request.fields.clear();
+            for (name, value) in self
+                .fields
+                .iter()
+                .filter(|(n, _)| !is_connection_specific(n))
+            {
+                request.fields.push(name, value);
+            }
+        } else {
+            request.fields.copy_from(&self.fields);
         }
         request.body.push(&[], end_stream);
         self.insert_stream(stream, end_stream);

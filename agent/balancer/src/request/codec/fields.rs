@@ -122,6 +122,16 @@ impl Fields {
         Ok(())
     }
 
+    /// Becomes a copy of `other`, in the buffers it has (no allocation once they are large
+    /// enough).
+    pub(crate) fn copy_from(&mut self, other: &Fields) {
+        self.bytes.clear();
+        self.bytes.extend_from_slice(&other.bytes);
+        self.spans.clear();
+        self.spans.extend_from_slice(&other.spans);
+        self.size = other.size;
+    }
+
     pub(crate) fn push(&mut self, name: &[u8], value: &[u8]) {
         // Bounded by the header list bound (16 KiB), far below u32.
         let start = self.bytes.len() as u32;

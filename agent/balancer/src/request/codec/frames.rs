@@ -203,6 +203,13 @@ impl Held {
         self.data.len()
     }
 
+    /// Holds nothing any more, keeping its buffer.
+    pub(crate) fn clear(&mut self) {
+        self.data.clear();
+        self.end = false;
+        self.trailers = None;
+    }
+
     /// Holds `data` (and the end after it) behind what is held already.
     pub(crate) fn push(&mut self, data: &[u8], end: bool) {
         self.data.extend_from_slice(data);
