@@ -547,3 +547,42 @@ async fn refused_requests_go_to_another_endpoint(how: Refusal) {
         assert_eq!(reply.pod, "pod-0");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpcio_grpc_js_and_tonic_run_every_call_kind_through_the_codec_path() {
+    // The clients' harness (testing/clients) against a codec balancer over two pods: unary
+    // calls, 4 MiB calls, a server stream and a bidi stream per client, none failing.
+    use skewless_clients::{ClientKind, ClientSpec, Harness};
+    let pods = pods(2).await;
+    let b = codec_balancer(&pods).await;
+    let harness = tokio::task::spawn_blocking(Harness::new)
+        .await
+        .expect("task")
+        .expect("the harness needs `cargo xtask setup` (venv, npm packages)");
+    for kind in ClientKind::ALL {
+        let spec = ClientSpec {
+            concurrency: 8,
+            large_calls: 2,
+            stream: Some(Duration::from_millis(600)),
+            bidi: Some(Duration::from_millis(600)),
+            ..ClientSpec::unary(b.addr.to_string(), 200)
+        };
+        let h = harness.clone();
+        let r = tokio::task::spawn_blocking(move || h.run_local(kind, &spec))
+            .await
+            .expect("task")
+            .unwrap_or_else(|e| panic!("{kind}: {e:?}"));
+        assert_eq!(r.failed_calls(), 0, "{kind}: {r:?}");
+        assert_eq!(r.unary.ok, 200, "{kind}: every unary call succeeds: {r:?}");
+        assert_eq!(r.unary.pods.len(), 2, "{kind}: over both pods: {r:?}");
+        assert_eq!(r.large.ok, 2, "{kind}: both 4 MiB calls come back whole");
+        assert!(
+            r.server_stream.as_ref().is_some_and(|s| s.complete()),
+            "{kind}: the server stream ends OK with every reply: {r:?}"
+        );
+        assert!(
+            r.bidi.as_ref().is_some_and(|s| s.complete()),
+            "{kind}: every bidi message is answered: {r:?}"
+        );
+    }
+}
