@@ -14,7 +14,7 @@ use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 use super::fields::{self, Fields, HpackDecoder, HpackEncoder};
-use super::frames::{self, DEFAULT_WINDOW, HeaderBlocks, Held, Outgoing, RecvWindow, SendLimits};
+use super::frames::{self, DEFAULT_WINDOW, HeaderBlocks, Held, RecvWindow, SendLimits};
 use super::out::{HasOut, Out, Shared};
 use super::upstream::{HEADER_TABLE_SIZE, MAX_FRAME, UpShared};
 use super::{CodecPool, NoPick, StreamMap};
@@ -101,6 +101,12 @@ struct ClientStream {
     recv: RecvWindow,
 }
 
+impl frames::Sending for ClientStream {
+    fn outgoing(&mut self) -> (&mut i64, &mut Held) {
+        (&mut self.window, &mut self.held)
+    }
+}
+
 /// A request as the balancer keeps it to send (again): its header list (as forwarded), and
 /// its body bytes, end and trailers as they came (bounded by the stream's window, which they
 /// keep until they go upstream, or by [`REPLAY_CAP`]).
@@ -180,18 +186,16 @@ impl ClientState {
         end_stream: bool,
     ) -> Option<usize> {
         let s = self.streams.get_mut(&stream)?;
-        let was_waiting = s.held.is_waiting();
-        let sent = Outgoing {
+        let (sent, waits) = frames::send_or_hold(
+            &mut self.waiting,
+            s,
             stream,
-            window: &mut s.window,
-            held: &mut s.held,
-        }
-        .send(&mut self.out.buf, &mut self.limits, data, end_stream);
-        if s.held.is_waiting() {
-            if !was_waiting {
-                self.waiting.push(stream);
-            }
-        } else if end_stream {
+            &mut self.out.buf,
+            &mut self.limits,
+            data,
+            end_stream,
+        );
+        if end_stream && !waits {
             self.streams.remove(&stream);
         }
         Some(sent)
@@ -202,29 +206,22 @@ impl ClientState {
     /// stream, whose windows the caller gives back.
     fn resume(&mut self) -> Vec<UpCredit> {
         let mut credits = Vec::new();
-        let mut waiting = std::mem::take(&mut self.waiting);
-        waiting.retain(|&stream| {
-            let Some(s) = self.streams.get_mut(&stream) else {
-                return false;
-            };
-            let (sent, over) = Outgoing {
-                stream,
-                window: &mut s.window,
-                held: &mut s.held,
-            }
-            .resume(&mut self.out.buf, &mut self.limits, &mut self.encoder);
-            if sent > 0
-                && let Some((up, up_stream)) = &s.up
-            {
-                credits.push((up.clone(), *up_stream, sent));
-            }
-            let waits = s.held.is_waiting();
-            if over {
-                self.streams.remove(&stream);
-            }
-            waits
-        });
-        self.waiting = waiting;
+        frames::resume_waiting(
+            &mut self.waiting,
+            &mut self.streams,
+            &mut self.out.buf,
+            &mut self.limits,
+            &mut self.encoder,
+            |_, s, sent, over| {
+                if sent > 0
+                    && let Some((up, up_stream)) = &s.up
+                {
+                    credits.push((up.clone(), *up_stream, sent));
+                }
+                // Its response is over: the stream is done.
+                over
+            },
+        );
         credits
     }
 

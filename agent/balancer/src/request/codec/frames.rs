@@ -310,6 +310,72 @@ impl Outgoing<'_> {
     }
 }
 
+/// A stream whose outgoing body may wait for the peer's windows.
+pub(crate) trait Sending {
+    /// Its send window and what waits for it.
+    fn outgoing(&mut self) -> (&mut i64, &mut Held);
+}
+
+/// Sends as much of `data` on `stream` (state `s`) as the windows take and holds the rest
+/// (see [`Outgoing::send`]); a stream that begins to wait joins `waiting`. Returns the bytes
+/// sent now, and whether anything is held.
+pub(crate) fn send_or_hold<S: Sending>(
+    waiting: &mut Vec<u32>,
+    s: &mut S,
+    stream: u32,
+    out: &mut BytesMut,
+    limits: &mut SendLimits,
+    data: &[u8],
+    end_stream: bool,
+) -> (usize, bool) {
+    let (window, held) = s.outgoing();
+    let was_waiting = held.is_waiting();
+    let sent = Outgoing {
+        stream,
+        window,
+        held,
+    }
+    .send(out, limits, data, end_stream);
+    let waits = s.outgoing().1.is_waiting();
+    if waits && !was_waiting {
+        waiting.push(stream);
+    }
+    (sent, waits)
+}
+
+/// The peer's windows opened: sends what they now take of the held bytes of each stream in
+/// `waiting`, in the order they began to wait. `sent(stream, state, bytes, over)` learns what
+/// each one sent and whether its side is over, and returns whether to forget the stream
+/// (remove it from `streams`). Streams gone, or with nothing held any more, leave `waiting`.
+pub(crate) fn resume_waiting<S: Sending>(
+    waiting: &mut Vec<u32>,
+    streams: &mut super::StreamMap<S>,
+    out: &mut BytesMut,
+    limits: &mut SendLimits,
+    encoder: &mut HpackEncoder,
+    mut sent: impl FnMut(u32, &mut S, usize, bool) -> bool,
+) {
+    let mut list = std::mem::take(waiting);
+    list.retain(|&stream| {
+        let Some(s) = streams.get_mut(&stream) else {
+            return false;
+        };
+        let (window, held) = s.outgoing();
+        let (n, over) = Outgoing {
+            stream,
+            window,
+            held,
+        }
+        .resume(out, limits, encoder);
+        let waits = s.outgoing().1.is_waiting();
+        if sent(stream, s, n, over) {
+            streams.remove(&stream);
+        }
+        waits
+    });
+    *waiting = list;
+}
+
 /// What a peer may still send on a stream or a connection, and the bytes it sent that were
 /// passed on but not yet given back in a WINDOW_UPDATE (given back in batches of half the
 /// window).

@@ -16,7 +16,7 @@ use tokio::time::Instant;
 
 use super::client::ClientShared;
 use super::fields::{self, Fields, HpackDecoder, HpackEncoder};
-use super::frames::{self, DEFAULT_WINDOW, HeaderBlocks, Held, Outgoing, RecvWindow, SendLimits};
+use super::frames::{self, DEFAULT_WINDOW, HeaderBlocks, Held, RecvWindow, SendLimits};
 use super::out::{HasOut, Out, Shared};
 use super::{CodecPool, Lease, StreamMap};
 use crate::endpoints::EndpointId;
@@ -140,16 +140,15 @@ impl UpState {
     /// stream gets back; `None` when the stream is gone.
     pub(crate) fn data(&mut self, stream: u32, payload: &[u8], end_stream: bool) -> Option<usize> {
         let route = self.routes.get_mut(&stream)?;
-        let was_waiting = route.held.is_waiting();
-        let sent = Outgoing {
+        let (sent, _) = frames::send_or_hold(
+            &mut self.waiting,
+            route,
             stream,
-            window: &mut route.window,
-            held: &mut route.held,
-        }
-        .send(&mut self.out.buf, &mut self.limits, payload, end_stream);
-        if route.held.is_waiting() && !was_waiting {
-            self.waiting.push(stream);
-        }
+            &mut self.out.buf,
+            &mut self.limits,
+            payload,
+            end_stream,
+        );
         Some(sent)
     }
 
@@ -158,26 +157,22 @@ impl UpState {
     /// stream, whose windows the caller gives back.
     fn resume(&mut self) -> Vec<ClientCredit> {
         let mut credits = Vec::new();
-        let mut waiting = std::mem::take(&mut self.waiting);
-        waiting.retain(|&stream| {
-            let Some(route) = self.routes.get_mut(&stream) else {
-                return false;
-            };
-            let (sent, over) = Outgoing {
-                stream,
-                window: &mut route.window,
-                held: &mut route.held,
-            }
-            .resume(&mut self.out.buf, &mut self.limits, &mut self.encoder);
-            let give = sent.saturating_sub(route.skip);
-            route.skip = route.skip.saturating_sub(sent);
-            if give > 0 {
-                credits.push((route.client.clone(), route.client_stream, give));
-            }
-            // Its request side over, or nothing left to wait: off the list.
-            !over && route.held.is_waiting()
-        });
-        self.waiting = waiting;
+        frames::resume_waiting(
+            &mut self.waiting,
+            &mut self.routes,
+            &mut self.out.buf,
+            &mut self.limits,
+            &mut self.encoder,
+            |_, route, sent, _| {
+                let give = sent.saturating_sub(route.skip);
+                route.skip = route.skip.saturating_sub(sent);
+                if give > 0 {
+                    credits.push((route.client.clone(), route.client_stream, give));
+                }
+                // The route stays until its response ends.
+                false
+            },
+        );
         credits
     }
 
@@ -696,6 +691,12 @@ fn fail_all(pool: &Weak<CodecPool>, shared: &Arc<UpShared>) {
         if let (Some(lease), Some(p)) = (route.lease.take(), pool.upgrade()) {
             p.finish(lease, Outcome::Failure, now);
         }
+    }
+}
+
+impl frames::Sending for Route {
+    fn outgoing(&mut self) -> (&mut i64, &mut Held) {
+        (&mut self.window, &mut self.held)
     }
 }
 
