@@ -586,3 +586,59 @@ async fn grpcio_grpc_js_and_tonic_run_every_call_kind_through_the_codec_path() {
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_sent_after_a_wait_carries_the_budget_that_is_left() {
+    // The endpoint starts 300 ms after a call with grpc-timeout 5S: what it receives is what
+    // is left of the 5 s, not 5 s.
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    drop(listener);
+    let b = serve(vec![Endpoint::new(addr, "late")], |rx| {
+        CodecBalancer::new(Config::default(), rx)
+    })
+    .await;
+    let call = tokio::spawn(async move {
+        support::raw_client(b.addr)
+            .await
+            .send_request(support::grpc_request(b.addr, Some("5S")))
+            .await
+            .map(|r| r.status())
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (tx, mut timeouts) = tokio::sync::mpsc::unbounded_channel();
+    let listener = tokio::net::TcpListener::bind(addr).await.expect("rebind");
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                let service =
+                    hyper::service::service_fn(move |req: http::Request<hyper::body::Incoming>| {
+                        let _ = tx.send(req.headers().get("grpc-timeout").cloned());
+                        async move {
+                            let mut resp =
+                                http::Response::new(http_body_util::Empty::<bytes::Bytes>::new());
+                            resp.headers_mut()
+                                .insert("grpc-status", http::HeaderValue::from_static("0"));
+                            Ok::<_, std::convert::Infallible>(resp)
+                        }
+                    });
+                let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                    .serve_connection(TokioIo::new(stream), service)
+                    .await;
+            });
+        }
+    });
+    let forwarded = tokio::time::timeout(Duration::from_secs(5), timeouts.recv())
+        .await
+        .expect("the request reaches the endpoint once it is up")
+        .expect("a request")
+        .expect("with a grpc-timeout");
+    let forwarded = skewless_balancer::grpc::parse_timeout(&forwarded).expect("valid");
+    assert!(
+        forwarded <= Duration::from_millis(4_750),
+        "what is left of 5 s after a 300 ms wait, got {forwarded:?}"
+    );
+    assert_eq!(call.await.expect("task").expect("answered"), 200);
+}

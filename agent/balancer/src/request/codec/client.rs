@@ -118,6 +118,34 @@ struct Request {
     credited: usize,
     /// The endpoints that refused it.
     tried: Vec<crate::endpoints::EndpointId>,
+    /// When its headers arrived, and its deadline (`grpc-timeout`): sent later (after a wait
+    /// or a refusal), it carries the budget that is left.
+    arrived: Option<Instant>,
+    deadline: Option<Instant>,
+}
+
+impl Request {
+    /// Its `grpc-timeout` set to what is left of its budget at `now`, once time has passed
+    /// since its arrival.
+    fn update_timeout(&mut self, now: Instant) {
+        let (Some(arrived), Some(deadline)) = (self.arrived, self.deadline) else {
+            return;
+        };
+        if now <= arrived {
+            return;
+        }
+        let left = crate::grpc::encode_timeout(deadline.saturating_duration_since(now));
+        let mut fields = Fields::default();
+        for (name, value) in self.fields.iter() {
+            if name == b"grpc-timeout" {
+                fields.push(name, left.as_bytes());
+            } else {
+                fields.push(name, value);
+            }
+        }
+        self.fields = fields;
+        self.arrived = Some(now);
+    }
 }
 
 /// Response bytes that reached the client for an upstream stream, whose window they give
@@ -764,12 +792,12 @@ impl Conn {
             self.refuse(stream, ErrorCode::REFUSED_STREAM);
             return Ok(());
         }
-        if let Some(timeout) = self
+        let deadline = self
             .fields
             .get(b"grpc-timeout")
             .and_then(crate::grpc::parse_timeout_bytes)
-            && let Some(deadline) = now.checked_add(timeout)
-        {
+            .and_then(|timeout| now.checked_add(timeout));
+        if let Some(deadline) = deadline {
             // Forgotten when it is due if the stream is gone by then; the deadlines of streams
             // already over are swept out once they outnumber the most streams a connection
             // has, so they stay bounded however long the timeouts are.
@@ -785,6 +813,8 @@ impl Conn {
         request.body.clear();
         request.credited = 0;
         request.tried.clear();
+        request.arrived = Some(now);
+        request.deadline = deadline;
         if self.fields.iter().any(|(n, _)| is_connection_specific(n)) {
             request.fields.clear();
             for (name, value) in self
@@ -938,6 +968,7 @@ impl Conn {
                 }
             };
             let endpoint = lease.id;
+            request.update_timeout(now);
             let (data, end, trailers) = request.body.parts();
             let headers_end = end && data.is_empty() && trailers.is_none();
             let mut u = up.lock();

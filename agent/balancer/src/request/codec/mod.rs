@@ -25,16 +25,16 @@
 //! ready timeout, with its body kept in its stream's window.
 //!
 //! A request's `grpc-timeout` is enforced here too: at its deadline the client gets
-//! DEADLINE_EXCEEDED and the upstream stream is cancelled.
+//! DEADLINE_EXCEEDED and the upstream stream is cancelled; a request sent after a wait or a
+//! refusal carries the budget that is left.
 //!
 //! A request its endpoint provably did not process (REFUSED_STREAM, or above a GOAWAY's last
 //! stream id, or a connection that takes no new stream) is sent to another endpoint, from a
 //! copy kept until its response begins (bodies up to 64 KiB).
 //!
 //! What it does not do yet (so it stays off by default): retries of failed calls and the
-//! retry budget, the remaining budget in the forwarded `grpc-timeout` (it is forwarded
-//! unchanged), the stalled-reader reset, health checks, liveness PINGs, CONTINUATION on the
-//! way out.
+//! retry budget, more than one connection per endpoint, the stalled-reader reset, health
+//! checks, liveness PINGs, CONTINUATION on the way out.
 
 mod client;
 mod fields;
