@@ -642,3 +642,64 @@ async fn a_request_sent_after_a_wait_carries_the_budget_that_is_left() {
     );
     assert_eq!(call.await.expect("task").expect("answered"), 200);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_makes_no_room_for_its_reply_is_reset_after_the_stalled_reader_timeout() {
+    // A raw client with 64 KiB windows asks for a 1 MB reply and never reads it: the
+    // balancer holds what does not fit, and after the 1 s timeout (checked every 250 ms)
+    // resets the stream both ways and counts a stalled reader.
+    use http_body_util::BodyExt as _;
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+    use prost::Message as _;
+    let pods = pods(1).await;
+    let config = Config {
+        stalled_reader_timeout: Some(Duration::from_secs(1)),
+        ..Config::default()
+    };
+    let b = serve(endpoints(&pods), |rx| CodecBalancer::new(config, rx)).await;
+    let mut c = client(b.addr).await;
+    until_ready(&mut c).await;
+    let tcp = tokio::net::TcpStream::connect(b.addr)
+        .await
+        .expect("connect");
+    let (mut send, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+        .initial_stream_window_size(65_535)
+        .initial_connection_window_size(65_535)
+        .handshake(TokioIo::new(tcp))
+        .await
+        .expect("handshake");
+    tokio::spawn(conn);
+    let message = EchoRequest {
+        reply_size: 1_000_000,
+        ..EchoRequest::default()
+    }
+    .encode_to_vec();
+    let mut body = vec![0u8];
+    body.extend_from_slice(&u32::try_from(message.len()).expect("small").to_be_bytes());
+    body.extend_from_slice(&message);
+    let request = http::Request::post(format!("http://{}/skewless.echo.v1.Echo/Echo", b.addr))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(http_body_util::Full::new(bytes::Bytes::from(body)))
+        .expect("request");
+    let resp = send.send_request(request).await.expect("response headers");
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    let mut body = resp.into_body();
+    let ended = loop {
+        match body.frame().await {
+            Some(Ok(_)) => {}
+            Some(Err(e)) => break Some(e),
+            None => break None,
+        }
+    };
+    let error = ended.expect("the reply is cut, not whole");
+    let reason = std::error::Error::source(&error)
+        .and_then(|e| e.downcast_ref::<h2::Error>())
+        .and_then(h2::Error::reason);
+    assert_eq!(reason, Some(h2::Reason::CANCEL), "{error:?}");
+    let stalled = skewless_balancer::metrics::FailureReason::ALL
+        .iter()
+        .position(|r| *r == skewless_balancer::metrics::FailureReason::StalledReader)
+        .expect("a reason");
+    assert_eq!(b.balancer.metrics().failures[stalled], 1, "counted once");
+}

@@ -79,11 +79,14 @@ impl HasOut for ClientState {
     }
 }
 
+/// The upstream connection and stream that carry a client stream.
+type UpStream = (Arc<UpShared>, u32);
+
 /// One open client stream.
 struct ClientStream {
     /// The upstream connection and stream carrying it; none while it waits for a ready
     /// endpoint.
-    up: Option<(Arc<UpShared>, u32)>,
+    up: Option<UpStream>,
     /// While it waits for a ready endpoint: its request, kept until it can be sent.
     parked: Option<Box<Request>>,
     /// Once sent, until its response begins: a copy, to send it to another endpoint if its
@@ -95,6 +98,9 @@ struct ClientStream {
     held: Held,
     /// The response's headers went to the client (a deadline then ends it with trailers).
     answered: bool,
+    /// Since when its held response bytes wait for a client that makes no room for them
+    /// (none while nothing is held; moved on whenever some go out).
+    stalled_since: Option<Instant>,
     /// The client's side ended (END_STREAM seen).
     request_ended: bool,
     /// What the client may still send on the stream: given back as its bytes go upstream.
@@ -212,8 +218,12 @@ impl ClientState {
         stream: u32,
         data: &[u8],
         end_stream: bool,
+        now: Instant,
     ) -> Option<usize> {
         let s = self.streams.get_mut(&stream)?;
+        if s.stalled_since.is_none() {
+            s.stalled_since = Some(now);
+        }
         let (sent, waits) = frames::send_or_hold(
             &mut self.waiting,
             s,
@@ -241,6 +251,10 @@ impl ClientState {
             &mut self.limits,
             &mut self.encoder,
             |_, s, sent, over| {
+                if sent > 0 {
+                    // The client made room: its stall starts again from now.
+                    s.stalled_since = Some(Instant::now());
+                }
                 if sent > 0
                     && let Some((up, up_stream)) = &s.up
                 {
@@ -400,12 +414,25 @@ pub(crate) async fn serve(pool: Arc<CodecPool>, stream: TcpStream, mut stop: Sto
         let mut next_check = conn.pool.idle_check_after(idle_since);
         let idle_timer = tokio::time::sleep_until(next_check.unwrap_or(idle_since));
         tokio::pin!(idle_timer);
+        // The stalled-reader check, every quarter of its timeout.
+        let stall_every = conn.pool.stalled_reader_timeout().map(|t| t / 4);
+        let stall_timer = tokio::time::sleep(stall_every.unwrap_or(HANDSHAKE_TIMEOUT));
+        tokio::pin!(stall_timer);
         loop {
             tokio::select! {
                 biased;
                 _ = &mut stopped, if grace_end.is_none() => {
                     conn.wind_down();
                     grace_end = Some(Instant::now() + conn.pool.drain_grace());
+                }
+                () = &mut stall_timer, if stall_every.is_some() => {
+                    let now = Instant::now();
+                    if let Some(timeout) = conn.pool.stalled_reader_timeout() {
+                        conn.reset_stalled(now, timeout);
+                    }
+                    if let Some(every) = stall_every {
+                        stall_timer.as_mut().reset(now + every);
+                    }
                 }
                 () = &mut idle_timer, if grace_end.is_none() && next_check.is_some() => {
                     let now = Instant::now();
@@ -846,6 +873,7 @@ impl Conn {
                 window,
                 held: Held::default(),
                 answered: false,
+                stalled_since: None,
                 request_ended,
                 recv: RecvWindow::new(STREAM_WINDOW),
             },
@@ -908,6 +936,56 @@ impl Conn {
             };
             if dropped > 0 {
                 self.shared.lock().released(stream, dropped);
+            }
+        }
+        for up in self.dirty.drain(..) {
+            up.flush();
+        }
+        self.shared.flush();
+    }
+
+    /// Resets, both ways, the streams whose held response bytes have waited `timeout` or
+    /// longer for a client that makes no room for them (as the h2 path does: a client that
+    /// stopped reading frees what it held in bounded time).
+    fn reset_stalled(&mut self, now: Instant, timeout: std::time::Duration) {
+        let stalled: Vec<(u32, Option<UpStream>)> = {
+            let mut state = self.shared.lock();
+            let st = &mut *state;
+            let due: Vec<u32> = st
+                .waiting
+                .iter()
+                .copied()
+                .filter(|id| {
+                    st.streams.get(id).is_some_and(|s| {
+                        s.held.is_waiting()
+                            && s.stalled_since
+                                .is_some_and(|t| now.saturating_duration_since(t) >= timeout)
+                    })
+                })
+                .collect();
+            due.into_iter()
+                .filter_map(|id| {
+                    let s = st.streams.remove(&id)?;
+                    RstStream {
+                        stream_id: id,
+                        error_code: ErrorCode::CANCEL,
+                    }
+                    .encode(&mut st.out.buf);
+                    Some((id, s.up))
+                })
+                .collect()
+        };
+        for (stream, up) in stalled {
+            tracing::debug!(stream, "client made no room for its response: reset");
+            self.pool.metrics.failed(FailureReason::StalledReader);
+            let Some((up, up_stream)) = up else { continue };
+            let (lease, dropped) = up.lock().cancel(up_stream, ErrorCode::CANCEL);
+            self.touch(&up);
+            if dropped > 0 {
+                self.shared.lock().released(stream, dropped);
+            }
+            if let Some(lease) = lease {
+                self.pool.finish(lease, Outcome::Cancelled, now);
             }
         }
         for up in self.dirty.drain(..) {

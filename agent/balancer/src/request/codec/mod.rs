@@ -32,9 +32,12 @@
 //! stream id, or a connection that takes no new stream) is sent to another endpoint, from a
 //! copy kept until its response begins (bodies up to 64 KiB).
 //!
+//! A response whose client makes no room for it for the stalled-reader timeout is reset
+//! both ways.
+//!
 //! What it does not do yet (so it stays off by default): retries of failed calls and the
-//! retry budget, more than one connection per endpoint, the stalled-reader reset, health
-//! checks, liveness PINGs, CONTINUATION on the way out.
+//! retry budget, more than one connection per endpoint, health checks, liveness PINGs,
+//! CONTINUATION on the way out.
 
 mod client;
 mod fields;
@@ -227,6 +230,10 @@ impl CodecPool {
     /// timeout in effect (none: no idle timeout), as on the h2 path.
     fn idle_check_after(&self, now: Instant) -> Option<Instant> {
         self.config.borrow().idle_timeout.map(|t| now + t / 8)
+    }
+
+    fn stalled_reader_timeout(&self) -> Option<Duration> {
+        self.config.borrow().stalled_reader_timeout
     }
 
     fn idle_timeout(&self) -> Option<Duration> {

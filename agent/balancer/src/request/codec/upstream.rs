@@ -593,7 +593,7 @@ impl Reader<'_> {
             if dropped > 0 {
                 c.released(client_stream, dropped);
             }
-            c.respond_data(client_stream, data, end_stream)
+            c.respond_data(client_stream, data, end_stream, self.now)
         };
         self.touch(&client);
         if let Some(lease) = lease {
