@@ -1,0 +1,738 @@
+//! The reader of one client connection (`Conn`): the connection's life from its preface to
+//! its close (handshake, drain, max age, idle, the two-phase GOAWAY), and every frame the
+//! client sends. Sending requests upstream, waiting for an endpoint, deadlines and stalled
+//! readers are in `dispatch`.
+
+use super::*;
+
+mod dispatch;
+
+/// Serves one client connection until it closes.
+pub(crate) async fn serve(pool: Arc<CodecPool>, stream: TcpStream, mut stop: Stop<Config>) {
+    // The reader reads through `AsyncRead`, which takes a short read as "drained" (no read
+    // that would find nothing); writers share the write half.
+    let (mut read, write) = stream.into_split();
+    let shared = Shared::new(write, ClientState::new());
+    {
+        let mut state = shared.lock();
+        Settings::encode(
+            false,
+            &[
+                Setting {
+                    id: SettingId::MAX_CONCURRENT_STREAMS,
+                    value: MAX_CLIENT_STREAMS,
+                },
+                Setting {
+                    id: SettingId::INITIAL_WINDOW_SIZE,
+                    value: STREAM_WINDOW,
+                },
+                Setting {
+                    id: SettingId::MAX_HEADER_LIST_SIZE,
+                    value: MAX_HEADER_LIST,
+                },
+            ],
+            &mut state.out.buf,
+        );
+        WindowUpdate {
+            stream_id: 0,
+            increment: CONNECTION_WINDOW - DEFAULT_WINDOW as u32,
+        }
+        .encode(&mut state.out.buf);
+        shared.flush_locked(&mut state);
+    }
+    let mut conn = Conn {
+        pool: pool.clone(),
+        shared: shared.clone(),
+        decoder: HpackDecoder::new(HEADER_TABLE_SIZE as u32),
+        fields: Fields::default(),
+        dirty: Vec::new(),
+        blocks: HeaderBlocks::default(),
+        last_stream: 0,
+        budgets: FrameBudgets::new(FloodLimits::default(), Instant::now()),
+        settings_seen: false,
+        magic: 0,
+        winding: Winding::No,
+        pinged: false,
+        parked: std::collections::VecDeque::new(),
+        ready: pool.readiness(),
+        redispatch: shared.lock().redispatch.clone(),
+        deadlines: std::collections::BinaryHeap::new(),
+    };
+    let mut rbuf = BytesMut::with_capacity(64 * 1024);
+    // Until its preface (the magic, then its SETTINGS) is in, the connection has no stream to
+    // finish: a drain or the handshake deadline closes it at once.
+    let preface_deadline = Instant::now() + HANDSHAKE_TIMEOUT;
+    let mut open = true;
+    while open && !conn.settings_seen {
+        tokio::select! {
+            biased;
+            _ = stop.drained() => {
+                tracing::debug!("client wound down before its preface, closing");
+                open = false;
+            }
+            () = tokio::time::sleep_until(preface_deadline) => {
+                conn.pool.metrics.client_error(ClientErrorReason::NoPreface);
+                tracing::debug!("client sent no HTTP/2 preface in time");
+                open = false;
+            }
+            more = read_more(&mut read, &mut rbuf) => open = more && conn.input(&mut rbuf),
+        }
+    }
+    if open {
+        // From the preface on, its max age counts too, and its idleness: no stream and no PING
+        // from one check to the next, every eighth of the idle timeout, for the whole timeout
+        // (as on the h2 path). Told to wind down, or idle, it gets the two-phase GOAWAY of the
+        // h2 path and its streams the drain grace to finish.
+        let stopped = stop.stopped();
+        tokio::pin!(stopped);
+        let mut grace_end = None;
+        let mut idle_since = Instant::now();
+        let mut next_check = conn.pool.idle_check_after(idle_since);
+        let idle_timer = tokio::time::sleep_until(next_check.unwrap_or(idle_since));
+        tokio::pin!(idle_timer);
+        // The stalled-reader check, every quarter of its timeout.
+        let stall_every = conn.pool.stalled_reader_timeout().map(|t| t / 4);
+        let stall_timer = tokio::time::sleep(stall_every.unwrap_or(HANDSHAKE_TIMEOUT));
+        tokio::pin!(stall_timer);
+        loop {
+            tokio::select! {
+                biased;
+                _ = &mut stopped, if grace_end.is_none() => {
+                    conn.wind_down();
+                    grace_end = Some(Instant::now() + conn.pool.drain_grace());
+                }
+                () = &mut stall_timer, if stall_every.is_some() => {
+                    let now = Instant::now();
+                    if let Some(timeout) = conn.pool.stalled_reader_timeout() {
+                        conn.reset_stalled(now, timeout);
+                    }
+                    if let Some(every) = stall_every {
+                        stall_timer.as_mut().reset(now + every);
+                    }
+                }
+                () = &mut idle_timer, if grace_end.is_none() && next_check.is_some() => {
+                    let now = Instant::now();
+                    let busy = !conn.shared.lock().streams.is_empty();
+                    if busy || std::mem::take(&mut conn.pinged) {
+                        idle_since = now;
+                    } else if conn
+                        .pool
+                        .idle_timeout()
+                        .is_some_and(|t| now.saturating_duration_since(idle_since) >= t)
+                    {
+                        tracing::debug!("client connection idle, winding it down");
+                        conn.pool.metrics.rotated(RotationReason::Idle);
+                        conn.wind_down();
+                        grace_end = Some(now + conn.pool.drain_grace());
+                    }
+                    next_check = conn.pool.idle_check_after(now);
+                    if let Some(at) = next_check {
+                        idle_timer.as_mut().reset(at);
+                    }
+                }
+                // Timers in `async` blocks: a disabled branch's expression is still evaluated,
+                // and a timer made on every read would cost every call.
+                () = async { tokio::time::sleep_until(grace_end.unwrap_or(preface_deadline)).await },
+                    if grace_end.is_some() =>
+                {
+                    tracing::debug!("grace period over, closing client connection");
+                    conn.final_go_away();
+                    break;
+                }
+                () = async { tokio::time::sleep(WIND_DOWN_CHECK).await }, if grace_end.is_some() => {}
+                _ = conn.ready.changed(), if !conn.parked.is_empty() => {
+                    conn.dispatch_parked(Instant::now());
+                }
+                () = conn.redispatch.notified() => {
+                    let now = Instant::now();
+                    let give_up = now + conn.pool.ready_timeout();
+                    let refused = std::mem::take(&mut conn.shared.lock().refused);
+                    conn.parked.extend(refused.into_iter().map(|stream| (stream, give_up)));
+                    conn.dispatch_parked(now);
+                }
+                () = async {
+                    let first = conn.parked.front().map_or(preface_deadline, |&(_, at)| at);
+                    tokio::time::sleep_until(first).await;
+                }, if !conn.parked.is_empty() => conn.dispatch_parked(Instant::now()),
+                () = async {
+                    let first = conn
+                        .deadlines
+                        .peek()
+                        .map_or(preface_deadline, |std::cmp::Reverse((at, _))| *at);
+                    tokio::time::sleep_until(first).await;
+                }, if !conn.deadlines.is_empty() => conn.expire(Instant::now()),
+                more = read_more(&mut read, &mut rbuf) => {
+                    if !(more && conn.input(&mut rbuf)) {
+                        break;
+                    }
+                }
+            }
+            if conn.wound_down() {
+                tracing::debug!("client connection wound down");
+                break;
+            }
+        }
+    }
+    conn.close();
+    // The write half sends its FIN once the writer task and the streams have let it go; what
+    // the client still sends meanwhile is read and dropped, never answered with a reset.
+    drop((conn, shared));
+    tokio::spawn(crate::linger::discard(read));
+}
+
+/// The client reader's own state.
+struct Conn {
+    pool: Arc<CodecPool>,
+    shared: Arc<ClientShared>,
+    decoder: HpackDecoder,
+    fields: Fields,
+    /// Upstream connections written to in this batch, flushed at its end.
+    dirty: Vec<Arc<UpShared>>,
+    blocks: HeaderBlocks,
+    /// The highest stream id the client opened.
+    last_stream: u32,
+    /// What its PINGs, SETTINGS and RST_STREAMs may spend (see [`crate::flood`]).
+    budgets: FrameBudgets,
+    /// Its first frame after the magic came, a SETTINGS without ACK as it must be.
+    settings_seen: bool,
+    /// How much of the magic (the preface's first 24 bytes) has come.
+    magic: usize,
+    winding: Winding,
+    /// A PING (not an ACK) came since the last idle check: the client keeps the connection.
+    pinged: bool,
+    /// Streams waiting for a ready endpoint, with when each gives up, in arrival order.
+    parked: std::collections::VecDeque<(u32, Instant)>,
+    /// Moves when an upstream connection comes up: parked streams try again.
+    ready: tokio::sync::watch::Receiver<u64>,
+    /// Woken when an endpoint refused requests of this connection (see
+    /// [`ClientState::refused`]).
+    redispatch: Arc<tokio::sync::Notify>,
+    /// The deadlines of streams whose request carried `grpc-timeout`, earliest first.
+    deadlines: std::collections::BinaryHeap<std::cmp::Reverse<(Instant, u32)>>,
+}
+
+/// Where a connection is in its wind-down (the two-phase GOAWAY of RFC 9113 section 6.8, as
+/// h2 sends it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Winding {
+    No,
+    /// GOAWAY with the highest stream id and a PING sent: streams the client opens before it
+    /// sees them are still served.
+    Pinged,
+    /// The PING came back (or the time ran out): GOAWAY with the last stream id taken sent;
+    /// streams above it are refused.
+    Final {
+        last: u32,
+    },
+}
+
+/// Reads what the client sent into `rbuf`; `false` when the connection is over (EOF or an
+/// error).
+async fn read_more(read: &mut tokio::net::tcp::OwnedReadHalf, rbuf: &mut BytesMut) -> bool {
+    if rbuf.capacity() - rbuf.len() < 16 * 1024 {
+        rbuf.reserve(64 * 1024);
+    }
+    match read.read_buf(rbuf).await {
+        Ok(0) => false,
+        Ok(_) => true,
+        Err(error) => {
+            tracing::debug!(%error, "client read failed");
+            false
+        }
+    }
+}
+
+impl Conn {
+    /// Handles what the client sent: the magic, then every whole frame, flushing what they
+    /// produced. `false` when the connection is over (a connection error, with its GOAWAY
+    /// written).
+    fn input(&mut self, rbuf: &mut BytesMut) -> bool {
+        if self.magic < PREFACE.len() {
+            let n = (PREFACE.len() - self.magic).min(rbuf.len());
+            if rbuf[..n] != PREFACE[self.magic..self.magic + n] {
+                tracing::debug!("client sent no HTTP/2 preface");
+                self.pool.metrics.client_error(ClientErrorReason::Malformed);
+                return false;
+            }
+            self.magic += n;
+            rbuf.advance(n);
+            if self.magic < PREFACE.len() {
+                return true;
+            }
+        }
+        let now = Instant::now();
+        let mut frames = Frames::new(rbuf, MAX_FRAME);
+        let mut failed = None;
+        for frame in &mut frames {
+            let result = match frame {
+                Ok((head, payload)) => self
+                    .guard(&head, now)
+                    .and_then(|()| self.frame(head, payload, now)),
+                Err(_) => Err(ErrorCode::FRAME_SIZE_ERROR),
+            };
+            if let Err(code) = result {
+                failed = Some(code);
+                break;
+            }
+        }
+        let used = rbuf.len() - frames.rest().len();
+        rbuf.advance(used);
+        for up in self.dirty.drain(..) {
+            up.flush();
+        }
+        if let Some(code) = failed {
+            let mut state = self.shared.lock();
+            GoAway {
+                last_stream_id: self.last_stream,
+                error_code: code,
+                debug_data: b"",
+            }
+            .encode(&mut state.out.buf);
+            self.shared.flush_locked(&mut state);
+            return false;
+        }
+        self.shared.flush();
+        true
+    }
+
+    /// Starts the wind-down: GOAWAY with the highest stream id, then a PING whose ACK says the
+    /// client saw it.
+    fn wind_down(&mut self) {
+        if self.winding != Winding::No {
+            return;
+        }
+        let mut state = self.shared.lock();
+        GoAway {
+            last_stream_id: MAX_STREAM_ID,
+            error_code: ErrorCode::NO_ERROR,
+            debug_data: b"",
+        }
+        .encode(&mut state.out.buf);
+        Ping {
+            ack: false,
+            opaque: WIND_DOWN_PING,
+        }
+        .encode(&mut state.out.buf);
+        drop(state);
+        self.shared.flush();
+        self.winding = Winding::Pinged;
+    }
+
+    /// The second GOAWAY, with the last stream id taken: nothing above it is served.
+    fn final_go_away(&mut self) {
+        if matches!(self.winding, Winding::Final { .. }) {
+            return;
+        }
+        let last = self.last_stream;
+        let mut state = self.shared.lock();
+        GoAway {
+            last_stream_id: last,
+            error_code: ErrorCode::NO_ERROR,
+            debug_data: b"",
+        }
+        .encode(&mut state.out.buf);
+        // Written now: a connection whose grace is over closes right after.
+        self.shared.flush_locked(&mut state);
+        drop(state);
+        self.winding = Winding::Final { last };
+    }
+
+    /// The wind-down is over: the final GOAWAY is out and no stream is left.
+    fn wound_down(&self) -> bool {
+        matches!(self.winding, Winding::Final { .. }) && self.shared.lock().streams.is_empty()
+    }
+
+    fn touch(&mut self, up: &Arc<UpShared>) {
+        if !self.dirty.iter().any(|u| Arc::ptr_eq(u, up)) {
+            self.dirty.push(up.clone());
+        }
+    }
+
+    /// What every frame of the client's is checked for before it is handled: the first one
+    /// must be a SETTINGS that is not an ACK (RFC 9113 section 3.4), and PINGs, SETTINGS and
+    /// RST_STREAMs spend from their budgets, as on the h2 path (`request::flood_guard`). A
+    /// client that breaks either is counted and cut off: `Err` with its GOAWAY's code.
+    fn guard(&mut self, head: &Head, now: Instant) -> Result<(), ErrorCode> {
+        if !std::mem::replace(&mut self.settings_seen, true)
+            && (head.kind != Kind::Settings || head.is_ack())
+        {
+            tracing::debug!(kind = ?head.kind, "client's first frame is not its SETTINGS");
+            self.pool.metrics.client_error(ClientErrorReason::Malformed);
+            return Err(ErrorCode::PROTOCOL_ERROR);
+        }
+        if flood::budgeted(head)
+            && let Some(flood) = self.budgets.spend(head, now)
+        {
+            tracing::debug!(%flood, "client cut off");
+            self.pool.metrics.client_error(flood.client_error_reason());
+            return Err(ErrorCode::ENHANCE_YOUR_CALM);
+        }
+        Ok(())
+    }
+
+    fn frame(&mut self, head: Head, payload: &[u8], now: Instant) -> Result<(), ErrorCode> {
+        if self.blocks.open() || matches!(head.kind, Kind::Headers | Kind::Continuation) {
+            if let Some((stream, end_stream, block)) = self.blocks.frame(head, payload)? {
+                return self.headers(stream, &block, end_stream, now);
+            }
+            return Ok(());
+        }
+        match head.kind {
+            Kind::Data => {
+                let data = frames::strip(head, payload)?;
+                self.data(
+                    head.stream_id,
+                    data,
+                    payload.len(),
+                    head.has(flags::END_STREAM),
+                    now,
+                )
+            }
+            Kind::RstStream => {
+                let rst =
+                    RstStream::decode(&head, payload).map_err(|_| ErrorCode::PROTOCOL_ERROR)?;
+                self.cancel(rst.stream_id, now);
+                Ok(())
+            }
+            Kind::Settings => {
+                let settings =
+                    Settings::decode(&head, payload).map_err(|_| ErrorCode::PROTOCOL_ERROR)?;
+                if settings.ack {
+                    return Ok(());
+                }
+                let credits = {
+                    let mut state = self.shared.lock();
+                    for s in settings.iter() {
+                        let delta = state.limits.apply(s);
+                        if delta != 0 {
+                            for st in state.streams.values_mut() {
+                                st.window += delta;
+                            }
+                        }
+                        match s.id {
+                            SettingId::HEADER_TABLE_SIZE
+                                if (s.value as usize) < HEADER_TABLE_SIZE =>
+                            {
+                                // No size update can be sent yet: refuse the connection.
+                                return Err(ErrorCode::INTERNAL_ERROR);
+                            }
+                            _ => {}
+                        }
+                    }
+                    Settings::encode(true, &[], &mut state.out.buf);
+                    state.resume()
+                };
+                self.give_back(credits);
+                Ok(())
+            }
+            Kind::Ping if head.is_ack() => {
+                let ping = Ping::decode(&head, payload).map_err(|_| ErrorCode::PROTOCOL_ERROR)?;
+                if ping.opaque == WIND_DOWN_PING && self.winding == Winding::Pinged {
+                    self.final_go_away();
+                }
+                Ok(())
+            }
+            Kind::Ping => {
+                self.pinged = true;
+                frames::answer_ping(&head, payload, &mut self.shared.lock().out.buf)
+            }
+            Kind::WindowUpdate => {
+                let (stream, inc) = frames::window_update(&head, payload)?;
+                let credits = {
+                    let mut state = self.shared.lock();
+                    if stream == 0 {
+                        state.limits.window += inc;
+                    } else if let Some(s) = state.streams.get_mut(&stream) {
+                        s.window += inc;
+                    }
+                    state.resume()
+                };
+                self.give_back(credits);
+                Ok(())
+            }
+            Kind::GoAway => Ok(()),
+            Kind::PushPromise => Err(ErrorCode::PROTOCOL_ERROR),
+            Kind::Headers | Kind::Continuation | Kind::Priority | Kind::Unknown(_) => Ok(()),
+        }
+    }
+
+    /// A request's header block: pick an endpoint and open the stream there.
+    fn headers(
+        &mut self,
+        stream: u32,
+        block: &[u8],
+        end_stream: bool,
+        now: Instant,
+    ) -> Result<(), ErrorCode> {
+        let decoded = self
+            .fields
+            .decode(&mut self.decoder, block, MAX_HEADER_LIST as usize);
+        if let Err(fields::FieldsError::Compression(_)) = decoded {
+            return Err(ErrorCode::COMPRESSION_ERROR);
+        }
+        if stream.is_multiple_of(2) || stream <= self.last_stream {
+            // Trailers of an open request, or a stream id going back: trailers are
+            // forwarded, anything else is a protocol error.
+            return self.trailers(stream, end_stream, now);
+        }
+        if let Winding::Final { last } = self.winding
+            && stream > last
+        {
+            // Opened after the final GOAWAY: never served, so the client may retry it.
+            self.refuse(stream, ErrorCode::REFUSED_STREAM);
+            return Ok(());
+        }
+        self.last_stream = stream;
+        if decoded.is_err() {
+            self.refuse(stream, ErrorCode::REFUSED_STREAM);
+            return Ok(());
+        }
+        if self.fields.get(b":method").is_none() || self.fields.get(b":path").is_none() {
+            self.refuse(stream, ErrorCode::PROTOCOL_ERROR);
+            return Ok(());
+        }
+        if self.shared.lock().streams.len() >= MAX_CLIENT_STREAMS as usize {
+            self.refuse(stream, ErrorCode::REFUSED_STREAM);
+            return Ok(());
+        }
+        let deadline = self
+            .fields
+            .get(b"grpc-timeout")
+            .and_then(crate::grpc::parse_timeout_bytes)
+            .and_then(|timeout| now.checked_add(timeout));
+        if let Some(deadline) = deadline {
+            // Forgotten when it is due if the stream is gone by then; the deadlines of streams
+            // already over are swept out once they outnumber the most streams a connection
+            // has, so they stay bounded however long the timeouts are.
+            self.deadlines.push(std::cmp::Reverse((deadline, stream)));
+            if self.deadlines.len() > 2 * MAX_CLIENT_STREAMS as usize {
+                let state = self.shared.lock();
+                self.deadlines
+                    .retain(|std::cmp::Reverse((_, id))| state.streams.contains_key(id));
+            }
+        }
+        // The copy that is sent (and kept), in a spare one's buffers.
+        let mut request = self.shared.lock().spare.pop().unwrap_or_default();
+        request.body.clear();
+        request.credited = 0;
+        request.tried.clear();
+        request.arrived = Some(now);
+        request.deadline = deadline;
+        if self.fields.iter().any(|(n, _)| is_connection_specific(n)) {
+            request.fields.clear();
+            for (name, value) in self
+                .fields
+                .iter()
+                .filter(|(n, _)| !is_connection_specific(n))
+            {
+                request.fields.push(name, value);
+            }
+        } else {
+            request.fields.copy_from(&self.fields);
+        }
+        request.body.push(&[], end_stream);
+        self.insert_stream(stream, end_stream);
+        let give_up = now + self.pool.ready_timeout();
+        self.dispatch(stream, request, now, give_up);
+        Ok(())
+    }
+
+    fn insert_stream(&mut self, stream: u32, request_ended: bool) {
+        let mut state = self.shared.lock();
+        let window = state.limits.initial_window;
+        state.streams.insert(
+            stream,
+            ClientStream {
+                up: None,
+                parked: None,
+                replay: None,
+                window,
+                held: Held::default(),
+                answered: false,
+                stalled_since: None,
+                request_ended,
+                recv: RecvWindow::new(STREAM_WINDOW),
+            },
+        );
+    }
+
+    /// Answers `stream` with a trailers-only UNAVAILABLE saying `message`, and forgets it.
+    fn unavailable(&mut self, stream: u32, message: &[u8]) {
+        let mut f = Fields::default();
+        f.push(b":status", b"200");
+        f.push(b"content-type", b"application/grpc");
+        f.push(b"grpc-status", b"14");
+        f.push(b"grpc-message", message);
+        let mut state = self.shared.lock();
+        let st = &mut *state;
+        st.streams.remove(&stream);
+        fields::put_headers(&mut st.out.buf, &mut st.encoder, stream, true, f.iter());
+    }
+
+    /// Request trailers (a second header block on an open stream).
+    fn trailers(&mut self, stream: u32, end_stream: bool, now: Instant) -> Result<(), ErrorCode> {
+        if !end_stream {
+            return Err(ErrorCode::PROTOCOL_ERROR);
+        }
+        let target = {
+            let mut state = self.shared.lock();
+            match state.streams.get_mut(&stream) {
+                Some(s) if !s.request_ended => {
+                    s.request_ended = true;
+                    for request in [&mut s.parked, &mut s.replay].into_iter().flatten() {
+                        request.body.hold_trailers(self.fields.iter());
+                    }
+                    s.up.clone()
+                }
+                _ => None,
+            }
+        };
+        let Some((up, up_stream)) = target else {
+            return Ok(());
+        };
+        {
+            let mut u = up.lock();
+            let u = &mut *u;
+            u.put_trailers(up_stream, &self.fields);
+        }
+        self.touch(&up);
+        let _ = now;
+        Ok(())
+    }
+
+    /// A DATA frame of the client's: counted against its windows (`Err`: a connection
+    /// error), sent upstream as far as the upstream's windows take it, the rest held there.
+    /// The client's windows get back what went upstream now (and the padding); what is held
+    /// comes back as the upstream's reader sends it.
+    fn data(
+        &mut self,
+        stream: u32,
+        data: &[u8],
+        flow_len: usize,
+        end_stream: bool,
+        now: Instant,
+    ) -> Result<(), ErrorCode> {
+        let target = {
+            let mut state = self.shared.lock();
+            let st = &mut *state;
+            st.recv.receive(flow_len)?;
+            match st.streams.get_mut(&stream) {
+                Some(s) if !s.request_ended => match s.recv.receive(flow_len) {
+                    Ok(()) => {
+                        s.request_ended = end_stream;
+                        if let Some(replay) = &mut s.replay {
+                            if replay.body.len() + data.len() > REPLAY_CAP {
+                                s.replay = None;
+                            } else {
+                                replay.body.push(data, end_stream);
+                            }
+                        }
+                        match (&mut s.parked, &s.up) {
+                            (Some(parked), _) => {
+                                // Kept until the request goes upstream, its window with it.
+                                parked.body.push(data, end_stream);
+                                let padding = flow_len - data.len();
+                                if padding > 0 {
+                                    st.released(stream, padding);
+                                }
+                                return Ok(());
+                            }
+                            (None, Some((up, up_stream))) => Ok((up.clone(), *up_stream)),
+                            (None, None) => {
+                                st.recv.release(flow_len, 0, &mut st.out.buf);
+                                return Ok(());
+                            }
+                        }
+                    }
+                    Err(code) => Err(code),
+                },
+                _ => {
+                    // No stream to pass it on to: its window goes back at once.
+                    st.recv.release(flow_len, 0, &mut st.out.buf);
+                    return Ok(());
+                }
+            }
+        };
+        let (up, up_stream) = match target {
+            Ok(target) => target,
+            Err(code) => {
+                tracing::debug!(stream, "client overran the stream's flow-control window");
+                self.cancel(stream, now);
+                self.refuse(stream, code);
+                self.shared.lock().released(stream, flow_len);
+                return Ok(());
+            }
+        };
+        let sent = up.lock().data(up_stream, data, end_stream);
+        self.touch(&up);
+        let passed = match sent {
+            Some(n) => n + (flow_len - data.len()),
+            // The upstream stream is over (its response ended first): dropped.
+            None => flow_len,
+        };
+        if passed > 0 {
+            self.shared.lock().released(stream, passed);
+        }
+        Ok(())
+    }
+
+    /// Response bytes that reached the client give their upstream streams' windows back.
+    fn give_back(&mut self, credits: Vec<UpCredit>) {
+        for (up, up_stream, n) in credits {
+            up.lock().released(up_stream, n);
+            self.touch(&up);
+        }
+    }
+
+    /// The client reset `stream`, or it must go: reset the upstream stream.
+    fn cancel(&mut self, stream: u32, now: Instant) {
+        let Some(s) = self.shared.lock().streams.remove(&stream) else {
+            return;
+        };
+        let Some((up, up_stream)) = s.up else {
+            // Parked: nothing went upstream; what it kept goes back to the connection's window.
+            if let Some(parked) = s.parked {
+                let kept = parked.body.len() - parked.credited;
+                self.shared.lock().released(stream, kept);
+            }
+            return;
+        };
+        let (lease, dropped) = up.lock().cancel(up_stream, ErrorCode::CANCEL);
+        self.touch(&up);
+        if dropped > 0 {
+            // Request bytes held for the upstream: the connection's window gets them back.
+            self.shared.lock().released(stream, dropped);
+        }
+        if let Some(lease) = lease {
+            self.pool.finish(lease, Outcome::Cancelled, now);
+        }
+    }
+
+    fn refuse(&mut self, stream: u32, code: ErrorCode) {
+        let mut state = self.shared.lock();
+        state.streams.remove(&stream);
+        RstStream {
+            stream_id: stream,
+            error_code: code,
+        }
+        .encode(&mut state.out.buf);
+    }
+
+    /// The connection is over: every stream still open is cancelled upstream.
+    fn close(&mut self) {
+        let streams: Vec<ClientStream> =
+            self.shared.lock().streams.drain().map(|(_, s)| s).collect();
+        let now = Instant::now();
+        for s in streams {
+            let Some((up, up_stream)) = s.up else {
+                continue;
+            };
+            let (lease, _) = up.lock().cancel(up_stream, ErrorCode::CANCEL);
+            up.flush();
+            if let Some(lease) = lease {
+                self.pool.finish(lease, Outcome::Cancelled, now);
+            }
+        }
+        self.shared.close();
+    }
+}
