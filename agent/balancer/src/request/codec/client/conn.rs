@@ -689,22 +689,28 @@ impl Conn {
         let Some(s) = self.shared.lock().streams.remove(&stream) else {
             return;
         };
-        let Some((up, up_stream)) = s.up else {
-            // Parked: nothing went upstream; what it kept goes back to the connection's window.
-            if let Some(parked) = s.parked {
-                let kept = parked.body.len() - parked.credited;
-                self.shared.lock().released(stream, kept);
+        self.forget(stream, s, now);
+    }
+
+    /// A stream taken out of the client's state ends upstream too: its upstream stream is
+    /// reset with CANCEL and its lease finished; the request bytes it kept (held for the
+    /// upstream, or parked) give the connection's window back.
+    fn forget(&mut self, stream: u32, s: ClientStream, now: Instant) {
+        let dropped = match (s.up, s.parked) {
+            (Some((up, up_stream)), _) => {
+                let (lease, dropped) = up.lock().cancel(up_stream, ErrorCode::CANCEL);
+                self.touch(&up);
+                if let Some(lease) = lease {
+                    self.pool.finish(lease, Outcome::Cancelled, now);
+                }
+                dropped
             }
-            return;
+            // Parked: nothing went upstream.
+            (None, Some(parked)) => parked.body.len() - parked.credited,
+            (None, None) => 0,
         };
-        let (lease, dropped) = up.lock().cancel(up_stream, ErrorCode::CANCEL);
-        self.touch(&up);
         if dropped > 0 {
-            // Request bytes held for the upstream: the connection's window gets them back.
             self.shared.lock().released(stream, dropped);
-        }
-        if let Some(lease) = lease {
-            self.pool.finish(lease, Outcome::Cancelled, now);
         }
     }
 

@@ -34,21 +34,7 @@ impl Conn {
             };
             tracing::debug!(stream, "deadline exceeded");
             self.pool.metrics.failed(FailureReason::Deadline);
-            let dropped = match (gone.up, gone.parked) {
-                (Some((up, up_stream)), _) => {
-                    let (lease, dropped) = up.lock().cancel(up_stream, ErrorCode::CANCEL);
-                    self.touch(&up);
-                    if let Some(lease) = lease {
-                        self.pool.finish(lease, Outcome::Cancelled, now);
-                    }
-                    dropped
-                }
-                (None, Some(parked)) => parked.body.len() - parked.credited,
-                (None, None) => 0,
-            };
-            if dropped > 0 {
-                self.shared.lock().released(stream, dropped);
-            }
+            self.forget(stream, gone, now);
         }
         for up in self.dirty.drain(..) {
             up.flush();
@@ -60,7 +46,7 @@ impl Conn {
     /// longer for a client that makes no room for them (as the h2 path does: a client that
     /// stopped reading frees what it held in bounded time).
     pub(super) fn reset_stalled(&mut self, now: Instant, timeout: std::time::Duration) {
-        let stalled: Vec<(u32, Option<UpStream>)> = {
+        let stalled: Vec<(u32, ClientStream)> = {
             let mut state = self.shared.lock();
             let st = &mut *state;
             let due: Vec<u32> = st
@@ -83,22 +69,14 @@ impl Conn {
                         error_code: ErrorCode::CANCEL,
                     }
                     .encode(&mut st.out.buf);
-                    Some((id, s.up))
+                    Some((id, s))
                 })
                 .collect()
         };
-        for (stream, up) in stalled {
+        for (stream, s) in stalled {
             tracing::debug!(stream, "client made no room for its response: reset");
             self.pool.metrics.failed(FailureReason::StalledReader);
-            let Some((up, up_stream)) = up else { continue };
-            let (lease, dropped) = up.lock().cancel(up_stream, ErrorCode::CANCEL);
-            self.touch(&up);
-            if dropped > 0 {
-                self.shared.lock().released(stream, dropped);
-            }
-            if let Some(lease) = lease {
-                self.pool.finish(lease, Outcome::Cancelled, now);
-            }
+            self.forget(stream, s, now);
         }
         for up in self.dirty.drain(..) {
             up.flush();
