@@ -316,6 +316,21 @@ pub(crate) trait Sending {
     fn outgoing(&mut self) -> (&mut i64, &mut Held);
 }
 
+/// Applies one of the peer's settings to what may be sent: `limits`, and every open stream's
+/// send window when the initial window changes (RFC 9113 section 6.9.2).
+pub(crate) fn apply_setting<S: Sending>(
+    setting: Setting,
+    limits: &mut SendLimits,
+    streams: &mut super::StreamMap<S>,
+) {
+    let delta = limits.apply(setting);
+    if delta != 0 {
+        for s in streams.values_mut() {
+            *s.outgoing().0 += delta;
+        }
+    }
+}
+
 /// Sends as much of `data` on `stream` (state `s`) as the windows take and holds the rest
 /// (see [`Outgoing::send`]); a stream that begins to wait joins `waiting`. Returns the bytes
 /// sent now, and whether anything is held.

@@ -451,26 +451,22 @@ impl Reader<'_> {
         }
         let credits = {
             let mut state = self.shared.lock();
+            let st = &mut *state;
             for s in settings.iter() {
-                let delta = state.limits.apply(s);
-                if delta != 0 {
-                    for r in state.routes.values_mut() {
-                        r.window += delta;
-                    }
-                }
+                frames::apply_setting(s, &mut st.limits, &mut st.routes);
                 match s.id {
-                    SettingId::MAX_CONCURRENT_STREAMS => state.max_streams = s.value,
+                    SettingId::MAX_CONCURRENT_STREAMS => st.max_streams = s.value,
                     // The encoder keeps the 4096 of RFC 7541 unless told less; a server that
                     // allows less is not served yet (no size update is sent).
                     SettingId::HEADER_TABLE_SIZE if (s.value as usize) < HEADER_TABLE_SIZE => {
                         tracing::debug!(size = s.value, "server allows a smaller HPACK table");
-                        state.closed = true;
+                        st.closed = true;
                     }
                     _ => {}
                 }
             }
-            Settings::encode(true, &[], &mut state.out.buf);
-            state.resume()
+            Settings::encode(true, &[], &mut st.out.buf);
+            st.resume()
         };
         self.give_back(credits);
         Ok(())

@@ -402,13 +402,9 @@ impl Conn {
                 }
                 let credits = {
                     let mut state = self.shared.lock();
+                    let st = &mut *state;
                     for s in settings.iter() {
-                        let delta = state.limits.apply(s);
-                        if delta != 0 {
-                            for st in state.streams.values_mut() {
-                                st.window += delta;
-                            }
-                        }
+                        frames::apply_setting(s, &mut st.limits, &mut st.streams);
                         match s.id {
                             SettingId::HEADER_TABLE_SIZE
                                 if (s.value as usize) < HEADER_TABLE_SIZE =>
@@ -419,8 +415,8 @@ impl Conn {
                             _ => {}
                         }
                     }
-                    Settings::encode(true, &[], &mut state.out.buf);
-                    state.resume()
+                    Settings::encode(true, &[], &mut st.out.buf);
+                    st.resume()
                 };
                 self.give_back(credits);
                 Ok(())
