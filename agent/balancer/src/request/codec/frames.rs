@@ -331,6 +331,21 @@ pub(crate) fn apply_setting<S: Sending>(
     }
 }
 
+/// Applies a peer's WINDOW_UPDATE of `increment` on `stream` (0: the connection) to what may
+/// be sent; an update for a stream no longer open is ignored.
+pub(crate) fn open_window<S: Sending>(
+    stream: u32,
+    increment: i64,
+    limits: &mut SendLimits,
+    streams: &mut super::StreamMap<S>,
+) {
+    if stream == 0 {
+        limits.window += increment;
+    } else if let Some(s) = streams.get_mut(&stream) {
+        *s.outgoing().0 += increment;
+    }
+}
+
 /// Sends as much of `data` on `stream` (state `s`) as the windows take and holds the rest
 /// (see [`Outgoing::send`]); a stream that begins to wait joins `waiting`. Returns the bytes
 /// sent now, and whether anything is held.

@@ -412,12 +412,9 @@ impl Reader<'_> {
                 let (stream, inc) = frames::window_update(&head, payload)?;
                 let credits = {
                     let mut state = self.shared.lock();
-                    if stream == 0 {
-                        state.limits.window += inc;
-                    } else if let Some(r) = state.routes.get_mut(&stream) {
-                        r.window += inc;
-                    }
-                    state.resume()
+                    let st = &mut *state;
+                    frames::open_window(stream, inc, &mut st.limits, &mut st.routes);
+                    st.resume()
                 };
                 self.give_back(credits);
                 Ok(())

@@ -436,12 +436,9 @@ impl Conn {
                 let (stream, inc) = frames::window_update(&head, payload)?;
                 let credits = {
                     let mut state = self.shared.lock();
-                    if stream == 0 {
-                        state.limits.window += inc;
-                    } else if let Some(s) = state.streams.get_mut(&stream) {
-                        s.window += inc;
-                    }
-                    state.resume()
+                    let st = &mut *state;
+                    frames::open_window(stream, inc, &mut st.limits, &mut st.streams);
+                    st.resume()
                 };
                 self.give_back(credits);
                 Ok(())
