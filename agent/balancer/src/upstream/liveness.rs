@@ -13,6 +13,7 @@
 
 use std::future::poll_fn;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use h2::{Ping, PingPong};
@@ -108,6 +109,29 @@ impl Signals {
     }
 }
 
+/// The connection was closed: no PING can be sent or answered on it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Closed;
+
+/// One connection's PINGs, as the monitor sends them: one in flight at a time.
+pub(crate) trait Pings {
+    /// Sends a PING.
+    fn send_ping(&mut self) -> Result<(), Closed>;
+    /// Ready once the PING sent last is answered.
+    fn poll_pong(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Closed>>;
+}
+
+/// h2's: its connection task sends the PING and matches the answer.
+impl Pings for PingPong {
+    fn send_ping(&mut self) -> Result<(), Closed> {
+        PingPong::send_ping(self, Ping::opaque()).map_err(|_| Closed)
+    }
+
+    fn poll_pong(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Closed>> {
+        PingPong::poll_pong(self, cx).map(|pong| pong.map(drop).map_err(|_| Closed))
+    }
+}
+
 /// What the monitor tells its owner while it runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Report {
@@ -122,7 +146,7 @@ pub(crate) enum Report {
 pub(crate) enum Verdict {
     /// A PING went unanswered for the ping timeout: close the connection.
     Dead,
-    /// The connection ended by itself (h2 reports the PING handle closed).
+    /// The connection ended by itself (its PINGs report it closed).
     Closed,
     /// A probe was asked for, but the PINGs allowed without data are spent: only a new
     /// connection (whose first PING is free) can answer it.
@@ -140,7 +164,7 @@ enum Pong {
 /// already sent on it without a HEADERS/DATA frame from the server since (the connect's own);
 /// `probe`, when notified, asks for a PING now (an ejected endpoint proving it answers).
 pub(crate) async fn monitor(
-    mut pings: PingPong,
+    mut pings: impl Pings,
     signals: &Signals,
     config: &LivenessConfig,
     pings_sent: u32,
@@ -223,12 +247,12 @@ pub(crate) async fn monitor(
 /// late. HEADERS or DATA arriving meanwhile prove the server alive too: the deadlines then
 /// start over (the PONG may be queued behind a large response).
 async fn ping(
-    pings: &mut PingPong,
+    pings: &mut impl Pings,
     signals: &Signals,
     config: &LivenessConfig,
     report: &mut impl FnMut(Report),
 ) -> Pong {
-    if pings.send_ping(Ping::opaque()).is_err() {
+    if pings.send_ping().is_err() {
         return Pong::Closed;
     }
     let mut sent = Instant::now();

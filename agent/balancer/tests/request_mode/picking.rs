@@ -282,52 +282,6 @@ async fn an_endpoint_that_does_not_speak_http2_gets_no_calls() {
     b.stop().await;
 }
 
-/// A TCP forwarder in front of one pod that can blackhole it: while the returned flag holds
-/// true it moves no byte either way and closes nothing (no RST, no FIN), which is how a lost
-/// node or a network partition looks from the balancer's side. Connections made meanwhile
-/// complete the TCP handshake (the kernel does it) but are never answered. Bytes sent into the
-/// blackhole arrive once it lifts, as TCP's retransmissions would.
-async fn blackholable(to: SocketAddr) -> (SocketAddr, watch::Sender<bool>) {
-    async fn pump(
-        mut from: tokio::net::tcp::OwnedReadHalf,
-        mut to: tokio::net::tcp::OwnedWriteHalf,
-        mut dark: watch::Receiver<bool>,
-    ) {
-        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-        let mut buf = vec![0u8; 64 * 1024];
-        loop {
-            if dark.wait_for(|d| !*d).await.is_err() {
-                return;
-            }
-            let n = match from.read(&mut buf).await {
-                Ok(0) | Err(_) => break,
-                Ok(n) => n,
-            };
-            if dark.wait_for(|d| !*d).await.is_err() || to.write_all(&buf[..n]).await.is_err() {
-                return;
-            }
-        }
-        let _ = to.shutdown().await;
-    }
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    let (dark, rx) = watch::channel(false);
-    tokio::spawn(async move {
-        while let Ok((client, _)) = listener.accept().await {
-            let rx = rx.clone();
-            tokio::spawn(async move {
-                let Ok(server) = tokio::net::TcpStream::connect(to).await else {
-                    return;
-                };
-                let (cr, cw) = client.into_split();
-                let (sr, sw) = server.into_split();
-                tokio::join!(pump(cr, sw, rx.clone()), pump(sr, cw, rx));
-            });
-        }
-    });
-    (addr, dark)
-}
-
 /// Issue 11 §1: five pods, one blackholed both ways while it stays listed, 50 calls in flight
 /// with 2 s deadlines. Only calls sent to it in the first second may fail (the ones in flight,
 /// and those sent before its connection was found suspect); it gets no call from then on until
@@ -342,7 +296,7 @@ async fn a_blackholed_pod_costs_no_call_after_the_first_second_and_returns_withi
     let mut eps = Vec::new();
     let mut darks = Vec::new();
     for p in &pods {
-        let (addr, dark) = blackholable(p.addr).await;
+        let (addr, dark) = support::blackholable(p.addr).await;
         eps.push(Endpoint::new(addr, &p.name));
         darks.push(dark);
     }

@@ -329,3 +329,49 @@ pub async fn a_slow_reader_holds_back_the_upstream(addr: SocketAddr, produced: &
         "reading lets the upstream go on"
     );
 }
+
+/// A TCP forwarder in front of one pod that can blackhole it: while the returned flag holds
+/// true it moves no byte either way and closes nothing (no RST, no FIN), which is how a lost
+/// node or a network partition looks from the balancer's side. Connections made meanwhile
+/// complete the TCP handshake (the kernel does it) but are never answered. Bytes sent into the
+/// blackhole arrive once it lifts, as TCP's retransmissions would.
+pub async fn blackholable(to: SocketAddr) -> (SocketAddr, watch::Sender<bool>) {
+    async fn pump(
+        mut from: tokio::net::tcp::OwnedReadHalf,
+        mut to: tokio::net::tcp::OwnedWriteHalf,
+        mut dark: watch::Receiver<bool>,
+    ) {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            if dark.wait_for(|d| !*d).await.is_err() {
+                return;
+            }
+            let n = match from.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            };
+            if dark.wait_for(|d| !*d).await.is_err() || to.write_all(&buf[..n]).await.is_err() {
+                return;
+            }
+        }
+        let _ = to.shutdown().await;
+    }
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let (dark, rx) = watch::channel(false);
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            let rx = rx.clone();
+            tokio::spawn(async move {
+                let Ok(server) = tokio::net::TcpStream::connect(to).await else {
+                    return;
+                };
+                let (cr, cw) = client.into_split();
+                let (sr, sw) = server.into_split();
+                tokio::join!(pump(cr, sw, rx.clone()), pump(sr, cw, rx));
+            });
+        }
+    });
+    (addr, dark)
+}
