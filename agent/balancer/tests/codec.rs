@@ -703,3 +703,200 @@ async fn a_client_that_makes_no_room_for_its_reply_is_reset_after_the_stalled_re
         .expect("a reason");
     assert_eq!(b.balancer.metrics().failures[stalled], 1, "counted once");
 }
+
+/// A pod blackholed both ways while it stays listed (a lost node: no RST, no FIN), with 30
+/// calls in flight on 2 s deadlines, then answering again: only calls sent to it in the first
+/// second may fail (those in flight, and those sent before its connection was found suspect);
+/// it serves again within 5 s of answering (its PING or a new connection proves it). Without
+/// PINGs its calls wait out their deadlines, and so do new calls sent to it whenever the
+/// expired ones make it look free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_blackholed_pod_costs_no_call_after_the_first_second_on_the_codec_path() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use tokio::time::Instant;
+    const IN_FLIGHT: usize = 30;
+    let pods = pods(4).await;
+    let mut eps = Vec::new();
+    let mut darks = Vec::new();
+    for p in &pods {
+        let (addr, dark) = support::blackholable(p.addr).await;
+        eps.push(Endpoint::new(addr, &p.name));
+        darks.push(dark);
+    }
+    let b = serve(eps, |rx| CodecBalancer::new(Config::default(), rx)).await;
+    let mut c = client(b.addr).await;
+    until_ready(&mut c).await;
+    let started = Instant::now();
+    // Bounded: 30 callers for at most 20 s (in practice ~11 s).
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for _ in 0..IN_FLIGHT {
+        let (mut c, stop) = (c.clone(), stop.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut calls = Vec::new();
+            let give_up = started + Duration::from_secs(20);
+            while !stop.load(Ordering::Relaxed) && Instant::now() < give_up {
+                let sent = Instant::now();
+                let mut r = tonic::Request::new(req(b"b"));
+                r.set_timeout(Duration::from_secs(2));
+                let result = c.echo(r).await.map(|r| r.into_inner().pod);
+                calls.push((sent, Instant::now(), result));
+            }
+            calls
+        }));
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let dark_at = Instant::now();
+    darks[3].send_replace(true);
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let lit_at = Instant::now();
+    darks[3].send_replace(false);
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    stop.store(true, Ordering::Relaxed);
+    let mut calls = Vec::new();
+    for t in tasks {
+        calls.extend(t.await.expect("caller"));
+    }
+    let at = |t: Instant| t.saturating_duration_since(dark_at).as_secs_f64();
+    let late: Vec<_> = calls
+        .iter()
+        .filter(|(sent, _, r)| *sent >= dark_at + Duration::from_secs(1) && r.is_err())
+        .map(|(sent, ended, r)| {
+            (
+                at(*sent),
+                at(*ended),
+                r.as_ref().err().map(tonic::Status::code),
+            )
+        })
+        .collect();
+    let failed = calls.iter().filter(|(_, _, r)| r.is_err()).count();
+    let back = calls
+        .iter()
+        .filter(|(_, ended, r)| *ended >= lit_at && r.as_ref().is_ok_and(|p| p == "pod-3"))
+        .count();
+    println!(
+        "{} calls, {failed} failed, {} of them sent after the first second; pod-3 served {back} \
+         after answering again",
+        calls.len(),
+        late.len()
+    );
+    assert!(
+        late.is_empty(),
+        "no call sent after the first second of the blackhole fails: {} of them: {:?}",
+        late.len(),
+        &late[..late.len().min(10)]
+    );
+    assert!(back > 0, "the pod serves again once it answers");
+    let internal = calls
+        .iter()
+        .filter(|(_, _, r)| {
+            r.as_ref().err().map(tonic::Status::code) == Some(tonic::Code::Internal)
+        })
+        .count();
+    assert_eq!(
+        internal, 0,
+        "calls the dead connection had not answered end UNAVAILABLE (or at their deadlines), \
+         not INTERNAL"
+    );
+}
+
+/// An HTTP/2 upstream that answers every call with a trailers-only UNAVAILABLE while `failing`
+/// holds true, and with an empty reply otherwise; it counts the calls it answers with a reply.
+async fn flaky_upstream() -> (
+    SocketAddr,
+    tokio::sync::watch::Sender<bool>,
+    std::sync::Arc<std::sync::atomic::AtomicUsize>,
+) {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let (failing, rx) = tokio::sync::watch::channel(true);
+    let served = Arc::new(AtomicUsize::new(0));
+    let count = served.clone();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let (rx, count) = (rx.clone(), count.clone());
+            tokio::spawn(async move {
+                let Ok(mut conn) = h2::server::handshake(stream).await else {
+                    return;
+                };
+                while let Some(Ok((_request, mut respond))) = conn.accept().await {
+                    let head = http::Response::builder().header("content-type", "application/grpc");
+                    if *rx.borrow() {
+                        let head = head.header("grpc-status", "14").body(()).expect("head");
+                        let _ = respond.send_response(head, true);
+                        continue;
+                    }
+                    count.fetch_add(1, Ordering::Relaxed);
+                    let Ok(mut body) = respond.send_response(head.body(()).expect("head"), false)
+                    else {
+                        continue;
+                    };
+                    let _ = body.send_data(bytes::Bytes::from_static(&[0; 5]), false);
+                    let mut trailers = http::HeaderMap::new();
+                    trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
+                    let _ = body.send_trailers(trailers);
+                }
+            });
+        }
+    });
+    (addr, failing, served)
+}
+
+/// An endpoint ejected for failing calls, whose connection stays up, gets calls again once
+/// it serves: when its ejection is over it is PINGed, and the answer lets it be probed with
+/// calls, then brought back. Without the PING it would wait for a new connection, which a
+/// connection that stays up never gives it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ejected_endpoint_that_answers_its_ping_serves_again_on_the_codec_path() {
+    ejected_endpoint_serves_again(Config::default()).await;
+}
+
+/// The same when the connection has spent the PINGs a server allows without sending data
+/// (idle PINGs every 100 ms spend them while it is ejected): the proof is a new connection,
+/// opened once the old one carries no call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ejected_endpoint_whose_pings_are_spent_is_proven_by_a_new_connection() {
+    let mut config = Config::default();
+    config.liveness.idle_ping_interval = Duration::from_millis(100);
+    ejected_endpoint_serves_again(config).await;
+}
+
+async fn ejected_endpoint_serves_again(config: Config) {
+    use std::sync::atomic::Ordering;
+    let (flaky, failing, served) = flaky_upstream().await;
+    let pods = pods(1).await;
+    let mut eps = endpoints(&pods);
+    eps.push(Endpoint::new(flaky, "flaky"));
+    let b = serve(eps, |rx| CodecBalancer::new(config, rx)).await;
+    let mut c = client(b.addr).await;
+    until_ready(&mut c).await;
+    // Bounded: 200 calls, enough for the failure threshold of 5 to eject it.
+    let mut failed = 0;
+    for _ in 0..200 {
+        if c.echo(req(b"f")).await.is_err() {
+            failed += 1;
+        }
+    }
+    assert!(
+        failed > 0,
+        "calls reached the failing endpoint (else this proves nothing)"
+    );
+    failing.send_replace(false);
+    // Its ejection (1 s) ends meanwhile; calls for up to 5 s (bounded: 20,000).
+    let until = tokio::time::Instant::now() + Duration::from_secs(5);
+    let mut n = 0;
+    while tokio::time::Instant::now() < until && n < 20_000 && served.load(Ordering::Relaxed) < 5 {
+        c.echo(req(b"f")).await.expect("both endpoints serve");
+        n += 1;
+    }
+    assert!(
+        served.load(Ordering::Relaxed) >= 5,
+        "the endpoint serves again after its ejection: {} calls in {n}",
+        served.load(Ordering::Relaxed)
+    );
+}

@@ -310,6 +310,24 @@ impl ClientState {
         Some(self.redispatch.clone())
     }
 
+    /// Answers `stream` with a trailers-only UNAVAILABLE saying `message` (no response has
+    /// begun on it), and forgets it. `dropped` request bytes were held for an upstream and
+    /// are dropped: the connection's window gets them back.
+    pub(crate) fn unavailable(&mut self, stream: u32, message: &[u8], dropped: usize) {
+        if dropped > 0 {
+            self.recv.release(dropped, 0, &mut self.out.buf);
+        }
+        if self.streams.remove(&stream).is_none() {
+            return;
+        }
+        let mut f = Fields::default();
+        f.push(b":status", b"200");
+        f.push(b"content-type", b"application/grpc");
+        f.push(b"grpc-status", b"14");
+        f.push(b"grpc-message", message);
+        fields::put_headers(&mut self.out.buf, &mut self.encoder, stream, true, f.iter());
+    }
+
     /// The upstream reset the stream (or failed): reset it for the client. `dropped` request
     /// bytes were held for the upstream and are dropped: the connection's window gets them
     /// back.

@@ -35,9 +35,14 @@
 //! A response whose client makes no room for it for the stalled-reader timeout is reset
 //! both ways.
 //!
+//! Every upstream connection has the h2 path's liveness monitor (`upstream::liveness`): PINGs
+//! while requests are outstanding; unanswered, the connection is first suspect (its endpoint
+//! takes no new request), then dead (closed, its calls answered UNAVAILABLE, the endpoint
+//! ejected). An endpoint whose ejection is over is PINGed before it gets calls again.
+//!
 //! What it does not do yet (so it stays off by default): retries of failed calls and the
-//! retry budget, more than one connection per endpoint, health checks, liveness PINGs,
-//! CONTINUATION on the way out.
+//! retry budget, more than one connection per endpoint, health checks, CONTINUATION on the
+//! way out.
 
 mod client;
 mod fields;
@@ -61,6 +66,7 @@ use crate::metrics::{EndpointMetrics, ServiceMetrics};
 use crate::request::config::Config;
 use crate::request::picker::{Outcome, Picker, Slot};
 use crate::server::{NewConnection, Stop};
+use crate::upstream::liveness::{LivenessConfig, Report};
 
 type Rng = Box<dyn RngCore + Send>;
 
@@ -157,6 +163,8 @@ struct Member {
     /// latency sample: it pays for the connection's warm-up).
     warm: bool,
     task: AbortHandle,
+    /// Asks its connection's liveness monitor for a PING (its ejection is over).
+    probe: Arc<tokio::sync::Notify>,
     metrics: Arc<EndpointMetrics>,
 }
 
@@ -204,8 +212,10 @@ impl CodecPool {
         let mut state = self.lock();
         let removed = state.endpoints.update(endpoints, |id, ep| {
             let span = tracing::debug_span!("endpoint", addr = %ep.addr, name = %ep.name);
+            let probe = Arc::new(tokio::sync::Notify::new());
             let task = tokio::spawn(
-                upstream::connection_task(Arc::downgrade(self), id, ep.addr).instrument(span),
+                upstream::connection_task(Arc::downgrade(self), id, ep.addr, probe.clone())
+                    .instrument(span),
             )
             .abort_handle();
             Member {
@@ -213,6 +223,7 @@ impl CodecPool {
                 up: None,
                 warm: false,
                 task,
+                probe,
                 metrics: Arc::new(EndpointMetrics::default()),
             }
         });
@@ -222,8 +233,10 @@ impl CodecPool {
         }
     }
 
-    fn connect_settings(&self) -> Duration {
-        self.config.borrow().connect_timeout
+    /// The connect timeout and the liveness checks of the next upstream connection.
+    fn connect_settings(&self) -> (Duration, LivenessConfig) {
+        let config = self.config.borrow();
+        (config.connect_timeout, config.liveness.clone())
     }
 
     /// When a client connection's next idle check is due after `now`: an eighth of the idle
@@ -265,6 +278,39 @@ impl CodecPool {
         }
     }
 
+    /// What the liveness monitor of `conn`, endpoint `id`'s connection, reports: a suspect
+    /// connection's endpoint takes no new request until its PING is answered; an answer
+    /// proves an endpoint whose ejection is over.
+    fn liveness_report(&self, id: EndpointId, conn: &Arc<upstream::UpShared>, report: Report) {
+        let now = Instant::now();
+        let mut state = self.lock();
+        let PoolState { picker, endpoints } = &mut *state;
+        let current = endpoints
+            .get(id)
+            .and_then(|entry| entry.value.up.as_ref())
+            .is_some_and(|up| Arc::ptr_eq(up, conn));
+        if !current {
+            return;
+        }
+        match report {
+            Report::Suspect(suspect) => endpoints.set_ready(id, !suspect),
+            Report::Answered => picker.proven(endpoints, id, now),
+        }
+        drop(state);
+        if report == Report::Suspect(false) {
+            self.ready.send_modify(|n| *n += 1);
+        }
+    }
+
+    /// Endpoint `id`'s connection is dead (its PING went unanswered): the endpoint is
+    /// ejected; its connection task closes the connection.
+    fn connection_dead(&self, id: EndpointId) {
+        let now = Instant::now();
+        let mut state = self.lock();
+        let PoolState { picker, endpoints } = &mut *state;
+        picker.connection_dead(endpoints, id, now);
+    }
+
     /// Follows the upstream connections that come up.
     pub(crate) fn readiness(&self) -> watch::Receiver<u64> {
         self.ready.subscribe()
@@ -284,7 +330,16 @@ impl CodecPool {
     ) -> Result<(Arc<upstream::UpShared>, Lease), NoPick> {
         let mut state = self.lock();
         let PoolState { picker, endpoints } = &mut *state;
-        let Some(pick) = picker.pick(endpoints, now, exclude) else {
+        let pick = picker.pick(endpoints, now, exclude);
+        if picker.has_unproven() {
+            // Ejections that just ended: each endpoint must answer a PING before user calls.
+            for id in picker.take_unproven() {
+                if let Some(entry) = endpoints.get(id) {
+                    entry.value.probe.notify_one();
+                }
+            }
+        }
+        let Some(pick) = pick else {
             return Err(if endpoints.is_empty() || endpoints.all_excluded(exclude) {
                 NoPick::Nowhere
             } else {

@@ -4,12 +4,13 @@
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Weak};
+use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use bytes::{Buf as _, BytesMut};
 use skewless_frame::{
-    ErrorCode, Frames, GoAway, HEADER_LEN, Head, Kind, PREFACE, RstStream, Setting, SettingId,
-    Settings, WindowUpdate, flags,
+    ErrorCode, Frames, GoAway, HEADER_LEN, Head, Kind, PREFACE, Ping, RstStream, Setting,
+    SettingId, Settings, WindowUpdate, flags,
 };
 use tokio::net::TcpStream;
 use tokio::time::Instant;
@@ -21,6 +22,7 @@ use super::out::{HasOut, Out, Shared};
 use super::{CodecPool, Lease, StreamMap};
 use crate::endpoints::EndpointId;
 use crate::request::picker::Outcome;
+use crate::upstream::liveness::{self, Closed, LivenessConfig, Pings, Signals, Verdict};
 use crate::upstream::{MAX_HEADER_LIST, STREAM_WINDOW, UPSTREAM_CONNECTION_WINDOW};
 
 pub(crate) type UpShared = Shared<UpState>;
@@ -49,6 +51,21 @@ pub(crate) struct UpState {
     /// Streams whose request bytes wait for the server's windows, in the order they began to
     /// wait (ids of streams gone since are skipped).
     waiting: Vec<u32>,
+    /// What the liveness monitor reads: requests outstanding (the routes), and whether the
+    /// server spoke (the reader's).
+    signals: Arc<Signals>,
+    /// The liveness monitor's PING in flight.
+    ping: PingInFlight,
+}
+
+/// The payload of the liveness monitor's PINGs: an ACK carrying it answers the one in flight.
+const PING_PAYLOAD: [u8; 8] = *b"skewless";
+
+/// The liveness monitor's PING (one at a time): whether it was answered, and who waits.
+#[derive(Default)]
+struct PingInFlight {
+    answered: bool,
+    waker: Option<Waker>,
 }
 
 impl HasOut for UpState {
@@ -83,8 +100,10 @@ pub(crate) struct Route {
 }
 
 impl UpState {
-    fn new() -> Self {
+    fn new(signals: Arc<Signals>) -> Self {
         Self {
+            signals,
+            ping: PingInFlight::default(),
             out: Out::default(),
             encoder: HpackEncoder::new(),
             next_stream_id: 1,
@@ -117,6 +136,7 @@ impl UpState {
         }
         let id = self.next_stream_id;
         self.next_stream_id += 2;
+        self.signals.stream_opened();
         fields::put_headers(&mut self.out.buf, &mut self.encoder, id, end_stream, fields);
         self.routes.insert(
             id,
@@ -176,6 +196,13 @@ impl UpState {
         credits
     }
 
+    /// Forgets the route of `stream`: its request is no longer outstanding here.
+    fn remove(&mut self, stream: u32) -> Option<Route> {
+        let route = self.routes.remove(&stream)?;
+        self.signals.stream_closed();
+        Some(route)
+    }
+
     /// The next `n` request bytes of `stream` that go out (after those sent already) give no
     /// window back: they gave it back before (a request sent again).
     pub(crate) fn skip_credits(&mut self, stream: u32, n: usize) {
@@ -196,7 +223,7 @@ impl UpState {
     /// Returns the lease, which the caller finishes, and the request bytes that were held for
     /// the server and are dropped.
     pub(crate) fn cancel(&mut self, stream: u32, code: ErrorCode) -> (Option<Lease>, usize) {
-        let Some(mut route) = self.routes.remove(&stream) else {
+        let Some(mut route) = self.remove(stream) else {
             return (None, 0);
         };
         RstStream {
@@ -209,23 +236,62 @@ impl UpState {
 }
 
 /// Connects to the endpoint and keeps a connection up: publishes it to the pool once the
-/// server's SETTINGS are in, and replaces it when it ends.
-pub(crate) async fn connection_task(pool: Weak<CodecPool>, id: EndpointId, addr: SocketAddr) {
+/// server's SETTINGS are in, watches it with the liveness monitor, and replaces it when it
+/// ends or is found dead. `probe` asks for a PING that proves the endpoint alive (its
+/// ejection is over).
+pub(crate) async fn connection_task(
+    pool: Weak<CodecPool>,
+    id: EndpointId,
+    addr: SocketAddr,
+    probe: Arc<tokio::sync::Notify>,
+) {
     let mut backoff = Duration::from_millis(50);
     loop {
-        let Some(timeout) = pool.upgrade().map(|p| p.connect_settings()) else {
+        // As of this connect: a reconfiguration applies from the next one.
+        let Some((timeout, liveness)) = pool.upgrade().map(|p| p.connect_settings()) else {
             return;
         };
-        match tokio::time::timeout(timeout, connect(addr)).await {
+        match tokio::time::timeout(timeout, connect(addr, &liveness)).await {
             Ok(Ok((stream, rbuf))) => {
                 backoff = Duration::from_millis(50);
                 let (read, write) = stream.into_split();
-                let shared = Shared::new(write, UpState::new());
+                let signals = Arc::new(Signals::default());
+                let shared = Shared::new(write, UpState::new(signals.clone()));
                 let Some(p) = pool.upgrade() else { return };
                 p.set_upstream(id, Some(shared.clone()));
                 drop(p);
                 tracing::debug!("connected");
-                run(&pool, &shared, read, rbuf).await;
+                let report = |report| {
+                    if let Some(p) = pool.upgrade() {
+                        p.liveness_report(id, &shared, report);
+                    }
+                };
+                // The connect sent no PING: the first two are allowed at once.
+                let alive = liveness::monitor(
+                    UpPings(shared.clone()),
+                    &signals,
+                    &liveness,
+                    0,
+                    Some(&probe),
+                    report,
+                );
+                let mut reading = std::pin::pin!(run(&pool, &shared, &signals, read, rbuf));
+                tokio::select! {
+                    () = &mut reading => {}
+                    verdict = alive => match verdict {
+                        Verdict::Dead => {
+                            // Its calls fail now, not at their deadlines.
+                            if let Some(p) = pool.upgrade() {
+                                p.connection_dead(id);
+                            }
+                        }
+                        Verdict::ProbeNeedsNewConnection => {
+                            tracing::debug!("probing with a new connection once this one is idle");
+                            retire(&pool, id, &shared, &signals, reading).await;
+                        }
+                        Verdict::Closed => {}
+                    },
+                }
                 if let Some(p) = pool.upgrade() {
                     p.set_upstream(id, None);
                 }
@@ -240,12 +306,71 @@ pub(crate) async fn connection_task(pool: Weak<CodecPool>, id: EndpointId, addr:
     }
 }
 
-/// TCP connect, the preface and SETTINGS both ways; returns once the server's SETTINGS are
-/// in, with what was read after them.
-async fn connect(addr: SocketAddr) -> std::io::Result<(TcpStream, BytesMut)> {
+/// Takes no new call on the connection and lets the calls it carries run to their end
+/// (reading on), looking every 100 ms whether they are over.
+async fn retire(
+    pool: &Weak<CodecPool>,
+    id: EndpointId,
+    shared: &UpShared,
+    signals: &Signals,
+    mut reading: std::pin::Pin<&mut impl Future<Output = ()>>,
+) {
+    if let Some(p) = pool.upgrade() {
+        p.set_upstream(id, None);
+    }
+    shared.lock().closed = true;
+    while signals.streams() > 0 {
+        tokio::select! {
+            () = &mut reading => return,
+            () = tokio::time::sleep(Duration::from_millis(100)) => {}
+        }
+    }
+}
+
+/// The liveness monitor's PINGs on a connection: written into its buffer, answered through
+/// its reader.
+struct UpPings(Arc<UpShared>);
+
+impl Pings for UpPings {
+    fn send_ping(&mut self) -> Result<(), Closed> {
+        let mut state = self.0.lock();
+        if state.out.broken {
+            return Err(Closed);
+        }
+        state.ping.answered = false;
+        Ping {
+            ack: false,
+            opaque: PING_PAYLOAD,
+        }
+        .encode(&mut state.out.buf);
+        drop(state);
+        self.0.flush();
+        Ok(())
+    }
+
+    fn poll_pong(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Closed>> {
+        let mut state = self.0.lock();
+        if std::mem::take(&mut state.ping.answered) {
+            return Poll::Ready(Ok(()));
+        }
+        if state.out.broken {
+            return Poll::Ready(Err(Closed));
+        }
+        state.ping.waker = Some(cx.waker().clone());
+        Poll::Pending
+    }
+}
+
+/// TCP connect (with the liveness TCP backstop), the preface and SETTINGS both ways;
+/// returns once the server's SETTINGS are in, with what was read after them.
+async fn connect(
+    addr: SocketAddr,
+    liveness: &LivenessConfig,
+) -> std::io::Result<(TcpStream, BytesMut)> {
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     let mut tcp = TcpStream::connect(addr).await?;
     tcp.set_nodelay(true)?;
+    liveness::set_tcp_options(&tcp, liveness)?;
     let mut hello = BytesMut::with_capacity(64);
     hello.extend_from_slice(PREFACE);
     Settings::encode(
@@ -292,6 +417,7 @@ async fn connect(addr: SocketAddr) -> std::io::Result<(TcpStream, BytesMut)> {
 async fn run(
     pool: &Weak<CodecPool>,
     shared: &Arc<UpShared>,
+    signals: &Signals,
     mut read: tokio::net::tcp::OwnedReadHalf,
     mut rbuf: BytesMut,
 ) {
@@ -306,6 +432,7 @@ async fn run(
             let now = Instant::now();
             let mut frames = Frames::new(&rbuf, MAX_FRAME);
             let mut failed = None;
+            let mut heard = false;
             for frame in &mut frames {
                 let (head, payload) = match frame {
                     Ok(f) => f,
@@ -315,6 +442,7 @@ async fn run(
                         break;
                     }
                 };
+                heard |= matches!(head.kind, Kind::Headers | Kind::Data);
                 let mut reader = Reader {
                     pool: &p,
                     shared,
@@ -330,6 +458,9 @@ async fn run(
             }
             let used = rbuf.len() - frames.rest().len();
             rbuf.advance(used);
+            if heard {
+                signals.heard();
+            }
             for client in dirty.drain(..) {
                 client.flush();
             }
@@ -407,7 +538,16 @@ impl Reader<'_> {
                 Ok(())
             }
             Kind::Settings => self.settings(&head, payload),
-            Kind::Ping => frames::answer_ping(&head, payload, &mut self.shared.lock().out.buf),
+            Kind::Ping => {
+                let mut state = self.shared.lock();
+                if head.has(flags::ACK) && payload == PING_PAYLOAD {
+                    state.ping.answered = true;
+                    if let Some(waker) = state.ping.waker.take() {
+                        waker.wake();
+                    }
+                }
+                frames::answer_ping(&head, payload, &mut state.out.buf)
+            }
             Kind::WindowUpdate => {
                 let (stream, inc) = frames::window_update(&head, payload)?;
                 let credits = {
@@ -504,7 +644,7 @@ impl Reader<'_> {
             self.pool.headers_received(lease, self.now);
         }
         let (lease, dropped) = if end_stream {
-            take_lease(state.routes.remove(&stream))
+            take_lease(state.remove(stream))
         } else {
             (None, 0)
         };
@@ -573,7 +713,7 @@ impl Reader<'_> {
         }
         let padding = flow_len - data.len();
         let (lease, dropped) = if end_stream {
-            take_lease(st.routes.remove(&stream))
+            take_lease(st.remove(stream))
         } else {
             if padding > 0 {
                 route.recv.release(padding, stream, &mut st.out.buf);
@@ -603,7 +743,7 @@ impl Reader<'_> {
 
     /// The server reset `stream`: the client's stream ends with it.
     fn reset(&mut self, stream: u32, code: ErrorCode) {
-        let Some(mut route) = self.shared.lock().routes.remove(&stream) else {
+        let Some(mut route) = self.shared.lock().remove(stream) else {
             return;
         };
         let outcome = if code == ErrorCode::CANCEL {
@@ -666,7 +806,8 @@ impl Reader<'_> {
     }
 }
 
-/// The connection ended: every stream on it fails.
+/// The connection ended: every stream on it fails, with UNAVAILABLE where no response has
+/// begun (as gRPC clients report a lost connection), reset where one has.
 fn fail_all(pool: &Weak<CodecPool>, shared: &Arc<UpShared>) {
     let routes: Vec<Route> = {
         let mut state = shared.lock();
@@ -675,11 +816,18 @@ fn fail_all(pool: &Weak<CodecPool>, shared: &Arc<UpShared>) {
     };
     let now = Instant::now();
     for mut route in routes {
-        route.client.lock().reset(
-            route.client_stream,
-            ErrorCode::INTERNAL_ERROR,
-            route.held_uncredited(),
-        );
+        let (stream, dropped) = (route.client_stream, route.held_uncredited());
+        let mut client = route.client.lock();
+        if route.answered {
+            client.reset(stream, ErrorCode::INTERNAL_ERROR, dropped);
+        } else {
+            client.unavailable(
+                stream,
+                b"skewless: the upstream connection was lost",
+                dropped,
+            );
+        }
+        drop(client);
         route.client.flush();
         if let (Some(lease), Some(p)) = (route.lease.take(), pool.upgrade()) {
             p.finish(lease, Outcome::Failure, now);

@@ -551,15 +551,7 @@ impl Conn {
 
     /// Answers `stream` with a trailers-only UNAVAILABLE saying `message`, and forgets it.
     fn unavailable(&mut self, stream: u32, message: &[u8]) {
-        let mut f = Fields::default();
-        f.push(b":status", b"200");
-        f.push(b"content-type", b"application/grpc");
-        f.push(b"grpc-status", b"14");
-        f.push(b"grpc-message", message);
-        let mut state = self.shared.lock();
-        let st = &mut *state;
-        st.streams.remove(&stream);
-        fields::put_headers(&mut st.out.buf, &mut st.encoder, stream, true, f.iter());
+        self.shared.lock().unavailable(stream, message, 0);
     }
 
     /// Request trailers (a second header block on an open stream).
