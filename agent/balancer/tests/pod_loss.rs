@@ -2,6 +2,7 @@
 //! preStop drain, so the kernel closes their connections mid-call), the endpoint list updated
 //! 1 s later as Kubernetes would, 50 calls in flight through the balancer all along, each with
 //! a 5 s deadline. Loopback only; every process is killed when the test ends, also on failure.
+//! Every scenario runs on both data paths.
 
 use std::net::{SocketAddr, TcpListener as StdListener};
 use std::process::{Child, Command, Stdio};
@@ -9,15 +10,21 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use skewless_balancer::{Balancer, Config, Endpoint};
+use skewless_balancer::{Config, Endpoint};
 use skewless_echo::pb::EchoRequest;
 use skewless_echo::pb::echo_client::EchoClient;
-use tokio::sync::{oneshot, watch};
+use support::{DataPath, on_both_paths};
 use tokio::time::Instant;
 use tonic::Code;
 use tonic::transport::Channel;
 
 mod support;
+
+on_both_paths!(
+    three_of_six_pods_killed_lose_no_call_of_a_retryable_method,
+    three_of_six_pods_killed_fail_only_the_calls_in_flight_on_them,
+    retries_fit_inside_a_5s_deadline_when_connects_to_the_dead_pods_time_out,
+);
 
 /// The Echo method, as `skewless.io/retryable-methods` lists it.
 const ECHO: &str = "/skewless.echo.v1.Echo/Echo";
@@ -158,7 +165,7 @@ struct Outcome {
 /// (.config/nextest.toml) does the same there.
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-async fn run(scenario: Scenario) -> Outcome {
+async fn run<P: DataPath>(scenario: Scenario) -> Outcome {
     let _one = ONE_AT_A_TIME.lock().await;
     support::init_tracing();
     let mut pods = Pods::start(6);
@@ -171,24 +178,8 @@ async fn run(scenario: Scenario) -> Outcome {
         connect_timeout: scenario.connect_timeout,
         ..Config::default()
     };
-    let (endpoints_tx, endpoints_rx) = watch::channel(pods.endpoints(0..6));
-    let balancer = Arc::new(Balancer::new(config, endpoints_rx));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    let (stop_tx, stop_rx) = oneshot::channel::<()>();
-    let serving = tokio::spawn({
-        let balancer = balancer.clone();
-        async move {
-            balancer
-                .serve(listener, async {
-                    let _ = stop_rx.await;
-                })
-                .await
-                .expect("serve");
-        }
-    });
+    let mut serving = support::balancer_on::<P>(config, pods.endpoints(0..6)).await;
+    let (addr, balancer) = (serving.addr, serving.balancer.clone());
     // One HTTP/2 connection, as a pinned client has, carrying all 50 callers.
     let channel = Channel::from_shared(format!("http://{addr}"))
         .expect("uri")
@@ -262,7 +253,8 @@ async fn run(scenario: Scenario) -> Outcome {
             failures_others += e.failures;
         }
     }
-    endpoints_tx
+    serving
+        .endpoints
         .send(pods.endpoints([1, 3, 5]))
         .expect("the balancer follows the endpoints");
     let updated_at = Instant::now();
@@ -277,11 +269,7 @@ async fn run(scenario: Scenario) -> Outcome {
         calls.extend(caller.await.expect("caller"));
     }
     let retries = balancer.counters().retries;
-    let _ = stop_tx.send(());
-    tokio::time::timeout(Duration::from_secs(15), serving)
-        .await
-        .expect("the balancer drains")
-        .expect("serve task");
+    serving.stop_within(Duration::from_secs(15)).await;
     let warm_up = calls
         .iter()
         .filter(|(sent, _, _)| *sent < steady_at)
@@ -361,9 +349,8 @@ fn assert_load_ran_throughout(outcome: &Outcome) {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn three_of_six_pods_killed_lose_no_call_of_a_retryable_method() {
-    let outcome = run(Scenario {
+async fn three_of_six_pods_killed_lose_no_call_of_a_retryable_method<P: DataPath>() {
+    let outcome = run::<P>(Scenario {
         retryable: true,
         blackhole: false,
         connect_timeout: Config::default().connect_timeout,
@@ -387,9 +374,8 @@ async fn three_of_six_pods_killed_lose_no_call_of_a_retryable_method() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn three_of_six_pods_killed_fail_only_the_calls_in_flight_on_them() {
-    let outcome = run(Scenario {
+async fn three_of_six_pods_killed_fail_only_the_calls_in_flight_on_them<P: DataPath>() {
+    let outcome = run::<P>(Scenario {
         retryable: false,
         blackhole: false,
         connect_timeout: Config::default().connect_timeout,
@@ -429,12 +415,11 @@ async fn three_of_six_pods_killed_fail_only_the_calls_in_flight_on_them() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn retries_fit_inside_a_5s_deadline_when_connects_to_the_dead_pods_time_out() {
+async fn retries_fit_inside_a_5s_deadline_when_connects_to_the_dead_pods_time_out<P: DataPath>() {
     // The seed's mistake, on purpose: a connect timeout as long as the callers' deadline,
     // and the dead pods' addresses swallow connects. A retry that waited on a connect could
     // not finish in time; the balancer's retries only go to endpoints with a live connection.
-    let outcome = run(Scenario {
+    let outcome = run::<P>(Scenario {
         retryable: true,
         blackhole: true,
         connect_timeout: DEADLINE,

@@ -24,7 +24,9 @@ use skewless_frame::{
     ErrorCode, Frames, GoAway, Head, Kind, MAX_MAX_FRAME_SIZE, MAX_STREAM_ID, PREFACE, Ping,
     Settings,
 };
-use support::{empty_settings, endpoints, grpc_request, pods, raw_client};
+use support::{
+    DataPath, balancer_on, empty_settings, endpoints, grpc_request, on_both_paths, pods, raw_client,
+};
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch};
 use tonic::Code;
@@ -102,14 +104,14 @@ fn relay(listener: TcpListener, target: SocketAddr) -> Relay {
 /// A request-mode balancer serving a loopback port.
 type Running = support::Serving<Balancer>;
 
-impl Running {
+impl<P> support::Serving<P> {
     async fn stop(mut self) {
         self.stop_within(Duration::from_secs(5)).await;
     }
 }
 
 async fn balancer(config: Config, endpoints: Vec<Endpoint>) -> Running {
-    support::serve(endpoints, |rx| Balancer::new(config, rx)).await
+    balancer_on(config, endpoints).await
 }
 
 /// Whether `bytes` (a server's side of an HTTP/2 connection) hold a GOAWAY frame with `reason`.

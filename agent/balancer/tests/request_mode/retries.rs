@@ -1,11 +1,19 @@
 //! Retries: only when safe, on another endpoint, bounded; upstream restarts cost no call.
+//! Every test runs on both data paths.
 
 use super::*;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn upstream_graceful_restart_fails_no_calls() {
+on_both_paths!(
+    upstream_graceful_restart_fails_no_calls,
+    refused_streams_are_retried_on_another_endpoint,
+    retries_are_bounded_when_every_endpoint_refuses,
+    only_methods_marked_retryable_are_retried_after_a_processing_failure,
+    retryable_methods_added_live_are_retried_from_the_next_call,
+);
+
+async fn upstream_graceful_restart_fails_no_calls<P: DataPath>() {
     let mut pods = pods(2).await;
-    let b = balancer(Config::default(), endpoints(&pods)).await;
+    let b = balancer_on::<P>(Config::default(), endpoints(&pods)).await;
     let c = client(b.addr).await;
     let stop_at = tokio::time::Instant::now() + Duration::from_millis(2000);
     let mut tasks = Vec::new();
@@ -107,15 +115,14 @@ async fn resetting_upstream(
     (addr, refused)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn refused_streams_are_retried_on_another_endpoint() {
+async fn refused_streams_are_retried_on_another_endpoint<P: DataPath>() {
     let (refusing, refused) = refusing_upstream().await;
     let pods = pods(1).await;
     let mut eps = endpoints(&pods);
     eps.push(Endpoint::new(refusing, "refusing"));
     let config = Config::default();
     let threshold = config.picker.failure_threshold;
-    let b = balancer(config, eps).await;
+    let b = balancer_on::<P>(config, eps).await;
     let mut c = client(b.addr).await;
     // More calls than the retry budget could cover if the refusing endpoint kept getting
     // first attempts (it answers at once and holds nothing in flight, so it looks cheap):
@@ -142,8 +149,7 @@ async fn refused_streams_are_retried_on_another_endpoint() {
     b.stop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn retries_are_bounded_when_every_endpoint_refuses() {
+async fn retries_are_bounded_when_every_endpoint_refuses<P: DataPath>() {
     let (a, refused_a) = refusing_upstream().await;
     let (b_addr, refused_b) = refusing_upstream().await;
     // A small fixed allowance (1 retry per second over a 10 s window), so 30 calls can
@@ -156,7 +162,7 @@ async fn retries_are_bounded_when_every_endpoint_refuses() {
         retry_budget: budget.clone(),
         ..Config::default()
     };
-    let b = balancer(
+    let b = balancer_on::<P>(
         config,
         vec![Endpoint::new(a, "a"), Endpoint::new(b_addr, "b")],
     )
@@ -189,8 +195,7 @@ async fn retries_are_bounded_when_every_endpoint_refuses() {
     b.stop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn only_methods_marked_retryable_are_retried_after_a_processing_failure() {
+async fn only_methods_marked_retryable_are_retried_after_a_processing_failure<P: DataPath>() {
     let pods = pods(1).await;
     let run = |retryable: Vec<String>| {
         let mut eps = endpoints(&pods);
@@ -203,7 +208,7 @@ async fn only_methods_marked_retryable_are_retried_after_a_processing_failure() 
                 retryable_methods: retryable,
                 ..Config::default()
             };
-            let b = balancer(config, eps).await;
+            let b = balancer_on::<P>(config, eps).await;
             let mut c = client(b.addr).await;
             let mut failed = Vec::new();
             // At least 8 calls, and on until the broken endpoint has taken one: it serves only
@@ -235,8 +240,7 @@ async fn only_methods_marked_retryable_are_retried_after_a_processing_failure() 
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn retryable_methods_added_live_are_retried_from_the_next_call() {
+async fn retryable_methods_added_live_are_retried_from_the_next_call<P: DataPath>() {
     let pods = pods(1).await;
     // INTERNAL_ERROR: the upstream may have run the call, so only a retryable method is retried.
     let (broken, hits) = resetting_upstream(h2::Reason::INTERNAL_ERROR).await;
@@ -246,7 +250,7 @@ async fn retryable_methods_added_live_are_retried_from_the_next_call() {
     // is tried after the change depends on how many calls it took before).
     let mut config = Config::default();
     config.picker.failure_threshold = u32::MAX;
-    let b = balancer(config.clone(), eps).await;
+    let b = balancer_on::<P>(config.clone(), eps).await;
     let mut c = client(b.addr).await;
     let hit = || hits.load(std::sync::atomic::Ordering::Relaxed);
     let mut failed = 0;

@@ -1,7 +1,8 @@
 //! What the balancer's test suites share: the bed that serves a balancer of either mode on a
 //! loopback listener ([`Serving`]), echo pods and their endpoints, builders of the raw HTTP/2
-//! frames the frame-level tests write and read, and the checks both request-mode data paths
-//! must pass (large messages, a slow reader's backpressure).
+//! frames the frame-level tests write and read, the checks both request-mode data paths
+//! must pass (large messages, a slow reader's backpressure), and the way a suite runs its
+//! tests on both ([`DataPath`], `on_both_paths!`).
 
 #![allow(
     dead_code,
@@ -375,3 +376,82 @@ pub async fn blackholable(to: SocketAddr) -> (SocketAddr, watch::Sender<bool>) {
     });
     (addr, dark)
 }
+
+/// Request mode on either data path: h2's (`Balancer`) or the frame codec's
+/// (`CodecBalancer`), as the tests that run on both drive it.
+pub trait DataPath: skewless_balancer::NewConnection + Send + Sync + 'static {
+    fn start(config: skewless_balancer::Config, endpoints: watch::Receiver<Vec<Endpoint>>) -> Self;
+    fn counters(&self) -> skewless_balancer::BalancerCounters;
+    fn stats(&self) -> Vec<skewless_balancer::EndpointStats>;
+    fn reconfigure(&self, config: skewless_balancer::Config);
+}
+
+impl DataPath for skewless_balancer::Balancer {
+    fn start(config: skewless_balancer::Config, endpoints: watch::Receiver<Vec<Endpoint>>) -> Self {
+        Self::new(config, endpoints)
+    }
+    fn counters(&self) -> skewless_balancer::BalancerCounters {
+        Self::counters(self)
+    }
+    fn stats(&self) -> Vec<skewless_balancer::EndpointStats> {
+        Self::stats(self)
+    }
+    fn reconfigure(&self, config: skewless_balancer::Config) {
+        Self::reconfigure(self, config);
+    }
+}
+
+impl DataPath for skewless_balancer::CodecBalancer {
+    fn start(config: skewless_balancer::Config, endpoints: watch::Receiver<Vec<Endpoint>>) -> Self {
+        Self::new(config, endpoints)
+    }
+    fn counters(&self) -> skewless_balancer::BalancerCounters {
+        Self::counters(self)
+    }
+    fn stats(&self) -> Vec<skewless_balancer::EndpointStats> {
+        Self::stats(self)
+    }
+    fn reconfigure(&self, config: skewless_balancer::Config) {
+        Self::reconfigure(self, config);
+    }
+}
+
+/// A balancer on data path `P` serving a loopback port.
+pub async fn balancer_on<P: DataPath>(
+    config: skewless_balancer::Config,
+    endpoints: Vec<Endpoint>,
+) -> Serving<P> {
+    serve(endpoints, |rx| P::start(config, rx)).await
+}
+
+/// Runs the tests named, each an `async fn name<P: DataPath>()` of the module, on both data
+/// paths: as `h2_path::name` and as `codec_path::name`.
+#[allow(
+    unused_macros,
+    reason = "each test binary uses a different part of the support"
+)]
+macro_rules! on_both_paths {
+    ($($name:ident),* $(,)?) => {
+        mod h2_path {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name::<skewless_balancer::Balancer>().await;
+                }
+            )*
+        }
+        mod codec_path {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name::<skewless_balancer::CodecBalancer>().await;
+                }
+            )*
+        }
+    };
+}
+#[allow(
+    unused_imports,
+    reason = "each test binary uses a different part of the support"
+)]
+pub(crate) use on_both_paths;

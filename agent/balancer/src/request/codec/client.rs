@@ -22,6 +22,8 @@ use crate::flood::{self, FloodLimits, FrameBudgets};
 use crate::metrics::{ClientErrorReason, FailureReason, RotationReason};
 use crate::request::config::Config;
 use crate::request::picker::Outcome;
+use crate::request::retry;
+use crate::request::status::Counters;
 use crate::server::Stop;
 use crate::upstream::{CONNECTION_WINDOW, MAX_HEADER_LIST, STREAM_WINDOW};
 
@@ -39,14 +41,12 @@ const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10
 /// The opaque data of the PING that follows the first GOAWAY of a wind-down: its ACK says the
 /// client has seen that GOAWAY.
 const WIND_DOWN_PING: [u8; 8] = *b"skewless";
-/// Largest request body kept to send a refused request again (as on the h2 path); a larger
-/// one is not sent again.
+/// Largest request body kept to send a request again (as on the h2 path); a larger one is
+/// not sent again.
 const REPLAY_CAP: usize = 64 * 1024;
 /// Copies of requests kept per client connection to be filled again (see
 /// [`ClientState::spare`]).
 const MAX_SPARE_COPIES: usize = 64;
-/// How many times a request refused by its endpoint is sent to another.
-const MAX_REFUSALS: usize = 3;
 /// While a connection winds down, how often it looks whether its last stream has ended
 /// (streams end on upstream readers' tasks).
 const WIND_DOWN_CHECK: std::time::Duration = std::time::Duration::from_millis(20);
@@ -64,9 +64,9 @@ pub(crate) struct ClientState {
     /// Streams whose response bytes wait for the client's windows, in the order they began
     /// to wait (ids of streams gone since are skipped).
     waiting: Vec<u32>,
-    /// Streams whose request an endpoint refused, to be sent to another by the client's
-    /// reader, which [`ClientState::redispatch`] wakes.
-    refused: Vec<u32>,
+    /// Streams whose request is to be sent to another endpoint (see [`ClientState::retry`])
+    /// by the client's reader, which [`ClientState::redispatch`] wakes, and when.
+    retries: Vec<(u32, Instant)>,
     redispatch: Arc<tokio::sync::Notify>,
     /// Copies no longer needed (their response began), kept to be filled again: a request's
     /// copy then costs no allocation.
@@ -126,8 +126,15 @@ struct Request {
     body: Held,
     /// How many of its body bytes gave the client's windows back already (it was sent before).
     credited: usize,
-    /// The endpoints that refused it.
+    /// The endpoints it was sent to (or picked on a connection that took no new stream).
     tried: Vec<crate::endpoints::EndpointId>,
+    /// Attempts that reached an upstream so far.
+    attempts: u32,
+    /// How its last attempt failed, for the client when it is not sent again: reset with
+    /// this code, or (none) its connection was lost.
+    failed_with: Option<ErrorCode>,
+    /// Its first pick deposited its share of the retry budget.
+    deposited: bool,
     /// When its headers arrived, and its deadline (`grpc-timeout`): sent later (after a wait
     /// or a refusal), it carries the budget that is left.
     arrived: Option<Instant>,
@@ -171,7 +178,7 @@ impl ClientState {
             limits: SendLimits::new(),
             recv: RecvWindow::new(CONNECTION_WINDOW),
             waiting: Vec::new(),
-            refused: Vec::new(),
+            retries: Vec::new(),
             redispatch: Arc::new(tokio::sync::Notify::new()),
             spare: Vec::new(),
         }
@@ -282,21 +289,49 @@ impl ClientState {
         }
     }
 
-    /// `endpoint` refused the request of `stream` (it provably did not process it), which
-    /// held back `dropped` of its bytes: when its copy is whole (its body within
-    /// [`REPLAY_CAP`]; what the client sends from now on joins it) and it was not refused too
-    /// often, it is parked again for the client's reader to send elsewhere, and the waker of
-    /// that reader returned. `None`: the caller resets the stream.
-    pub(crate) fn refused(
+    /// `endpoint` failed the request of `stream` before its response began (`failure`),
+    /// which held back `dropped` of its bytes. It is sent again, to another endpoint, when
+    /// the h2 path would (`request::retry`): provably not processed, or its method listed as
+    /// retryable; within `max_attempts` and the caller's deadline; with its copy whole (its
+    /// body within [`REPLAY_CAP`]; what the client sends from now on joins it); and with a
+    /// token of the retry budget. Then the copy is parked again for the client's reader to
+    /// send at once, or after the backoff of a request the upstream was processing, and that
+    /// reader's waker is returned. `None`: the caller fails the stream.
+    pub(crate) fn retry(
         &mut self,
         stream: u32,
         endpoint: crate::endpoints::EndpointId,
         dropped: usize,
+        failure: Failure,
+        pool: &CodecPool,
+        now: Instant,
     ) -> Option<Arc<tokio::sync::Notify>> {
         let s = self.streams.get_mut(&stream)?;
-        if s.replay.as_ref()?.tried.len() >= MAX_REFUSALS {
+        let copy = s.replay.as_mut()?;
+        copy.failed_with = failure.code();
+        let config = pool.config();
+        let failed = retry::Failed {
+            attempts: copy.attempts,
+            max_attempts: config.max_attempts.max(1),
+            retryable_method: copy
+                .fields
+                .get(b":path")
+                .and_then(|path| std::str::from_utf8(path).ok())
+                .is_some_and(|path| retry::retryable_method(&config, path)),
+            not_processed: failure.not_processed(),
+            replayable: true,
+        };
+        let retry::Decision::Retry { pause } =
+            retry::decide(&failed, &config, now, copy.deadline, || pool.random_unit())
+        else {
+            return None;
+        };
+        if !pool.withdraw_retry_token(now) {
+            Counters::bump(&pool.counters.retries_refused_by_budget);
             return None;
         }
+        Counters::bump(&pool.counters.retries);
+        tracing::debug!(stream, ?failure, ?pause, "retrying on another endpoint");
         let mut request = s.replay.take()?;
         request.tried.push(endpoint);
         // What it sent gave the window back; what it held does now, below.
@@ -306,7 +341,7 @@ impl ClientState {
         // Its held bytes did not go out; every byte of the copy has given its window back
         // once it is sent again.
         self.released(stream, dropped);
-        self.refused.push(stream);
+        self.retries.push((stream, pause.map_or(now, |p| now + p)));
         Some(self.redispatch.clone())
     }
 
@@ -341,6 +376,49 @@ impl ClientState {
                 error_code: code,
             }
             .encode(&mut self.out.buf);
+        }
+    }
+}
+
+/// How a request's attempt failed before its response began.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Failure {
+    /// The upstream reset its stream with this code (REFUSED_STREAM: it did not process it).
+    Reset(ErrorCode),
+    /// Above the last stream id of the upstream's GOAWAY, with the GOAWAY's code: not
+    /// processed.
+    GoneAway(ErrorCode),
+    /// Its upstream connection was lost (closed, failed, or found dead).
+    Lost,
+}
+
+impl Failure {
+    /// The upstream provably did not process it.
+    fn not_processed(self) -> bool {
+        matches!(
+            self,
+            Self::Reset(ErrorCode::REFUSED_STREAM) | Self::GoneAway(_)
+        )
+    }
+
+    /// What the client's stream is reset with if it is not sent again (none: answered
+    /// UNAVAILABLE).
+    pub(crate) fn code(self) -> Option<ErrorCode> {
+        match self {
+            Self::Reset(code) => Some(code),
+            Self::GoneAway(_) => Some(ErrorCode::REFUSED_STREAM),
+            Self::Lost => None,
+        }
+    }
+
+    /// What a retried attempt says about its endpoint (as on the h2 path): a graceful GOAWAY
+    /// says nothing; anything else, a refusal included, is a failure (an endpoint that refuses
+    /// every stream would otherwise look cheap and take every first attempt).
+    pub(crate) fn retried_outcome(self) -> Outcome {
+        if self == Self::GoneAway(ErrorCode::NO_ERROR) {
+            Outcome::Cancelled
+        } else {
+            Outcome::Failure
         }
     }
 }

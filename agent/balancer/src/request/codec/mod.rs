@@ -28,9 +28,11 @@
 //! DEADLINE_EXCEEDED and the upstream stream is cancelled; a request sent after a wait or a
 //! refusal carries the budget that is left.
 //!
-//! A request its endpoint provably did not process (REFUSED_STREAM, or above a GOAWAY's last
-//! stream id, or a connection that takes no new stream) is sent to another endpoint, from a
-//! copy kept until its response begins (bodies up to 64 KiB).
+//! A request whose attempt fails before its response begins is retried on another endpoint
+//! by the h2 path's rules (`request::retry`: provably not processed, or a retryable method;
+//! within the attempts, the deadline and the retry budget), from a copy kept until its
+//! response begins (bodies up to 64 KiB); one picked on a connection that takes no new stream
+//! goes elsewhere at once.
 //!
 //! A response whose client makes no room for it for the stalled-reader timeout is reset
 //! both ways.
@@ -40,9 +42,8 @@
 //! takes no new request), then dead (closed, its calls answered UNAVAILABLE, the endpoint
 //! ejected). An endpoint whose ejection is over is PINGed before it gets calls again.
 //!
-//! What it does not do yet (so it stays off by default): retries of failed calls and the
-//! retry budget, more than one connection per endpoint, health checks, CONTINUATION on the
-//! way out.
+//! What it does not do yet (so it stays off by default): more than one connection per
+//! endpoint, health checks, CONTINUATION on the way out.
 
 mod client;
 mod fields;
@@ -65,6 +66,8 @@ use crate::endpoints::{Endpoint, EndpointId, EndpointSet};
 use crate::metrics::{EndpointMetrics, ServiceMetrics};
 use crate::request::config::Config;
 use crate::request::picker::{Outcome, Picker, Slot};
+use crate::request::retry_budget::RetryBudget;
+use crate::request::status::{BalancerCounters, Counters};
 use crate::server::{NewConnection, Stop};
 use crate::upstream::liveness::{LivenessConfig, Report};
 
@@ -94,9 +97,11 @@ impl CodecBalancer {
                     Box::new(rand::rngs::SmallRng::from_os_rng()),
                 ),
                 endpoints: EndpointSet::new(),
+                retry_budget: RetryBudget::new(config.retry_budget.clone(), Instant::now()),
             }),
             config: watch::Sender::new(Arc::new(config)),
             metrics: Arc::new(ServiceMetrics::default()),
+            counters: Counters::default(),
             ready: watch::Sender::new(0),
         });
         let discovery = crate::endpoints::follow(&pool, endpoints, CodecPool::update);
@@ -107,6 +112,42 @@ impl CodecBalancer {
     #[must_use]
     pub fn metrics(&self) -> crate::metrics::ServiceSnapshot {
         self.pool.metrics.snapshot()
+    }
+
+    /// Applies a new configuration: the picker's tuning and the retry budget at once,
+    /// everything a request reads (retryable methods, attempts, timeouts) from the next
+    /// request on, the connect settings from the next connect.
+    pub fn reconfigure(&self, config: Config) {
+        tracing::debug!(?config, "reconfigured");
+        let mut state = self.pool.lock();
+        state.picker.set_config(config.picker.clone());
+        state
+            .retry_budget
+            .set_config(config.retry_budget.clone(), Instant::now());
+        drop(state);
+        self.pool.config.send_replace(Arc::new(config));
+    }
+
+    /// Per-endpoint state, load and latency.
+    #[must_use]
+    pub fn stats(&self) -> Vec<crate::EndpointStats> {
+        let state = self.pool.lock();
+        let mut stats = state.picker.stats(&state.endpoints);
+        for (s, entry) in stats.iter_mut().zip(&state.endpoints) {
+            s.upstream_connections = u32::from(entry.value.up.is_some());
+            s.latency_histogram = entry.value.metrics.latency.snapshot();
+        }
+        stats
+    }
+
+    /// Balancer-wide counters: retries, retries the budget refused, calls failed by an
+    /// upstream or locally (no endpoint, deadline), ejections.
+    #[must_use]
+    pub fn counters(&self) -> BalancerCounters {
+        BalancerCounters {
+            ejections: self.pool.lock().picker.ejections(),
+            ..self.pool.counters.snapshot()
+        }
     }
 }
 
@@ -124,7 +165,7 @@ impl NewConnection for CodecBalancer {
     }
 
     fn random_unit(&self) -> f64 {
-        self.pool.lock().picker.random_unit()
+        self.pool.random_unit()
     }
 
     fn metrics(&self) -> Arc<ServiceMetrics> {
@@ -145,6 +186,7 @@ pub(crate) struct CodecPool {
     config: watch::Sender<Arc<Config>>,
     state: Mutex<PoolState>,
     pub(crate) metrics: Arc<ServiceMetrics>,
+    pub(crate) counters: Counters,
     /// Counts the upstream connections that came up: client connections with calls waiting
     /// for a ready endpoint follow it to try again.
     ready: watch::Sender<u64>,
@@ -153,6 +195,7 @@ pub(crate) struct CodecPool {
 struct PoolState {
     picker: Picker<Rng>,
     endpoints: EndpointSet<Member>,
+    retry_budget: RetryBudget,
 }
 
 struct Member {
@@ -262,7 +305,9 @@ impl CodecPool {
     fn set_upstream(&self, id: EndpointId, up: Option<Arc<upstream::UpShared>>) {
         let now = Instant::now();
         let mut state = self.lock();
-        let PoolState { picker, endpoints } = &mut *state;
+        let PoolState {
+            picker, endpoints, ..
+        } = &mut *state;
         let ready = up.is_some();
         if let Some(entry) = endpoints.get_mut(id) {
             entry.value.up = up;
@@ -284,7 +329,9 @@ impl CodecPool {
     fn liveness_report(&self, id: EndpointId, conn: &Arc<upstream::UpShared>, report: Report) {
         let now = Instant::now();
         let mut state = self.lock();
-        let PoolState { picker, endpoints } = &mut *state;
+        let PoolState {
+            picker, endpoints, ..
+        } = &mut *state;
         let current = endpoints
             .get(id)
             .and_then(|entry| entry.value.up.as_ref())
@@ -307,8 +354,25 @@ impl CodecPool {
     fn connection_dead(&self, id: EndpointId) {
         let now = Instant::now();
         let mut state = self.lock();
-        let PoolState { picker, endpoints } = &mut *state;
+        let PoolState {
+            picker, endpoints, ..
+        } = &mut *state;
         picker.connection_dead(endpoints, id, now);
+    }
+
+    /// The configuration in effect.
+    pub(crate) fn config(&self) -> Arc<Config> {
+        self.config.borrow().clone()
+    }
+
+    /// A retry's token from the retry budget at `now`; `false` when it has none.
+    pub(crate) fn withdraw_retry_token(&self, now: Instant) -> bool {
+        self.lock().retry_budget.withdraw(now)
+    }
+
+    /// A number uniform in [0, 1) from the picker's RNG, for jitter.
+    pub(crate) fn random_unit(&self) -> f64 {
+        self.lock().picker.random_unit()
     }
 
     /// Follows the upstream connections that come up.
@@ -321,15 +385,24 @@ impl CodecPool {
         self.config.borrow().ready_timeout
     }
 
-    /// Picks an endpoint for one request at `now`, none of `exclude` (those that refused
-    /// it): its connection and the lease.
+    /// Picks an endpoint for one request at `now`, none of `exclude` (those it was sent to
+    /// before): its connection and the lease. `first`: the request's first pick, which
+    /// deposits its share of the retry budget (whatever the pick's outcome).
     pub(crate) fn pick(
         &self,
         now: Instant,
         exclude: &[EndpointId],
+        first: bool,
     ) -> Result<(Arc<upstream::UpShared>, Lease), NoPick> {
         let mut state = self.lock();
-        let PoolState { picker, endpoints } = &mut *state;
+        let PoolState {
+            picker,
+            endpoints,
+            retry_budget,
+        } = &mut *state;
+        if first {
+            retry_budget.deposit(now);
+        }
         let pick = picker.pick(endpoints, now, exclude);
         if picker.has_unproven() {
             // Ejections that just ended: each endpoint must answer a PING before user calls.
@@ -377,7 +450,9 @@ impl CodecPool {
         }
         let rtt = now.saturating_duration_since(lease.sent_at);
         let mut state = self.lock();
-        let PoolState { picker, endpoints } = &mut *state;
+        let PoolState {
+            picker, endpoints, ..
+        } = &mut *state;
         picker.observe_latency(endpoints, lease.id, lease.probe, rtt, now);
     }
 
@@ -388,7 +463,9 @@ impl CodecPool {
             .latency
             .record(now.saturating_duration_since(lease.sent_at));
         let mut state = self.lock();
-        let PoolState { picker, endpoints } = &mut *state;
+        let PoolState {
+            picker, endpoints, ..
+        } = &mut *state;
         picker.complete(endpoints, lease.id, lease.probe, outcome, now);
     }
 }

@@ -15,13 +15,14 @@ use skewless_frame::{
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
-use super::client::ClientShared;
+use super::client::{ClientShared, Failure};
 use super::fields::{self, Fields, HpackDecoder, HpackEncoder};
 use super::frames::{self, DEFAULT_WINDOW, HeaderBlocks, Held, RecvWindow, SendLimits};
 use super::out::{HasOut, Out, Shared};
 use super::{CodecPool, Lease, StreamMap};
 use crate::endpoints::EndpointId;
 use crate::request::picker::Outcome;
+use crate::request::status::Counters;
 use crate::upstream::liveness::{self, Closed, LivenessConfig, Pings, Signals, Verdict};
 use crate::upstream::{MAX_HEADER_LIST, STREAM_WINDOW, UPSTREAM_CONNECTION_WINDOW};
 
@@ -534,7 +535,7 @@ impl Reader<'_> {
             Kind::RstStream => {
                 let rst =
                     RstStream::decode(&head, payload).map_err(|_| ErrorCode::PROTOCOL_ERROR)?;
-                self.reset(rst.stream_id, rst.error_code);
+                self.failed(rst.stream_id, Failure::Reset(rst.error_code));
                 Ok(())
             }
             Kind::Settings => self.settings(&head, payload),
@@ -572,7 +573,7 @@ impl Reader<'_> {
                     .filter(|&id| id > go.last_stream_id)
                     .collect();
                 for id in above {
-                    self.reset(id, ErrorCode::REFUSED_STREAM);
+                    self.failed(id, Failure::GoneAway(go.error_code));
                 }
                 Ok(())
             }
@@ -741,41 +742,30 @@ impl Reader<'_> {
         Ok(())
     }
 
-    /// The server reset `stream`: the client's stream ends with it.
-    fn reset(&mut self, stream: u32, code: ErrorCode) {
+    /// The server ended `stream` (`failure`): its request is sent again elsewhere if its
+    /// response had not begun and the retry rules allow it; else the client's stream is
+    /// reset with the server's code (REFUSED_STREAM above a GOAWAY's last stream id).
+    fn failed(&mut self, stream: u32, failure: Failure) {
         let Some(mut route) = self.shared.lock().remove(stream) else {
             return;
         };
-        let outcome = if code == ErrorCode::CANCEL {
-            Outcome::Cancelled
-        } else {
-            Outcome::Failure
-        };
-        let dropped = route.held_uncredited();
-        if code == ErrorCode::REFUSED_STREAM
-            && !route.answered
-            && let Some(lease) = route.lease.take()
-        {
-            // Refused (or above a GOAWAY's last stream id): the server provably did not
-            // process it, so its client stream may send it to another endpoint.
-            let endpoint = lease.id;
-            self.pool.finish(lease, Outcome::Cancelled, self.now);
-            let again = route
-                .client
-                .lock()
-                .refused(route.client_stream, endpoint, dropped);
-            if let Some(wake) = again {
-                self.touch(&route.client);
-                wake.notify_one();
-                return;
-            }
+        self.touch(&route.client);
+        if retried(self.pool, &mut route, failure, self.now) {
+            return;
         }
+        Counters::bump(&self.pool.counters.upstream_failures);
+        let code = failure.code().unwrap_or(ErrorCode::INTERNAL_ERROR);
+        let dropped = route.held_uncredited();
         route
             .client
             .lock()
             .reset(route.client_stream, code, dropped);
-        self.touch(&route.client);
         if let Some(lease) = route.lease.take() {
+            let outcome = if failure == Failure::Reset(ErrorCode::CANCEL) {
+                Outcome::Cancelled
+            } else {
+                Outcome::Failure
+            };
             self.pool.finish(lease, outcome, self.now);
         }
     }
@@ -806,8 +796,38 @@ impl Reader<'_> {
     }
 }
 
-/// The connection ended: every stream on it fails, with UNAVAILABLE where no response has
-/// begun (as gRPC clients report a lost connection), reset where one has.
+/// `route`'s request failed before its response began (`failure`): sends it again elsewhere
+/// if the retry rules allow (`ClientState::retry`), finishing its lease with what the failure
+/// says about the endpoint. `false`: not sent again, the lease left on the route.
+fn retried(pool: &CodecPool, route: &mut Route, failure: Failure, now: Instant) -> bool {
+    if route.answered {
+        return false;
+    }
+    let Some(lease) = route.lease.take() else {
+        return false;
+    };
+    let dropped = route.held_uncredited();
+    let again =
+        route
+            .client
+            .lock()
+            .retry(route.client_stream, lease.id, dropped, failure, pool, now);
+    match again {
+        Some(wake) => {
+            pool.finish(lease, failure.retried_outcome(), now);
+            wake.notify_one();
+            true
+        }
+        None => {
+            route.lease = Some(lease);
+            false
+        }
+    }
+}
+
+/// The connection ended: every stream on it that is not sent again fails, with UNAVAILABLE
+/// where no response has begun (as gRPC clients report a lost connection), reset where one
+/// has.
 fn fail_all(pool: &Weak<CodecPool>, shared: &Arc<UpShared>) {
     let routes: Vec<Route> = {
         let mut state = shared.lock();
@@ -815,7 +835,17 @@ fn fail_all(pool: &Weak<CodecPool>, shared: &Arc<UpShared>) {
         state.routes.drain().map(|(_, r)| r).collect()
     };
     let now = Instant::now();
+    let pool = pool.upgrade();
     for mut route in routes {
+        if let Some(p) = &pool
+            && retried(p, &mut route, Failure::Lost, now)
+        {
+            route.client.flush();
+            continue;
+        }
+        if let Some(p) = &pool {
+            Counters::bump(&p.counters.upstream_failures);
+        }
         let (stream, dropped) = (route.client_stream, route.held_uncredited());
         let mut client = route.client.lock();
         if route.answered {
@@ -829,7 +859,7 @@ fn fail_all(pool: &Weak<CodecPool>, shared: &Arc<UpShared>) {
         }
         drop(client);
         route.client.flush();
-        if let (Some(lease), Some(p)) = (route.lease.take(), pool.upgrade()) {
+        if let (Some(lease), Some(p)) = (route.lease.take(), &pool) {
             p.finish(lease, Outcome::Failure, now);
         }
     }

@@ -54,6 +54,7 @@ pub(crate) async fn serve(pool: Arc<CodecPool>, stream: TcpStream, mut stop: Sto
         winding: Winding::No,
         pinged: false,
         parked: std::collections::VecDeque::new(),
+        backoffs: Vec::new(),
         ready: pool.readiness(),
         redispatch: shared.lock().redispatch.clone(),
         deadlines: std::collections::BinaryHeap::new(),
@@ -144,12 +145,14 @@ pub(crate) async fn serve(pool: Arc<CodecPool>, stream: TcpStream, mut stop: Sto
                     conn.dispatch_parked(Instant::now());
                 }
                 () = conn.redispatch.notified() => {
-                    let now = Instant::now();
-                    let give_up = now + conn.pool.ready_timeout();
-                    let refused = std::mem::take(&mut conn.shared.lock().refused);
-                    conn.parked.extend(refused.into_iter().map(|stream| (stream, give_up)));
-                    conn.dispatch_parked(now);
+                    let retries = std::mem::take(&mut conn.shared.lock().retries);
+                    conn.backoffs.extend(retries.into_iter().map(|(stream, at)| (at, stream)));
+                    conn.retry_due(Instant::now());
                 }
+                () = async {
+                    let first = conn.backoffs.iter().map(|&(at, _)| at).min();
+                    tokio::time::sleep_until(first.unwrap_or(preface_deadline)).await;
+                }, if !conn.backoffs.is_empty() => conn.retry_due(Instant::now()),
                 () = async {
                     let first = conn.parked.front().map_or(preface_deadline, |&(_, at)| at);
                     tokio::time::sleep_until(first).await;
@@ -204,8 +207,10 @@ struct Conn {
     parked: std::collections::VecDeque<(u32, Instant)>,
     /// Moves when an upstream connection comes up: parked streams try again.
     ready: tokio::sync::watch::Receiver<u64>,
-    /// Woken when an endpoint refused requests of this connection (see
-    /// [`ClientState::refused`]).
+    /// Retries waiting out their backoff: when each goes, and its stream.
+    backoffs: Vec<(Instant, u32)>,
+    /// Woken when requests of this connection are to be sent again (see
+    /// [`ClientState::retry`]).
     redispatch: Arc<tokio::sync::Notify>,
     /// The deadlines of streams whose request carried `grpc-timeout`, earliest first.
     deadlines: std::collections::BinaryHeap<std::cmp::Reverse<(Instant, u32)>>,
@@ -509,6 +514,9 @@ impl Conn {
         request.body.clear();
         request.credited = 0;
         request.tried.clear();
+        request.attempts = 0;
+        request.failed_with = None;
+        request.deposited = false;
         request.arrived = Some(now);
         request.deadline = deadline;
         if self.fields.iter().any(|(n, _)| is_connection_specific(n)) {

@@ -34,6 +34,7 @@ impl Conn {
             };
             tracing::debug!(stream, "deadline exceeded");
             self.pool.metrics.failed(FailureReason::Deadline);
+            Counters::bump(&self.pool.counters.local_deadline_exceeded);
             self.forget(stream, gone, now);
         }
         for up in self.dirty.drain(..) {
@@ -84,6 +85,21 @@ impl Conn {
         self.shared.flush();
     }
 
+    /// The retries whose backoff is over at `now` are parked (to give up at the ready
+    /// timeout) and try at once.
+    pub(super) fn retry_due(&mut self, now: Instant) {
+        let give_up = now + self.pool.ready_timeout();
+        let parked = &mut self.parked;
+        self.backoffs.retain(|&(at, stream)| {
+            let due = at <= now;
+            if due {
+                parked.push_back((stream, give_up));
+            }
+            !due
+        });
+        self.dispatch_parked(now);
+    }
+
     /// The parked streams try again: each one sent upstream if an endpoint is ready now, or
     /// answered UNAVAILABLE once its ready timeout is over.
     pub(super) fn dispatch_parked(&mut self, now: Instant) {
@@ -104,11 +120,12 @@ impl Conn {
         self.shared.flush();
     }
 
-    /// Sends `request` of `stream` to a ready endpoint that has not refused it, and keeps it
+    /// Sends `request` of `stream` to a ready endpoint it was not sent to before, and keeps it
     /// as the stream's copy; parks it when the endpoints are still connecting (until
     /// `give_up`, then UNAVAILABLE); with nowhere to send it, answers UNAVAILABLE (no
-    /// endpoints) or resets the stream with REFUSED_STREAM (every endpoint refused it: the
-    /// client may try again later).
+    /// endpoints) or fails as its last attempt did (every endpoint was tried: reset with that
+    /// attempt's code, REFUSED_STREAM letting the client try again later, or UNAVAILABLE for
+    /// a lost connection).
     pub(super) fn dispatch(
         &mut self,
         stream: u32,
@@ -117,7 +134,8 @@ impl Conn {
         give_up: Instant,
     ) {
         loop {
-            let (up, lease) = match self.pool.pick(now, &request.tried) {
+            let first = !std::mem::replace(&mut request.deposited, true);
+            let (up, lease) = match self.pool.pick(now, &request.tried, first) {
                 Ok(picked) => picked,
                 Err(NoPick::NotReady) if now < give_up => {
                     if let Some(s) = self.shared.lock().streams.get_mut(&stream) {
@@ -128,12 +146,20 @@ impl Conn {
                 }
                 Err(no_pick) => {
                     let kept = request.body.len() - request.credited;
+                    let counters = &self.pool.counters;
+                    Counters::bump(if request.attempts == 0 {
+                        &counters.local_unavailable
+                    } else {
+                        &counters.upstream_failures
+                    });
                     if no_pick == NoPick::NotReady {
                         self.unavailable(stream, b"skewless: no endpoint became ready in time");
                     } else if request.tried.is_empty() {
                         self.unavailable(stream, b"skewless: the service has no endpoints");
+                    } else if let Some(code) = request.failed_with {
+                        self.refuse(stream, code);
                     } else {
-                        self.refuse(stream, ErrorCode::REFUSED_STREAM);
+                        self.unavailable(stream, b"skewless: the upstream connection was lost");
                     }
                     if kept > 0 {
                         self.shared.lock().released(stream, kept);
@@ -155,13 +181,18 @@ impl Conn {
             ) {
                 Ok(up_stream) => up_stream,
                 Err(lease) => {
-                    // The connection takes no new stream (its server sent GOAWAY): another.
+                    // The connection takes no new stream (its server sent GOAWAY): another,
+                    // which is no retry (nothing reached a server).
                     drop(u);
                     self.pool.finish(lease, Outcome::Cancelled, now);
                     request.tried.push(endpoint);
+                    if request.attempts == 0 {
+                        request.failed_with = Some(ErrorCode::REFUSED_STREAM);
+                    }
                     continue;
                 }
             };
+            request.attempts += 1;
             let mut sent = 0;
             if !headers_end {
                 if !data.is_empty() || trailers.is_none() {
