@@ -2,8 +2,21 @@
 
 use super::*;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sequential_unary_calls_spread_evenly_over_equal_pods() {
+on_both_paths!(
+    sequential_unary_calls_spread_evenly_over_equal_pods,
+    all_four_streaming_kinds_pass_through_with_trailers,
+    messages_larger_than_4_mib_pass_through,
+    no_endpoints_gives_unavailable_with_a_message,
+    unreachable_endpoints_give_unavailable_after_the_ready_timeout,
+    budget_running_out_before_the_reply_gives_deadline_exceeded,
+    grpc_timeout_is_forwarded_as_the_remaining_budget,
+    deadline_mid_stream_ends_the_call_with_deadline_exceeded_and_resets_upstream,
+    client_cancellation_resets_the_upstream_stream,
+    two_hundred_in_flight_on_one_connection_fail_no_calls,
+    slow_reader_backpressures_the_upstream_instead_of_buffering,
+);
+
+async fn sequential_unary_calls_spread_evenly_over_equal_pods<P: DataPath>() {
     let pods = pods(4).await;
     // Scheduling noise on a shared 2-core test machine reaches tens of milliseconds, which the
     // default 5 ms floor would (rightly) read as latency differences; the exact evenness of
@@ -11,7 +24,7 @@ async fn sequential_unary_calls_spread_evenly_over_equal_pods() {
     // wiring is checked: round robin through the whole stack.
     let mut config = Config::default();
     config.picker.latency_floor = Duration::from_millis(100);
-    let b = balancer(config, endpoints(&pods)).await;
+    let b = balancer_on::<P>(config, endpoints(&pods)).await;
     let mut c = client(b.addr).await;
     let mut names = Vec::new();
     for _ in 0..200 {
@@ -28,10 +41,9 @@ async fn sequential_unary_calls_spread_evenly_over_equal_pods() {
     b.stop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn all_four_streaming_kinds_pass_through_with_trailers() {
+async fn all_four_streaming_kinds_pass_through_with_trailers<P: DataPath>() {
     let pods = pods(2).await;
-    let b = balancer(Config::default(), endpoints(&pods)).await;
+    let b = balancer_on::<P>(Config::default(), endpoints(&pods)).await;
     let mut c = client(b.addr).await;
 
     let unary = c.echo(req(b"one")).await.expect("unary").into_inner();
@@ -93,17 +105,15 @@ async fn all_four_streaming_kinds_pass_through_with_trailers() {
     b.stop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn messages_larger_than_4_mib_pass_through() {
+async fn messages_larger_than_4_mib_pass_through<P: DataPath>() {
     let pods = pods(1).await;
-    let b = balancer(Config::default(), endpoints(&pods)).await;
+    let b = balancer_on::<P>(Config::default(), endpoints(&pods)).await;
     support::large_messages_pass(&mut client(b.addr).await).await;
     b.stop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn no_endpoints_gives_unavailable_with_a_message() {
-    let b = balancer(Config::default(), Vec::new()).await;
+async fn no_endpoints_gives_unavailable_with_a_message<P: DataPath>() {
+    let b = balancer_on::<P>(Config::default(), Vec::new()).await;
     let mut c = client(b.addr).await;
     let status = c
         .echo(req(b"x"))
@@ -123,8 +133,7 @@ async fn no_endpoints_gives_unavailable_with_a_message() {
     b.stop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn unreachable_endpoints_give_unavailable_after_the_ready_timeout() {
+async fn unreachable_endpoints_give_unavailable_after_the_ready_timeout<P: DataPath>() {
     // A port nobody listens on: bind, learn the port, close.
     let dead = TcpListener::bind("127.0.0.1:0")
         .await
@@ -135,7 +144,7 @@ async fn unreachable_endpoints_give_unavailable_after_the_ready_timeout() {
         ready_timeout: Duration::from_millis(200),
         ..Config::default()
     };
-    let b = balancer(config, vec![Endpoint::new(dead, "dead")]).await;
+    let b = balancer_on::<P>(config, vec![Endpoint::new(dead, "dead")]).await;
     let mut c = client(b.addr).await;
     let status = c.echo(req(b"x")).await.expect_err("nothing is ready");
     assert_eq!(status.code(), Code::Unavailable);
@@ -194,13 +203,12 @@ async fn hanging_upstream() -> (
     (addr, head_rx, drop_rx)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn budget_running_out_before_the_reply_gives_deadline_exceeded() {
+async fn budget_running_out_before_the_reply_gives_deadline_exceeded<P: DataPath>() {
     // The only endpoint answers after 2 s; the caller gives 200 ms. A raw client, because a
     // tonic client enforces its own deadline and would hide the balancer's answer.
     let pods = pods(1).await;
     pods[0].control.set_delay(Duration::from_secs(2));
-    let b = balancer(short_drain(), endpoints(&pods)).await;
+    let b = balancer_on::<P>(short_drain(), endpoints(&pods)).await;
     let mut send = raw_client(b.addr).await;
     let started = tokio::time::Instant::now();
     let resp = send
@@ -221,10 +229,9 @@ async fn budget_running_out_before_the_reply_gives_deadline_exceeded() {
     b.stop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn grpc_timeout_is_forwarded_as_the_remaining_budget() {
+async fn grpc_timeout_is_forwarded_as_the_remaining_budget<P: DataPath>() {
     let (up, mut heads, _drops) = hanging_upstream().await;
-    let b = balancer(short_drain(), vec![Endpoint::new(up, "raw")]).await;
+    let b = balancer_on::<P>(short_drain(), vec![Endpoint::new(up, "raw")]).await;
     let mut send = raw_client(b.addr).await;
     let resp = send
         .send_request(grpc_request(b.addr, Some("5S")))
@@ -240,10 +247,11 @@ async fn grpc_timeout_is_forwarded_as_the_remaining_budget() {
     b.stop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn deadline_mid_stream_ends_the_call_with_deadline_exceeded_and_resets_upstream() {
+async fn deadline_mid_stream_ends_the_call_with_deadline_exceeded_and_resets_upstream<
+    P: DataPath,
+>() {
     let (up, _heads, mut drops) = hanging_upstream().await;
-    let b = balancer(short_drain(), vec![Endpoint::new(up, "raw")]).await;
+    let b = balancer_on::<P>(short_drain(), vec![Endpoint::new(up, "raw")]).await;
     let mut send = raw_client(b.addr).await;
     let resp = send
         .send_request(grpc_request(b.addr, Some("300m")))
@@ -264,10 +272,9 @@ async fn deadline_mid_stream_ends_the_call_with_deadline_exceeded_and_resets_ups
     b.stop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn client_cancellation_resets_the_upstream_stream() {
+async fn client_cancellation_resets_the_upstream_stream<P: DataPath>() {
     let (up, _heads, mut drops) = hanging_upstream().await;
-    let b = balancer(short_drain(), vec![Endpoint::new(up, "raw")]).await;
+    let b = balancer_on::<P>(short_drain(), vec![Endpoint::new(up, "raw")]).await;
     let mut send = raw_client(b.addr).await;
     let resp = send
         .send_request(grpc_request(b.addr, None))
@@ -287,13 +294,12 @@ async fn client_cancellation_resets_the_upstream_stream() {
     b.stop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn two_hundred_in_flight_on_one_connection_fail_no_calls() {
+async fn two_hundred_in_flight_on_one_connection_fail_no_calls<P: DataPath>() {
     // The seed benchmark's shape (1 connection x 200 in flight), briefly. Regression: with
     // hyper's adaptive windows, h2's budget for small DATA frames started tiny and the
     // connections were closed with ENHANCE_YOUR_CALM under exactly this load.
     let pods = pods(2).await;
-    let b = balancer(Config::default(), endpoints(&pods)).await;
+    let b = balancer_on::<P>(Config::default(), endpoints(&pods)).await;
     let c = client(b.addr).await;
     let stop_at = tokio::time::Instant::now() + Duration::from_millis(1000);
     let mut tasks = Vec::new();
@@ -327,10 +333,9 @@ async fn two_hundred_in_flight_on_one_connection_fail_no_calls() {
     b.stop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn slow_reader_backpressures_the_upstream_instead_of_buffering() {
+async fn slow_reader_backpressures_the_upstream_instead_of_buffering<P: DataPath>() {
     let (up, produced) = support::flood_upstream().await;
-    let b = balancer(short_drain(), vec![Endpoint::new(up, "flood")]).await;
+    let b = balancer_on::<P>(short_drain(), vec![Endpoint::new(up, "flood")]).await;
     support::a_slow_reader_holds_back_the_upstream(b.addr, &produced).await;
     b.stop().await;
 }

@@ -2,11 +2,19 @@
 
 use super::*;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn slow_pod_gets_under_one_percent_of_concurrent_calls() {
+on_both_paths!(
+    slow_pod_gets_under_one_percent_of_concurrent_calls,
+    endpoint_changes_take_effect,
+    listener_that_never_serves_gets_no_calls,
+    healed_pod_gets_its_fair_share_back_within_5s_without_a_herd,
+    an_endpoint_that_does_not_speak_http2_gets_no_calls,
+    a_blackholed_pod_costs_no_call_after_the_first_second_and_returns_within_5s,
+);
+
+async fn slow_pod_gets_under_one_percent_of_concurrent_calls<P: DataPath>() {
     let pods = pods(5).await;
     pods[4].control.set_delay(Duration::from_millis(50));
-    let b = balancer(Config::default(), endpoints(&pods)).await;
+    let b = balancer_on::<P>(Config::default(), endpoints(&pods)).await;
     let c = client(b.addr).await;
     let started = tokio::time::Instant::now();
     // Detection takes a few slow replies; the share is measured after it, as a long benchmark
@@ -83,10 +91,9 @@ async fn slow_pod_gets_under_one_percent_of_concurrent_calls() {
     b.stop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn endpoint_changes_take_effect() {
+async fn endpoint_changes_take_effect<P: DataPath>() {
     let pods = pods(2).await;
-    let b = balancer(Config::default(), endpoints(&pods[..1])).await;
+    let b = balancer_on::<P>(Config::default(), endpoints(&pods[..1])).await;
     let mut c = client(b.addr).await;
     assert_eq!(
         c.echo(req(b"e")).await.expect("echo").into_inner().pod,
@@ -112,15 +119,14 @@ async fn endpoint_changes_take_effect() {
     b.stop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn listener_that_never_serves_gets_no_calls() {
+async fn listener_that_never_serves_gets_no_calls<P: DataPath>() {
     // A listener whose backlog accepts TCP but nobody serves HTTP/2 on it (a pod going away).
     let silent = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let silent_addr = silent.local_addr().expect("addr");
     let pods = pods(1).await;
     let mut eps = endpoints(&pods);
     eps.push(Endpoint::new(silent_addr, "silent"));
-    let b = balancer(short_drain(), eps).await;
+    let b = balancer_on::<P>(short_drain(), eps).await;
     let mut c = client(b.addr).await;
     for _ in 0..20 {
         let r = tokio::time::timeout(Duration::from_secs(2), c.echo(req(b"s")))
@@ -133,12 +139,11 @@ async fn listener_that_never_serves_gets_no_calls() {
     b.stop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn healed_pod_gets_its_fair_share_back_within_5s_without_a_herd() {
+async fn healed_pod_gets_its_fair_share_back_within_5s_without_a_herd<P: DataPath>() {
     const PODS: usize = 5;
     let pods = pods(PODS).await;
     pods[4].control.set_delay(Duration::from_millis(50));
-    let b = balancer(Config::default(), endpoints(&pods)).await;
+    let b = balancer_on::<P>(Config::default(), endpoints(&pods)).await;
     let c = client(b.addr).await;
     let started = tokio::time::Instant::now();
     // Bounded: 8 callers for at most 20 s (in practice ~1 s slow + 6 s healed).
@@ -229,8 +234,7 @@ async fn healed_pod_gets_its_fair_share_back_within_5s_without_a_herd() {
     b.stop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_endpoint_that_does_not_speak_http2_gets_no_calls() {
+async fn an_endpoint_that_does_not_speak_http2_gets_no_calls<P: DataPath>() {
     // Accepts TCP and, after 200 ms, answers with bytes that are not HTTP/2 (an HTTP/1.1
     // server, say). A connection published before the server spoke would take calls for those
     // 200 ms and fail them when the garbage arrives.
@@ -254,7 +258,7 @@ async fn an_endpoint_that_does_not_speak_http2_gets_no_calls() {
     let pods = pods(2).await;
     let mut eps = endpoints(&pods);
     eps.push(Endpoint::new(garbage, "not-http2"));
-    let b = balancer(Config::default(), eps).await;
+    let b = balancer_on::<P>(Config::default(), eps).await;
     let mut c = client(b.addr).await;
     // Sequential calls for 600 ms (bounded: at most 20,000).
     let until = tokio::time::Instant::now() + Duration::from_millis(600);
@@ -286,8 +290,9 @@ async fn an_endpoint_that_does_not_speak_http2_gets_no_calls() {
 /// with 2 s deadlines. Only calls sent to it in the first second may fail (the ones in flight,
 /// and those sent before its connection was found suspect); it gets no call from then on until
 /// it answers again, and is back in rotation within 5 s of answering.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_blackholed_pod_costs_no_call_after_the_first_second_and_returns_within_5s() {
+async fn a_blackholed_pod_costs_no_call_after_the_first_second_and_returns_within_5s<
+    P: DataPath,
+>() {
     use std::sync::atomic::{AtomicBool, Ordering};
     use tokio::time::Instant;
     const PODS: usize = 5;
@@ -300,7 +305,7 @@ async fn a_blackholed_pod_costs_no_call_after_the_first_second_and_returns_withi
         eps.push(Endpoint::new(addr, &p.name));
         darks.push(dark);
     }
-    let b = balancer(Config::default(), eps).await;
+    let b = balancer_on::<P>(Config::default(), eps).await;
     let c = client(b.addr).await;
     let started = Instant::now();
     // Bounded: 50 callers for at most 30 s (in practice ~14 s).
@@ -398,6 +403,11 @@ async fn a_blackholed_pod_costs_no_call_after_the_first_second_and_returns_withi
     assert!(
         served_by_4(back_at, back_at + Duration::from_secs(2)) > 0,
         "once back in rotation it serves calls again"
+    );
+    assert!(
+        failed.iter().all(|(_, _, s)| s.code() != tonic::Code::Internal),
+        "calls the dead connection had not answered end UNAVAILABLE (or at their deadlines), \
+         not INTERNAL: {failed:?}"
     );
     b.stop().await;
 }
