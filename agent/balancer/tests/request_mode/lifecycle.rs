@@ -2,11 +2,18 @@
 
 use super::*;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn shutdown_drains_in_flight_calls_then_stops() {
+on_both_paths!(
+    shutdown_drains_in_flight_calls_then_stops,
+    max_connection_age_rotates_client_connections_and_fails_no_call_it_received,
+    max_connection_age_set_live_rotates_open_client_connections,
+    what_a_client_sends_after_its_connection_is_rotated_is_read_not_reset,
+    broken_client_connections_are_closed_without_disturbing_other_clients,
+);
+
+async fn shutdown_drains_in_flight_calls_then_stops<P: DataPath>() {
     let pods = pods(1).await;
     pods[0].control.set_delay(Duration::from_millis(300));
-    let b = balancer(Config::default(), endpoints(&pods)).await;
+    let b = balancer_on::<P>(Config::default(), endpoints(&pods)).await;
     let mut c = client(b.addr).await;
     let call = tokio::spawn(async move { c.echo(req(b"d")).await });
     tokio::time::sleep(Duration::from_millis(100)).await;
@@ -23,14 +30,15 @@ async fn shutdown_drains_in_flight_calls_then_stops() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn max_connection_age_rotates_client_connections_and_fails_no_call_it_received() {
+async fn max_connection_age_rotates_client_connections_and_fails_no_call_it_received<
+    P: DataPath,
+>() {
     let pods = pods(2).await;
     let config = Config {
         max_connection_age: Some(Duration::from_millis(200)),
         ..Config::default()
     };
-    let b = balancer(config, endpoints(&pods)).await;
+    let b = balancer_on::<P>(config, endpoints(&pods)).await;
     // Count the client connections the balancer accepts: a counting TCP relay in front of it.
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let relay_addr = listener.local_addr().expect("addr");
@@ -85,10 +93,9 @@ async fn max_connection_age_rotates_client_connections_and_fails_no_call_it_rece
     b.stop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn max_connection_age_set_live_rotates_open_client_connections() {
+async fn max_connection_age_set_live_rotates_open_client_connections<P: DataPath>() {
     let pods = pods(1).await;
-    let b = balancer(Config::default(), endpoints(&pods)).await;
+    let b = balancer_on::<P>(Config::default(), endpoints(&pods)).await;
     // Count the client connections the balancer accepts: a counting TCP relay in front of it.
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let relay_addr = listener.local_addr().expect("addr");
@@ -172,8 +179,7 @@ async fn workers_serve_one_port_with_a_balancer_each_and_stop_on_request() {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn what_a_client_sends_after_its_connection_is_rotated_is_read_not_reset() {
+async fn what_a_client_sends_after_its_connection_is_rotated_is_read_not_reset<P: DataPath>() {
     // A client whose last frames cross the balancer's final GOAWAY (grpcio opens streams until
     // it has read it) must not meet a reset: on its next write it would fail its streams
     // ("Stream removed") before reading the GOAWAY that says they may be retried.
@@ -182,7 +188,7 @@ async fn what_a_client_sends_after_its_connection_is_rotated_is_read_not_reset()
         max_connection_age: Some(Duration::from_millis(200)),
         ..Config::default()
     };
-    let b = balancer(config, Vec::new()).await;
+    let b = balancer_on::<P>(config, Vec::new()).await;
     let mut tcp = tokio::net::TcpStream::connect(b.addr)
         .await
         .expect("connect");
@@ -270,10 +276,9 @@ async fn exchange(addr: SocketAddr, chunks: &[&[u8]]) -> Vec<u8> {
     got
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn broken_client_connections_are_closed_without_disturbing_other_clients() {
+async fn broken_client_connections_are_closed_without_disturbing_other_clients<P: DataPath>() {
     let pods = pods(2).await;
-    let b = balancer(Config::default(), endpoints(&pods)).await;
+    let b = balancer_on::<P>(Config::default(), endpoints(&pods)).await;
     let c = client(b.addr).await;
     // A healthy client keeps calling throughout (bounded: 4 callers, at most 10 s).
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -306,6 +311,14 @@ async fn broken_client_connections_are_closed_without_disturbing_other_clients()
     assert!(
         has_go_away(&answer, h2::Reason::PROTOCOL_ERROR),
         "GOAWAY(PROTOCOL_ERROR) before the close: {answer:?}"
+    );
+    // DATA on a stream the client never opened (idle): the same.
+    let mut data_on_idle = Head::new(Kind::Data, 0, 3, 3).encode().to_vec();
+    data_on_idle.extend_from_slice(b"bad");
+    let answer = exchange(b.addr, &[PREFACE, &settings, &data_on_idle]).await;
+    assert!(
+        has_go_away(&answer, h2::Reason::PROTOCOL_ERROR),
+        "GOAWAY(PROTOCOL_ERROR) for DATA on an idle stream: {answer:?}"
     );
     // Random bytes after a valid preface and SETTINGS.
     exchange(b.addr, &[PREFACE, &settings, &[0xff; 64]]).await;

@@ -405,7 +405,9 @@ async fn a_blackholed_pod_costs_no_call_after_the_first_second_and_returns_withi
         "once back in rotation it serves calls again"
     );
     assert!(
-        failed.iter().all(|(_, _, s)| s.code() != tonic::Code::Internal),
+        failed
+            .iter()
+            .all(|(_, _, s)| s.code() != tonic::Code::Internal),
         "calls the dead connection had not answered end UNAVAILABLE (or at their deadlines), \
          not INTERNAL: {failed:?}"
     );

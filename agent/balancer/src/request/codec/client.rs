@@ -83,6 +83,18 @@ impl HasOut for ClientState {
     }
 }
 
+/// What became of response headers for a client stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Responded {
+    /// Sent to the client (or held behind its body bytes).
+    Sent,
+    /// The client stream is gone.
+    Gone,
+    /// The stream's deadline had passed: the client got DEADLINE_EXCEEDED instead, and the
+    /// stream is gone.
+    PastDeadline,
+}
+
 /// The upstream connection and stream that carry a client stream.
 type UpStream = (Arc<UpShared>, u32);
 
@@ -107,6 +119,8 @@ struct ClientStream {
     stalled_since: Option<Instant>,
     /// The client's side ended (END_STREAM seen).
     request_ended: bool,
+    /// When its `grpc-timeout` runs out.
+    deadline: Option<Instant>,
     /// What the client may still send on the stream: given back as its bytes go upstream.
     recv: RecvWindow,
 }
@@ -190,10 +204,18 @@ impl ClientState {
         stream: u32,
         fields: &Fields,
         end_stream: bool,
-    ) -> bool {
+        now: Instant,
+    ) -> Responded {
         let Some(s) = self.streams.get_mut(&stream) else {
-            return false;
+            return Responded::Gone;
         };
+        if s.deadline.is_some_and(|deadline| now >= deadline) {
+            // Its deadline came before the reader's timer did: the client gets the
+            // balancer's DEADLINE_EXCEEDED, never the server's answer to its own timer.
+            let gone = self.deadline_exceeded(stream);
+            self.forget_copy(gone);
+            return Responded::PastDeadline;
+        }
         // Its response began: it is not sent anywhere else.
         if let Some(copy) = s.replay.take()
             && self.spare.len() < MAX_SPARE_COPIES
@@ -204,7 +226,7 @@ impl ClientState {
         if s.held.is_waiting() {
             // Trailers behind body bytes that wait for window: they wait too.
             s.held.hold_trailers(forwarded);
-            return true;
+            return Responded::Sent;
         }
         fields::put_headers(
             &mut self.out.buf,
@@ -218,7 +240,34 @@ impl ClientState {
         } else {
             s.answered = true;
         }
-        true
+        Responded::Sent
+    }
+
+    /// Ends `stream` at its deadline: the client gets DEADLINE_EXCEEDED (trailers only, or
+    /// trailers after the response so far). Returns the stream, forgotten here.
+    fn deadline_exceeded(&mut self, stream: u32) -> Option<ClientStream> {
+        let s = self.streams.remove(&stream)?;
+        let mut f = Fields::default();
+        if !s.answered {
+            f.push(b":status", b"200");
+            f.push(b"content-type", b"application/grpc");
+        }
+        f.push(b"grpc-status", b"4");
+        f.push(
+            b"grpc-message",
+            b"skewless: deadline exceeded in the balancer",
+        );
+        fields::put_headers(&mut self.out.buf, &mut self.encoder, stream, true, f.iter());
+        Some(s)
+    }
+
+    /// Keeps the request copy of a stream that ended, to be filled again.
+    fn forget_copy(&mut self, stream: Option<ClientStream>) {
+        if let Some(copy) = stream.and_then(|s| s.replay)
+            && self.spare.len() < MAX_SPARE_COPIES
+        {
+            self.spare.push(copy);
+        }
     }
 
     /// Sends response body bytes on `stream` as far as the client's windows take them, and

@@ -93,8 +93,12 @@ impl HeaderBlocks {
 }
 
 /// The payload of a DATA or HEADERS frame without its padding (and a HEADERS frame's
-/// priority fields).
+/// priority fields). `Err` (a connection error): on stream 0, or padded beyond its length.
 pub(crate) fn strip(head: Head, payload: &[u8]) -> Result<&[u8], ErrorCode> {
+    if head.stream_id == 0 {
+        // DATA and HEADERS belong to a stream (RFC 9113 sections 6.1 and 6.2).
+        return Err(ErrorCode::PROTOCOL_ERROR);
+    }
     let mut p = payload;
     let mut pad = 0usize;
     if head.has(flags::PADDED) {

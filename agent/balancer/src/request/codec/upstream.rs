@@ -15,12 +15,13 @@ use skewless_frame::{
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
-use super::client::{ClientShared, Failure};
+use super::client::{ClientShared, Failure, Responded};
 use super::fields::{self, Fields, HpackDecoder, HpackEncoder};
 use super::frames::{self, DEFAULT_WINDOW, HeaderBlocks, Held, RecvWindow, SendLimits};
 use super::out::{HasOut, Out, Shared};
 use super::{CodecPool, Lease, StreamMap};
 use crate::endpoints::EndpointId;
+use crate::metrics::FailureReason;
 use crate::request::picker::Outcome;
 use crate::request::status::Counters;
 use crate::upstream::liveness::{self, Closed, LivenessConfig, Pings, Signals, Verdict};
@@ -658,10 +659,15 @@ impl Reader<'_> {
             self.fail(stream, &client, client_stream, lease);
             return Ok(());
         }
-        let ok = client
-            .lock()
-            .respond_headers(client_stream, self.fields, end_stream);
+        let responded =
+            client
+                .lock()
+                .respond_headers(client_stream, self.fields, end_stream, self.now);
         self.touch(&client);
+        if responded == Responded::PastDeadline {
+            self.pool.metrics.failed(FailureReason::Deadline);
+            Counters::bump(&self.pool.counters.local_deadline_exceeded);
+        }
         if let Some(lease) = lease {
             let outcome =
                 if failed_status || self.fields.get(b"grpc-status") == Some(b"14".as_slice()) {
@@ -670,8 +676,8 @@ impl Reader<'_> {
                     Outcome::Success
                 };
             self.pool.finish(lease, outcome, self.now);
-        } else if !ok {
-            self.cancel(stream);
+        } else if responded != Responded::Sent {
+            self.cancel(stream, &client, client_stream);
         }
         Ok(())
     }
@@ -734,7 +740,7 @@ impl Reader<'_> {
             self.pool.finish(lease, Outcome::Success, self.now);
         } else {
             match sent {
-                None => self.cancel(stream),
+                None => self.cancel(stream, &client, client_stream),
                 Some(0) => {}
                 Some(n) => self.shared.lock().released(stream, n),
             }
@@ -770,9 +776,14 @@ impl Reader<'_> {
         }
     }
 
-    /// The client's stream is gone: reset the upstream one.
-    fn cancel(&mut self, stream: u32) {
-        let (lease, _) = self.shared.lock().cancel(stream, ErrorCode::CANCEL);
+    /// `client`'s stream `client_stream` is gone: reset the upstream one. The request bytes
+    /// it held for the server give the client connection's window back.
+    fn cancel(&mut self, stream: u32, client: &Arc<ClientShared>, client_stream: u32) {
+        let (lease, dropped) = self.shared.lock().cancel(stream, ErrorCode::CANCEL);
+        if dropped > 0 {
+            client.lock().released(client_stream, dropped);
+            self.touch(client);
+        }
         if let Some(lease) = lease {
             self.pool.finish(lease, Outcome::Cancelled, self.now);
         }
@@ -791,7 +802,7 @@ impl Reader<'_> {
         self.touch(client);
         match lease {
             Some(lease) => self.pool.finish(lease, Outcome::Failure, self.now),
-            None => self.cancel(stream),
+            None => self.cancel(stream, client, client_stream),
         }
     }
 }

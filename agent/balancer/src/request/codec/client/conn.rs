@@ -385,6 +385,10 @@ impl Conn {
         match head.kind {
             Kind::Data => {
                 let data = frames::strip(head, payload)?;
+                if head.stream_id.is_multiple_of(2) || head.stream_id > self.last_stream {
+                    // On a stream the client never opened (RFC 9113 section 5.1: idle).
+                    return Err(ErrorCode::PROTOCOL_ERROR);
+                }
                 self.data(
                     head.stream_id,
                     data,
@@ -473,6 +477,9 @@ impl Conn {
             // forwarded, anything else is a protocol error.
             return self.trailers(stream, end_stream, now);
         }
+        // Opened, even if refused below: what the client still sends on it is not on an idle
+        // stream.
+        self.last_stream = stream;
         if let Winding::Final { last } = self.winding
             && stream > last
         {
@@ -480,7 +487,6 @@ impl Conn {
             self.refuse(stream, ErrorCode::REFUSED_STREAM);
             return Ok(());
         }
-        self.last_stream = stream;
         if decoded.is_err() {
             self.refuse(stream, ErrorCode::REFUSED_STREAM);
             return Ok(());
@@ -532,13 +538,13 @@ impl Conn {
             request.fields.copy_from(&self.fields);
         }
         request.body.push(&[], end_stream);
-        self.insert_stream(stream, end_stream);
+        self.insert_stream(stream, end_stream, deadline);
         let give_up = now + self.pool.ready_timeout();
         self.dispatch(stream, request, now, give_up);
         Ok(())
     }
 
-    fn insert_stream(&mut self, stream: u32, request_ended: bool) {
+    fn insert_stream(&mut self, stream: u32, request_ended: bool, deadline: Option<Instant>) {
         let mut state = self.shared.lock();
         let window = state.limits.initial_window;
         state.streams.insert(
@@ -552,6 +558,7 @@ impl Conn {
                 answered: false,
                 stalled_since: None,
                 request_ended,
+                deadline,
                 recv: RecvWindow::new(STREAM_WINDOW),
             },
         );

@@ -13,24 +13,8 @@ impl Conn {
                 break;
             }
             self.deadlines.pop();
-            let gone = {
-                let mut state = self.shared.lock();
-                let st = &mut *state;
-                let Some(s) = st.streams.remove(&stream) else {
-                    continue;
-                };
-                let mut f = Fields::default();
-                if !s.answered {
-                    f.push(b":status", b"200");
-                    f.push(b"content-type", b"application/grpc");
-                }
-                f.push(b"grpc-status", b"4");
-                f.push(
-                    b"grpc-message",
-                    b"skewless: deadline exceeded in the balancer",
-                );
-                fields::put_headers(&mut st.out.buf, &mut st.encoder, stream, true, f.iter());
-                s
+            let Some(gone) = self.shared.lock().deadline_exceeded(stream) else {
+                continue;
             };
             tracing::debug!(stream, "deadline exceeded");
             self.pool.metrics.failed(FailureReason::Deadline);
