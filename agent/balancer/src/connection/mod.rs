@@ -52,7 +52,7 @@ use crate::endpoints::Endpoint;
 use crate::endpoints::EndpointId;
 use crate::metrics::{ServiceMetrics, ServiceSnapshot};
 use crate::server::{NewConnection, Stop};
-use crate::upstream::{self, AbortOnDrop};
+use crate::upstream::AbortOnDrop;
 use controller::{Controller, Placement, Rotation};
 use policy::ConnId;
 use relay::{RelayHandle, RelaySettings};
@@ -445,65 +445,19 @@ async fn tick_task(shared: Weak<Shared>, changed: Arc<Notify>, tick: Duration) {
     }
 }
 
-/// The active health check of one backend, over a connection of the balancer's own: connects,
-/// watches (see `health`), and reconnects when that connection ends. A connection the backend
-/// closes gracefully (its own max connection age) is replaced without a report: only the
-/// watch's answers, and a watch that fails on a live connection, change the backend's state.
+/// The active health check of one backend, over a connection of the balancer's own
+/// (`health::watch_on_own_connection`), reporting to the balancer while it lives.
 async fn health_task(shared: Weak<Shared>, id: EndpointId, addr: SocketAddr, service: String) {
-    let mut backoff = Duration::from_millis(100);
-    loop {
-        let Some(timeout) = shared.upgrade().map(|s| s.config.borrow().connect_timeout) else {
-            return;
-        };
-        // The default TCP backstop; the connect itself ends with a PING the server answers.
-        match upstream::connect(
-            addr,
-            timeout,
-            &crate::upstream::liveness::LivenessConfig::default(),
-        )
-        .await
-        {
-            Ok(upstream::Connected {
-                sender,
-                mut ended,
-                go_away,
-                ..
-            }) => {
-                let started = Instant::now();
-                let report = {
-                    let shared = shared.clone();
-                    move |serving| {
-                        if let Some(s) = shared.upgrade() {
-                            s.set_serving(id, serving);
-                        }
-                    }
-                };
-                let watch = crate::upstream::health::watch(
-                    report,
-                    sender,
-                    addr.to_string(),
-                    service.clone(),
-                );
-                tokio::pin!(watch);
-                tokio::select! {
-                    // Only when the server has no health service: it serves for good.
-                    () = &mut watch => { let _ = (&mut ended).await; }
-                    _ = &mut ended => {}
-                    () = go_away.notified() => tracing::debug!("health connection got GOAWAY, replacing it"),
-                }
-                // Replaced at once, unless connections keep dying young.
-                if started.elapsed() >= Duration::from_millis(100) {
-                    backoff = Duration::from_millis(100);
-                    continue;
-                }
-            }
-            Err(error) => {
-                tracing::debug!(%error, backoff_ms = backoff.as_millis(), "health connection failed");
-            }
+    let connect_timeout = {
+        let shared = shared.clone();
+        move || shared.upgrade().map(|s| s.config.borrow().connect_timeout)
+    };
+    let report = move |serving| {
+        if let Some(s) = shared.upgrade() {
+            s.set_serving(id, serving);
         }
-        tokio::time::sleep(backoff).await;
-        backoff = (backoff * 2).min(Duration::from_secs(5));
-    }
+    };
+    crate::upstream::health::watch_on_own_connection(connect_timeout, report, addr, service).await;
 }
 
 #[cfg(test)]

@@ -63,6 +63,62 @@ pub(crate) async fn watch(
     }
 }
 
+/// The active health check of an endpoint over a connection of the balancer's own, for a data
+/// path without an h2 connection of its own to the endpoint (connection mode relays bytes):
+/// connects, watches (see [`watch`]), and reconnects when that
+/// connection ends, until `connect_timeout` (read before every connect) says its owner is
+/// gone. A connection the endpoint closes gracefully (its own max connection age) is replaced
+/// without a report: only the watch's answers, and a watch that fails on a live connection,
+/// change the endpoint's state.
+pub(crate) async fn watch_on_own_connection(
+    connect_timeout: impl Fn() -> Option<Duration>,
+    report: impl FnMut(bool) + Clone,
+    addr: std::net::SocketAddr,
+    service: String,
+) {
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        let Some(timeout) = connect_timeout() else {
+            return;
+        };
+        // The default TCP backstop; the connect itself ends with a PING the server answers.
+        match crate::upstream::connect(
+            addr,
+            timeout,
+            &crate::upstream::liveness::LivenessConfig::default(),
+        )
+        .await
+        {
+            Ok(crate::upstream::Connected {
+                sender,
+                mut ended,
+                go_away,
+                ..
+            }) => {
+                let started = tokio::time::Instant::now();
+                let watch = watch(report.clone(), sender, addr.to_string(), service.clone());
+                tokio::pin!(watch);
+                tokio::select! {
+                    // Only when the server has no health service: it serves for good.
+                    () = &mut watch => { let _ = (&mut ended).await; }
+                    _ = &mut ended => {}
+                    () = go_away.notified() => tracing::debug!("health connection got GOAWAY, replacing it"),
+                }
+                // Replaced at once, unless connections keep dying young.
+                if started.elapsed() >= Duration::from_millis(100) {
+                    backoff = Duration::from_millis(100);
+                    continue;
+                }
+            }
+            Err(error) => {
+                tracing::debug!(%error, backoff_ms = backoff.as_millis(), "health connection failed");
+            }
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_secs(5));
+    }
+}
+
 async fn watch_once(
     report: &mut impl FnMut(bool),
     sender: &SendRequest<Bytes>,
