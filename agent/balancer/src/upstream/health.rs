@@ -64,8 +64,8 @@ pub(crate) async fn watch(
 }
 
 /// The active health check of an endpoint over a connection of the balancer's own, for a data
-/// path without an h2 connection of its own to the endpoint (connection mode relays bytes):
-/// connects, watches (see [`watch`]), and reconnects when that
+/// path without an h2 connection of its own to the endpoint (connection mode relays bytes;
+/// request mode on the frame codec has its own HTTP/2): connects, watches (see [`watch`]), and reconnects when that
 /// connection ends, until `connect_timeout` (read before every connect) says its owner is
 /// gone. A connection the endpoint closes gracefully (its own max connection age) is replaced
 /// without a report: only the watch's answers, and a watch that fails on a live connection,

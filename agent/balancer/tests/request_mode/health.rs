@@ -2,14 +2,20 @@
 
 use super::*;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn endpoint_turning_not_serving_gets_no_new_calls_100ms_later() {
+on_both_paths!(
+    endpoint_turning_not_serving_gets_no_new_calls_100ms_later,
+    servers_without_a_health_service_count_as_serving,
+    health_service_set_and_cleared_live_applies_without_failing_calls,
+    health_checks_switched_off_while_an_endpoint_reconnects_leave_it_serving,
+);
+
+async fn endpoint_turning_not_serving_gets_no_new_calls_100ms_later<P: DataPath>() {
     let pods = pods(2).await;
     let config = Config {
         health_service: Some(skewless_echo::SERVICE_NAME.to_owned()),
         ..Config::default()
     };
-    let b = balancer(config, endpoints(&pods)).await;
+    let b = balancer_on::<P>(config, endpoints(&pods)).await;
     let mut c = client(b.addr).await;
     let mut names = Vec::new();
     for _ in 0..20 {
@@ -47,8 +53,7 @@ async fn endpoint_turning_not_serving_gets_no_new_calls_100ms_later() {
     b.stop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn servers_without_a_health_service_count_as_serving() {
+async fn servers_without_a_health_service_count_as_serving<P: DataPath>() {
     // A server with no health service answers the Watch with UNIMPLEMENTED (trailers-only);
     // gRFC A17 counts it as serving, so calls must reach it.
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
@@ -80,7 +85,7 @@ async fn servers_without_a_health_service_count_as_serving() {
         health_service: Some(String::new()),
         ..Config::default()
     };
-    let b = balancer(config, vec![Endpoint::new(addr, "no-health")]).await;
+    let b = balancer_on::<P>(config, vec![Endpoint::new(addr, "no-health")]).await;
     let mut send = raw_client(b.addr).await;
     let resp = send
         .send_request(grpc_request(b.addr, Some("2S")))
@@ -163,31 +168,30 @@ fn open_stream(
 
 /// Waits (up to 5 s) until the balancer reports endpoint `i` in `state`; returns when it did.
 async fn until_state(
-    b: &Balancer,
+    b: &impl DataPath,
     i: usize,
     state: skewless_balancer::EndpointState,
 ) -> tokio::time::Instant {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
     loop {
-        if b.stats()[i].state == state {
+        if DataPath::stats(b)[i].state == state {
             return tokio::time::Instant::now();
         }
         assert!(
             tokio::time::Instant::now() < deadline,
             "endpoint {i} reaches {state:?} within 5 s: {:?}",
-            b.stats()
+            DataPath::stats(b)
         );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn health_service_set_and_cleared_live_applies_without_failing_calls() {
+async fn health_service_set_and_cleared_live_applies_without_failing_calls<P: DataPath>() {
     use skewless_balancer::EndpointState::{Active, NotServing};
     let pods = pods(3).await;
     // pod-2 reports NOT_SERVING all along; without health checking it still gets its share.
     pods[2].control.set_serving(false).await;
-    let b = balancer(Config::default(), endpoints(&pods)).await;
+    let b = balancer_on::<P>(Config::default(), endpoints(&pods)).await;
     let c = client(b.addr).await;
     let stop = Stop::default();
     let stream = open_stream(&c, &stop);
@@ -202,11 +206,11 @@ async fn health_service_set_and_cleared_live_applies_without_failing_calls() {
         ..Config::default()
     });
     // The new watch reports within moments; from then on the pod gets no call.
-    let out_at = until_state(&b.balancer, 2, NotServing).await;
+    let out_at = until_state(&*b.balancer, 2, NotServing).await;
     tokio::time::sleep(phase).await;
     let off_at = tokio::time::Instant::now();
     b.balancer.reconfigure(Config::default());
-    let back_at = until_state(&b.balancer, 2, Active).await;
+    let back_at = until_state(&*b.balancer, 2, Active).await;
     tokio::time::sleep(phase).await;
     let stop_at = tokio::time::Instant::now();
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
@@ -265,8 +269,7 @@ async fn health_service_set_and_cleared_live_applies_without_failing_calls() {
     b.stop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn health_checks_switched_off_while_an_endpoint_reconnects_leave_it_serving() {
+async fn health_checks_switched_off_while_an_endpoint_reconnects_leave_it_serving<P: DataPath>() {
     use skewless_balancer::EndpointState::{Active, Connecting, NotServing};
     let pods = pods(2).await;
     pods[1].control.set_serving(false).await;
@@ -275,7 +278,7 @@ async fn health_checks_switched_off_while_an_endpoint_reconnects_leave_it_servin
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let via = listener.local_addr().expect("addr");
     let up = relay(listener, pods[1].addr);
-    let b = balancer(
+    let b = balancer_on::<P>(
         Config {
             health_service: Some(skewless_echo::SERVICE_NAME.to_owned()),
             ..Config::default()
@@ -286,17 +289,17 @@ async fn health_checks_switched_off_while_an_endpoint_reconnects_leave_it_servin
         ],
     )
     .await;
-    until_state(&b.balancer, 1, NotServing).await;
+    until_state(&*b.balancer, 1, NotServing).await;
     // pod-1 goes away, health checks are switched off while the balancer reconnects to it,
     // then it is back.
     drop(up);
-    until_state(&b.balancer, 1, Connecting).await;
+    until_state(&*b.balancer, 1, Connecting).await;
     b.balancer.reconfigure(Config::default());
     let _up = relay(
         TcpListener::bind(via).await.expect("rebind the relay"),
         pods[1].addr,
     );
-    until_state(&b.balancer, 1, Active).await;
+    until_state(&*b.balancer, 1, Active).await;
     let mut c = client(b.addr).await;
     let mut names = Vec::new();
     for _ in 0..20 {

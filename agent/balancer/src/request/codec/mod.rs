@@ -42,8 +42,11 @@
 //! takes no new request), then dead (closed, its calls answered UNAVAILABLE, the endpoint
 //! ejected). An endpoint whose ejection is over is PINGed before it gets calls again.
 //!
+//! Active health checks watch each endpoint as connection mode does, over a connection of
+//! their own (`upstream::health::watch_on_own_connection`).
+//!
 //! What it does not do yet (so it stays off by default): more than one connection per
-//! endpoint, health checks, CONTINUATION on the way out.
+//! endpoint, CONTINUATION on the way out.
 
 mod client;
 mod fields;
@@ -119,13 +122,17 @@ impl CodecBalancer {
     /// request on, the connect settings from the next connect.
     pub fn reconfigure(&self, config: Config) {
         tracing::debug!(?config, "reconfigured");
+        let health = config.health_service.clone();
         let mut state = self.pool.lock();
         state.picker.set_config(config.picker.clone());
         state
             .retry_budget
             .set_config(config.retry_budget.clone(), Instant::now());
         drop(state);
-        self.pool.config.send_replace(Arc::new(config));
+        let old = self.pool.config.send_replace(Arc::new(config));
+        if old.health_service != health {
+            self.pool.restart_health(health.as_ref());
+        }
     }
 
     /// Per-endpoint state, load and latency.
@@ -208,7 +215,20 @@ struct Member {
     task: AbortHandle,
     /// Asks its connection's liveness monitor for a PING (its ejection is over).
     probe: Arc<tokio::sync::Notify>,
+    /// Its active health check (`grpc.health.v1` over a connection of its own), when one is
+    /// configured, and the number of that check: a report of an older one is ignored.
+    health: Option<(AbortHandle, u64)>,
     metrics: Arc<EndpointMetrics>,
+}
+
+impl Member {
+    /// Stops its tasks: the connection's and the health check's.
+    fn abort(&self) {
+        self.task.abort();
+        if let Some((health, _)) = &self.health {
+            health.abort();
+        }
+    }
 }
 
 impl AsRef<Slot> for Member {
@@ -252,8 +272,11 @@ impl CodecPool {
 
     fn update(self: &Arc<Self>, endpoints: &[Endpoint]) {
         let now = Instant::now();
+        let health = self.config.borrow().health_service.clone();
         let mut state = self.lock();
+        let mut added = Vec::new();
         let removed = state.endpoints.update(endpoints, |id, ep| {
+            added.push(id);
             let span = tracing::debug_span!("endpoint", addr = %ep.addr, name = %ep.name);
             let probe = Arc::new(tokio::sync::Notify::new());
             let task = tokio::spawn(
@@ -267,13 +290,93 @@ impl CodecPool {
                 warm: false,
                 task,
                 probe,
+                health: health
+                    .as_ref()
+                    .map(|service| self.start_health(id, ep.addr, service)),
                 metrics: Arc::new(EndpointMetrics::default()),
             }
         });
+        if health.is_some() {
+            // A17: not known to be serving until its check says so.
+            for id in added {
+                state.endpoints.set_serving(id, false);
+            }
+        }
         drop(state);
         for entry in removed {
-            entry.value.task.abort();
+            entry.value.abort();
         }
+    }
+
+    /// Starts the health check of endpoint `id` on `addr`, watching `service`.
+    fn start_health(
+        self: &Arc<Self>,
+        id: EndpointId,
+        addr: SocketAddr,
+        service: &str,
+    ) -> (AbortHandle, u64) {
+        static CHECKS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let check = CHECKS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let pool = Arc::downgrade(self);
+        let connect_timeout = {
+            let pool = pool.clone();
+            move || pool.upgrade().map(|p| p.config.borrow().connect_timeout)
+        };
+        let report = move |serving| {
+            if let Some(p) = pool.upgrade() {
+                p.set_serving(id, check, serving);
+            }
+        };
+        let task = tokio::spawn(
+            crate::upstream::health::watch_on_own_connection(
+                connect_timeout,
+                report,
+                addr,
+                service.to_owned(),
+            )
+            .instrument(tracing::debug_span!("health", %addr)),
+        );
+        (task.abort_handle(), check)
+    }
+
+    /// Health check `check` of endpoint `id` reports `serving`.
+    fn set_serving(&self, id: EndpointId, check: u64, serving: bool) {
+        let mut state = self.lock();
+        let current = state
+            .endpoints
+            .get(id)
+            .is_some_and(|e| e.value.health.as_ref().is_some_and(|(_, c)| *c == check));
+        if !current {
+            return;
+        }
+        state.endpoints.set_serving(id, serving);
+        drop(state);
+        if serving {
+            self.ready.send_modify(|n| *n += 1);
+        }
+    }
+
+    /// The health service changed to `service`: every endpoint's check stops, and the new
+    /// one starts with every endpoint not serving until it says so (none: every endpoint
+    /// serves).
+    fn restart_health(self: &Arc<Self>, service: Option<&String>) {
+        let mut state = self.lock();
+        let members: Vec<(EndpointId, SocketAddr)> = state
+            .endpoints
+            .iter()
+            .map(|e| (e.id(), e.endpoint().addr))
+            .collect();
+        for (id, addr) in members {
+            let health = service.map(|service| self.start_health(id, addr, service));
+            if let Some(entry) = state.endpoints.get_mut(id)
+                && let Some((old, _)) = std::mem::replace(&mut entry.value.health, health)
+            {
+                old.abort();
+            }
+            state.endpoints.set_serving(id, service.is_none());
+        }
+        drop(state);
+        self.ready.send_modify(|n| *n += 1);
     }
 
     /// The connect timeout and the liveness checks of the next upstream connection.
@@ -477,7 +580,7 @@ impl Drop for CodecPool {
             .get_mut()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         for entry in &state.endpoints {
-            entry.value.task.abort();
+            entry.value.abort();
         }
     }
 }
