@@ -9,6 +9,7 @@ on_both_paths!(
     retries_are_bounded_when_every_endpoint_refuses,
     only_methods_marked_retryable_are_retried_after_a_processing_failure,
     retryable_methods_added_live_are_retried_from_the_next_call,
+    every_call_and_every_failure_is_counted_by_reason,
 );
 
 async fn upstream_graceful_restart_fails_no_calls<P: DataPath>() {
@@ -277,6 +278,63 @@ async fn retryable_methods_added_live_are_retried_from_the_next_call<P: DataPath
     assert!(
         failed.is_empty(),
         "once retryable, a call the broken endpoint reset is retried elsewhere: {failed:?}"
+    );
+    b.stop().await;
+}
+
+/// The Service's numbers follow the calls: every call's duration is recorded however it
+/// ended, and every failed call is counted once, by its reason (a stream the backend reset is
+/// `reset`; a Service without endpoints is `unavailable`).
+async fn every_call_and_every_failure_is_counted_by_reason<P: DataPath>() {
+    use skewless_balancer::metrics::FailureReason;
+    let failures = |b: &P, reason: FailureReason| {
+        let i = FailureReason::ALL.iter().position(|r| *r == reason);
+        b.snapshot().failures[i.expect("a reason")]
+    };
+    let pods = pods(1).await;
+    let (broken, hits) = resetting_upstream(h2::Reason::INTERNAL_ERROR).await;
+    let mut eps = endpoints(&pods);
+    eps.push(Endpoint::new(broken, "broken"));
+    // Never ejected, so the broken endpoint keeps taking calls; not retryable.
+    let mut config = Config::default();
+    config.picker.failure_threshold = u32::MAX;
+    let b = balancer_on::<P>(config, eps).await;
+    let mut c = client(b.addr).await;
+    // Bounded: 40 calls, enough for both endpoints to take some.
+    let mut failed = 0;
+    for _ in 0..40 {
+        failed += u64::from(c.echo(req(b"m")).await.is_err());
+    }
+    let hits = hits.load(std::sync::atomic::Ordering::Relaxed) as u64;
+    assert!(
+        failed > 0 && failed == hits,
+        "the broken endpoint's calls failed ({failed}/{hits})"
+    );
+    // The last call's stream may end a moment after the client has its answer.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
+    while b.balancer.snapshot().latency.count() < 40 && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        b.balancer.snapshot().latency.count(),
+        40,
+        "every call's duration is recorded"
+    );
+    assert_eq!(
+        failures(&b.balancer, FailureReason::Reset),
+        failed,
+        "{:?}",
+        b.balancer.snapshot().failures
+    );
+    b.endpoints.send_replace(Vec::new());
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let status = c.echo(req(b"m")).await.expect_err("no endpoints");
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    assert_eq!(
+        failures(&b.balancer, FailureReason::Unavailable),
+        1,
+        "{:?}",
+        b.balancer.snapshot().failures
     );
     b.stop().await;
 }

@@ -383,6 +383,8 @@ pub trait DataPath: skewless_balancer::NewConnection + Send + Sync + 'static {
     fn start(config: skewless_balancer::Config, endpoints: watch::Receiver<Vec<Endpoint>>) -> Self;
     fn counters(&self) -> skewless_balancer::BalancerCounters;
     fn stats(&self) -> Vec<skewless_balancer::EndpointStats>;
+    /// The Service port's numbers (`metrics()` of either balancer).
+    fn snapshot(&self) -> ServiceSnapshot;
     fn reconfigure(&self, config: skewless_balancer::Config);
 }
 
@@ -395,6 +397,9 @@ impl DataPath for skewless_balancer::Balancer {
     }
     fn stats(&self) -> Vec<skewless_balancer::EndpointStats> {
         Self::stats(self)
+    }
+    fn snapshot(&self) -> ServiceSnapshot {
+        Self::metrics(self)
     }
     fn reconfigure(&self, config: skewless_balancer::Config) {
         Self::reconfigure(self, config);
@@ -410,6 +415,9 @@ impl DataPath for skewless_balancer::CodecBalancer {
     }
     fn stats(&self) -> Vec<skewless_balancer::EndpointStats> {
         Self::stats(self)
+    }
+    fn snapshot(&self) -> ServiceSnapshot {
+        Self::metrics(self)
     }
     fn reconfigure(&self, config: skewless_balancer::Config) {
         Self::reconfigure(self, config);

@@ -53,6 +53,8 @@ const WIND_DOWN_CHECK: std::time::Duration = std::time::Duration::from_millis(20
 
 /// What upstream readers write responses into.
 pub(crate) struct ClientState {
+    /// The Service's numbers: every call's duration is recorded as its stream ends.
+    metrics: Arc<crate::metrics::ServiceMetrics>,
     out: Out,
     encoder: HpackEncoder,
     streams: StreamMap<ClientStream>,
@@ -119,7 +121,9 @@ struct ClientStream {
     stalled_since: Option<Instant>,
     /// The client's side ended (END_STREAM seen).
     request_ended: bool,
-    /// When its `grpc-timeout` runs out.
+    /// When its request's headers arrived (the call's start), and when its `grpc-timeout`
+    /// runs out.
+    arrived: Instant,
     deadline: Option<Instant>,
     /// What the client may still send on the stream: given back as its bytes go upstream.
     recv: RecvWindow,
@@ -184,8 +188,9 @@ impl Request {
 pub(crate) type UpCredit = (Arc<UpShared>, u32, usize);
 
 impl ClientState {
-    fn new() -> Self {
+    fn new(metrics: Arc<crate::metrics::ServiceMetrics>) -> Self {
         Self {
+            metrics,
             out: Out::default(),
             encoder: HpackEncoder::new(),
             streams: StreamMap::default(),
@@ -212,7 +217,7 @@ impl ClientState {
         if s.deadline.is_some_and(|deadline| now >= deadline) {
             // Its deadline came before the reader's timer did: the client gets the
             // balancer's DEADLINE_EXCEEDED, never the server's answer to its own timer.
-            let gone = self.deadline_exceeded(stream);
+            let gone = self.deadline_exceeded(stream, now);
             self.forget_copy(gone);
             return Responded::PastDeadline;
         }
@@ -236,7 +241,7 @@ impl ClientState {
             forwarded,
         );
         if end_stream {
-            self.streams.remove(&stream);
+            self.take(stream, now);
         } else {
             s.answered = true;
         }
@@ -245,8 +250,8 @@ impl ClientState {
 
     /// Ends `stream` at its deadline: the client gets DEADLINE_EXCEEDED (trailers only, or
     /// trailers after the response so far). Returns the stream, forgotten here.
-    fn deadline_exceeded(&mut self, stream: u32) -> Option<ClientStream> {
-        let s = self.streams.remove(&stream)?;
+    fn deadline_exceeded(&mut self, stream: u32, now: Instant) -> Option<ClientStream> {
+        let s = self.take(stream, now)?;
         let mut f = Fields::default();
         if !s.answered {
             f.push(b":status", b"200");
@@ -259,6 +264,27 @@ impl ClientState {
         );
         fields::put_headers(&mut self.out.buf, &mut self.encoder, stream, true, f.iter());
         Some(s)
+    }
+
+    /// Forgets `stream`, which ends at `now`: the call's duration, from the arrival of its
+    /// request's headers, is recorded (as on the h2 path, however the call ended).
+    fn take(&mut self, stream: u32, now: Instant) -> Option<ClientStream> {
+        let s = self.streams.remove(&stream)?;
+        self.metrics
+            .latency
+            .record(now.saturating_duration_since(s.arrived));
+        Some(s)
+    }
+
+    /// Forgets every stream (the connection is over at `now`).
+    fn take_all(&mut self, now: Instant) -> Vec<ClientStream> {
+        let streams: Vec<ClientStream> = self.streams.drain().map(|(_, s)| s).collect();
+        for s in &streams {
+            self.metrics
+                .latency
+                .record(now.saturating_duration_since(s.arrived));
+        }
+        streams
     }
 
     /// Keeps the request copy of a stream that ended, to be filled again.
@@ -294,7 +320,7 @@ impl ClientState {
             end_stream,
         );
         if end_stream && !waits {
-            self.streams.remove(&stream);
+            self.take(stream, now);
         }
         Some(sent)
     }
@@ -304,6 +330,7 @@ impl ClientState {
     /// stream, whose windows the caller gives back.
     fn resume(&mut self) -> Vec<UpCredit> {
         let mut credits = Vec::new();
+        let metrics = &self.metrics;
         frames::resume_waiting(
             &mut self.waiting,
             &mut self.streams,
@@ -311,9 +338,15 @@ impl ClientState {
             &mut self.limits,
             &mut self.encoder,
             |_, s, sent, over| {
+                let now = (sent > 0 || over).then(Instant::now);
                 if sent > 0 {
                     // The client made room: its stall starts again from now.
-                    s.stalled_since = Some(Instant::now());
+                    s.stalled_since = now;
+                }
+                if over && let Some(now) = now {
+                    metrics
+                        .latency
+                        .record(now.saturating_duration_since(s.arrived));
                 }
                 if sent > 0
                     && let Some((up, up_stream)) = &s.up
@@ -401,7 +434,7 @@ impl ClientState {
         if dropped > 0 {
             self.recv.release(dropped, 0, &mut self.out.buf);
         }
-        if self.streams.remove(&stream).is_none() {
+        if self.take(stream, Instant::now()).is_none() {
             return;
         }
         let mut f = Fields::default();
@@ -419,7 +452,7 @@ impl ClientState {
         if dropped > 0 {
             self.recv.release(dropped, 0, &mut self.out.buf);
         }
-        if self.streams.remove(&stream).is_some() {
+        if self.take(stream, Instant::now()).is_some() {
             RstStream {
                 stream_id: stream,
                 error_code: code,
@@ -457,6 +490,15 @@ impl Failure {
             Self::Reset(code) => Some(code),
             Self::GoneAway(_) => Some(ErrorCode::REFUSED_STREAM),
             Self::Lost => None,
+        }
+    }
+
+    /// Why the call failed, for `skewless_requests_failed_total`, when it is not sent again.
+    pub(crate) fn reason(self) -> FailureReason {
+        match self {
+            Self::Reset(ErrorCode::REFUSED_STREAM) | Self::GoneAway(_) => FailureReason::Refused,
+            Self::Reset(_) => FailureReason::Reset,
+            Self::Lost => FailureReason::Connect,
         }
     }
 

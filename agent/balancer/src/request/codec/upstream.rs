@@ -671,6 +671,8 @@ impl Reader<'_> {
         if let Some(lease) = lease {
             let outcome =
                 if failed_status || self.fields.get(b"grpc-status") == Some(b"14".as_slice()) {
+                    // The backend answered UNAVAILABLE (or a 5xx): the call failed.
+                    self.pool.metrics.failed(FailureReason::Unavailable);
                     Outcome::Failure
                 } else {
                     Outcome::Success
@@ -760,6 +762,7 @@ impl Reader<'_> {
             return;
         }
         Counters::bump(&self.pool.counters.upstream_failures);
+        self.pool.metrics.failed(failure.reason());
         let code = failure.code().unwrap_or(ErrorCode::INTERNAL_ERROR);
         let dropped = route.held_uncredited();
         route
@@ -856,6 +859,7 @@ fn fail_all(pool: &Weak<CodecPool>, shared: &Arc<UpShared>) {
         }
         if let Some(p) = &pool {
             Counters::bump(&p.counters.upstream_failures);
+            p.metrics.failed(Failure::Lost.reason());
         }
         let (stream, dropped) = (route.client_stream, route.held_uncredited());
         let mut client = route.client.lock();

@@ -12,7 +12,7 @@ pub(crate) async fn serve(pool: Arc<CodecPool>, stream: TcpStream, mut stop: Sto
     // The reader reads through `AsyncRead`, which takes a short read as "drained" (no read
     // that would find nothing); writers share the write half.
     let (mut read, write) = stream.into_split();
-    let shared = Shared::new(write, ClientState::new());
+    let shared = Shared::new(write, ClientState::new(pool.metrics.clone()));
     {
         let mut state = shared.lock();
         Settings::encode(
@@ -538,13 +538,19 @@ impl Conn {
             request.fields.copy_from(&self.fields);
         }
         request.body.push(&[], end_stream);
-        self.insert_stream(stream, end_stream, deadline);
+        self.insert_stream(stream, end_stream, now, deadline);
         let give_up = now + self.pool.ready_timeout();
         self.dispatch(stream, request, now, give_up);
         Ok(())
     }
 
-    fn insert_stream(&mut self, stream: u32, request_ended: bool, deadline: Option<Instant>) {
+    fn insert_stream(
+        &mut self,
+        stream: u32,
+        request_ended: bool,
+        arrived: Instant,
+        deadline: Option<Instant>,
+    ) {
         let mut state = self.shared.lock();
         let window = state.limits.initial_window;
         state.streams.insert(
@@ -558,6 +564,7 @@ impl Conn {
                 answered: false,
                 stalled_since: None,
                 request_ended,
+                arrived,
                 deadline,
                 recv: RecvWindow::new(STREAM_WINDOW),
             },
@@ -686,7 +693,7 @@ impl Conn {
 
     /// The client reset `stream`, or it must go: reset the upstream stream.
     fn cancel(&mut self, stream: u32, now: Instant) {
-        let Some(s) = self.shared.lock().streams.remove(&stream) else {
+        let Some(s) = self.shared.lock().take(stream, now) else {
             return;
         };
         self.forget(stream, s, now);
@@ -716,7 +723,7 @@ impl Conn {
 
     fn refuse(&mut self, stream: u32, code: ErrorCode) {
         let mut state = self.shared.lock();
-        state.streams.remove(&stream);
+        state.take(stream, Instant::now());
         RstStream {
             stream_id: stream,
             error_code: code,
@@ -726,9 +733,8 @@ impl Conn {
 
     /// The connection is over: every stream still open is cancelled upstream.
     fn close(&mut self) {
-        let streams: Vec<ClientStream> =
-            self.shared.lock().streams.drain().map(|(_, s)| s).collect();
         let now = Instant::now();
+        let streams = self.shared.lock().take_all(now);
         for s in streams {
             let Some((up, up_stream)) = s.up else {
                 continue;

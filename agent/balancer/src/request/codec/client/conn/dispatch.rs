@@ -13,7 +13,7 @@ impl Conn {
                 break;
             }
             self.deadlines.pop();
-            let Some(gone) = self.shared.lock().deadline_exceeded(stream) else {
+            let Some(gone) = self.shared.lock().deadline_exceeded(stream, now) else {
                 continue;
             };
             tracing::debug!(stream, "deadline exceeded");
@@ -48,7 +48,7 @@ impl Conn {
                 .collect();
             due.into_iter()
                 .filter_map(|id| {
-                    let s = st.streams.remove(&id)?;
+                    let s = st.take(id, now)?;
                     RstStream {
                         stream_id: id,
                         error_code: ErrorCode::CANCEL,
@@ -131,11 +131,15 @@ impl Conn {
                 Err(no_pick) => {
                     let kept = request.body.len() - request.credited;
                     let counters = &self.pool.counters;
-                    Counters::bump(if request.attempts == 0 {
-                        &counters.local_unavailable
-                    } else {
-                        &counters.upstream_failures
-                    });
+                    let (cell, reason) = match request.failed_with {
+                        _ if request.attempts == 0 => {
+                            (&counters.local_unavailable, FailureReason::Unavailable)
+                        }
+                        Some(code) => (&counters.upstream_failures, Failure::Reset(code).reason()),
+                        None => (&counters.upstream_failures, Failure::Lost.reason()),
+                    };
+                    Counters::bump(cell);
+                    self.pool.metrics.failed(reason);
                     if no_pick == NoPick::NotReady {
                         self.unavailable(stream, b"skewless: no endpoint became ready in time");
                     } else if request.tried.is_empty() {
