@@ -14,7 +14,24 @@ on_both_paths!(
     client_cancellation_resets_the_upstream_stream,
     two_hundred_in_flight_on_one_connection_fail_no_calls,
     slow_reader_backpressures_the_upstream_instead_of_buffering,
+    full_connections_make_the_balancer_open_more_to_the_same_endpoint,
+    the_servers_stream_limit_makes_the_balancer_open_more_connections,
+    calls_beyond_the_room_of_every_connection_wait_for_it,
 );
+
+/// A burst on one thread: `current_thread`, so on both paths by hand.
+#[tokio::test(flavor = "current_thread")]
+async fn a_burst_that_fills_a_connection_at_once_opens_every_connection_it_needs_h2() {
+    a_burst_that_fills_a_connection_at_once_opens_every_connection_it_needs::<Balancer>().await;
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_burst_that_fills_a_connection_at_once_opens_every_connection_it_needs_codec() {
+    a_burst_that_fills_a_connection_at_once_opens_every_connection_it_needs::<
+        skewless_balancer::CodecBalancer,
+    >()
+    .await;
+}
 
 async fn sequential_unary_calls_spread_evenly_over_equal_pods<P: DataPath>() {
     let pods = pods(4).await;
@@ -349,30 +366,27 @@ fn two_streams_a_connection() -> Config {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn full_connections_make_the_balancer_open_more_to_the_same_endpoint() {
+async fn full_connections_make_the_balancer_open_more_to_the_same_endpoint<P: DataPath>() {
     // The server allows 2 as well.
-    let n = calls_over_a_narrow_upstream(two_streams_a_connection(), 2).await;
+    let n = calls_over_a_narrow_upstream::<P>(two_streams_a_connection(), 2).await;
     assert!(
         (3..=4).contains(&n),
         "8 concurrent calls at 2 streams per connection open more connections, at most 4: {n}"
     );
 }
 
-#[tokio::test(flavor = "current_thread")]
-async fn a_burst_that_fills_a_connection_at_once_opens_every_connection_it_needs() {
+async fn a_burst_that_fills_a_connection_at_once_opens_every_connection_it_needs<P: DataPath>() {
     // On one thread the 8 calls are all sent before the endpoint's connection task wakes to
     // their asks for room, which it then sees as one: it must open what 8 streams at 2 a
     // connection need (4), not one connection per wake-up.
-    let n = calls_over_a_narrow_upstream(two_streams_a_connection(), 2).await;
+    let n = calls_over_a_narrow_upstream::<P>(two_streams_a_connection(), 2).await;
     assert_eq!(
         n, 4,
         "a burst of 8 calls at 2 streams per connection opens 4 connections"
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_servers_stream_limit_makes_the_balancer_open_more_connections() {
+async fn the_servers_stream_limit_makes_the_balancer_open_more_connections<P: DataPath>() {
     // Our limit stays at its default (100): the server's SETTINGS_MAX_CONCURRENT_STREAMS (2)
     // is what fills a connection.
     let config = Config {
@@ -380,7 +394,7 @@ async fn the_servers_stream_limit_makes_the_balancer_open_more_connections() {
         ..short_drain()
     };
     assert!(config.max_streams_per_connection > 8);
-    let n = calls_over_a_narrow_upstream(config, 2).await;
+    let n = calls_over_a_narrow_upstream::<P>(config, 2).await;
     assert!(
         (3..=4).contains(&n),
         "8 concurrent calls to a server allowing 2 streams per connection open more \
@@ -388,10 +402,24 @@ async fn the_servers_stream_limit_makes_the_balancer_open_more_connections() {
     );
 }
 
+async fn calls_beyond_the_room_of_every_connection_wait_for_it<P: DataPath>() {
+    // One connection an endpoint, 2 streams on it: 8 calls go 2 at a time (300 ms each), and
+    // the others wait for room rather than fail. The wait is bounded by the ready timeout
+    // on the codec path: 8 calls take 1.2 s.
+    let config = Config {
+        max_streams_per_connection: 2,
+        max_connections_per_endpoint: 1,
+        ready_timeout: Duration::from_secs(3),
+        ..short_drain()
+    };
+    let n = calls_over_a_narrow_upstream::<P>(config, 2).await;
+    assert_eq!(n, 1, "one connection carries every call");
+}
+
 /// Sends 8 concurrent calls through a balancer over one upstream that allows `streams`
 /// streams per connection and answers after 300 ms; every call must succeed. Returns how many
 /// connections the upstream accepted.
-async fn calls_over_a_narrow_upstream(config: Config, streams: u32) -> usize {
+async fn calls_over_a_narrow_upstream<P: DataPath>(config: Config, streams: u32) -> usize {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let up = listener.local_addr().expect("addr");
     let connections = Arc::new(std::sync::atomic::AtomicUsize::new(0));
@@ -416,7 +444,7 @@ async fn calls_over_a_narrow_upstream(config: Config, streams: u32) -> usize {
             });
         }
     });
-    let b = balancer(config, vec![Endpoint::new(up, "narrow")]).await;
+    let b = balancer_on::<P>(config, vec![Endpoint::new(up, "narrow")]).await;
     let send = raw_client(b.addr).await;
     let mut calls = Vec::new();
     for _ in 0..8 {

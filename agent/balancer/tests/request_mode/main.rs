@@ -101,17 +101,10 @@ fn relay(listener: TcpListener, target: SocketAddr) -> Relay {
     }
 }
 
-/// A request-mode balancer serving a loopback port.
-type Running = support::Serving<Balancer>;
-
 impl<P> support::Serving<P> {
     async fn stop(mut self) {
         self.stop_within(Duration::from_secs(5)).await;
     }
-}
-
-async fn balancer(config: Config, endpoints: Vec<Endpoint>) -> Running {
-    balancer_on(config, endpoints).await
 }
 
 /// Whether `bytes` (a server's side of an HTTP/2 connection) hold a GOAWAY frame with `reason`.

@@ -45,8 +45,12 @@
 //! Active health checks watch each endpoint as connection mode does, over a connection of
 //! their own (`upstream::health::watch_on_own_connection`).
 //!
-//! What it does not do yet (so it stays off by default): more than one connection per
-//! endpoint, CONTINUATION on the way out.
+//! An endpoint's connections carry at most `max_streams_per_connection` requests each (or
+//! its server's SETTINGS_MAX_CONCURRENT_STREAMS); when every one is full its connection task
+//! opens more, up to `max_connections_per_endpoint`, and a request that finds no room waits
+//! for it as for a ready endpoint.
+//!
+//! What it does not do yet (so it stays off by default): CONTINUATION on the way out.
 
 mod client;
 mod fields;
@@ -141,7 +145,7 @@ impl CodecBalancer {
         let state = self.pool.lock();
         let mut stats = state.picker.stats(&state.endpoints);
         for (s, entry) in stats.iter_mut().zip(&state.endpoints) {
-            s.upstream_connections = u32::from(entry.value.up.is_some());
+            s.upstream_connections = u32::try_from(entry.value.ups.len()).unwrap_or(u32::MAX);
             s.latency_histogram = entry.value.metrics.latency.snapshot();
         }
         stats
@@ -207,8 +211,13 @@ struct PoolState {
 
 struct Member {
     slot: Slot,
-    /// The endpoint's connection, once it is up.
-    up: Option<Arc<upstream::UpShared>>,
+    /// The endpoint's connections that are up: the one its connection task keeps, and the
+    /// ones it opened when they were full.
+    ups: Vec<upstream::UpConn>,
+    /// Picks that found every connection full since its connection task last looked.
+    demand: u32,
+    /// Asks its connection task for more connections (every one is full).
+    grow: Arc<tokio::sync::Notify>,
     /// Whether the current connection has carried a request yet (the first one is no
     /// latency sample: it pays for the connection's warm-up).
     warm: bool,
@@ -222,6 +231,11 @@ struct Member {
 }
 
 impl Member {
+    /// Whether it has a connection that is not suspect.
+    fn ready(&self) -> bool {
+        self.ups.iter().any(|u| !u.suspect)
+    }
+
     /// Stops its tasks: the connection's and the health check's.
     fn abort(&self) {
         self.task.abort();
@@ -241,6 +255,14 @@ impl AsMut<Slot> for Member {
     fn as_mut(&mut self) -> &mut Slot {
         &mut self.slot
     }
+}
+
+/// What an upstream connection is opened with (`CodecPool::connect_settings`).
+pub(crate) struct ConnectSettings {
+    timeout: Duration,
+    liveness: LivenessConfig,
+    max_streams: u32,
+    max_connections: usize,
 }
 
 /// Why no endpoint was picked.
@@ -279,14 +301,23 @@ impl CodecPool {
             added.push(id);
             let span = tracing::debug_span!("endpoint", addr = %ep.addr, name = %ep.name);
             let probe = Arc::new(tokio::sync::Notify::new());
+            let grow = Arc::new(tokio::sync::Notify::new());
             let task = tokio::spawn(
-                upstream::connection_task(Arc::downgrade(self), id, ep.addr, probe.clone())
-                    .instrument(span),
+                upstream::connection_task(
+                    Arc::downgrade(self),
+                    id,
+                    ep.addr,
+                    probe.clone(),
+                    grow.clone(),
+                )
+                .instrument(span),
             )
             .abort_handle();
             Member {
                 slot: Slot::new(now),
-                up: None,
+                ups: Vec::new(),
+                demand: 0,
+                grow,
                 warm: false,
                 task,
                 probe,
@@ -379,10 +410,16 @@ impl CodecPool {
         self.ready.send_modify(|n| *n += 1);
     }
 
-    /// The connect timeout and the liveness checks of the next upstream connection.
-    fn connect_settings(&self) -> (Duration, LivenessConfig) {
+    /// The settings of the next upstream connection: its connect timeout, its liveness
+    /// checks, the most streams it carries, and the most connections an endpoint has.
+    fn connect_settings(&self) -> ConnectSettings {
         let config = self.config.borrow();
-        (config.connect_timeout, config.liveness.clone())
+        ConnectSettings {
+            timeout: config.connect_timeout,
+            liveness: config.liveness.clone(),
+            max_streams: config.max_streams_per_connection.max(1),
+            max_connections: config.max_connections_per_endpoint.max(1),
+        }
     }
 
     /// When a client connection's next idle check is due after `now`: an eighth of the idle
@@ -404,52 +441,85 @@ impl CodecPool {
         self.config.borrow().drain_grace
     }
 
-    /// The endpoint's connection is up (or gone: `None`).
-    fn set_upstream(&self, id: EndpointId, up: Option<Arc<upstream::UpShared>>) {
+    /// A connection of endpoint `id` is up.
+    fn add_upstream(&self, id: EndpointId, conn: upstream::UpConn) {
         let now = Instant::now();
         let mut state = self.lock();
         let PoolState {
             picker, endpoints, ..
         } = &mut *state;
-        let ready = up.is_some();
         if let Some(entry) = endpoints.get_mut(id) {
-            entry.value.up = up;
+            entry.value.ups.push(conn);
             entry.value.warm = false;
-            endpoints.set_ready(id, ready);
-            if ready {
-                picker.proven(endpoints, id, now);
-            }
+            endpoints.set_ready(id, true);
+            picker.proven(endpoints, id, now);
         }
         drop(state);
-        if ready {
-            self.ready.send_modify(|n| *n += 1);
+        self.ready.send_modify(|n| *n += 1);
+    }
+
+    /// Connection `conn` of endpoint `id` takes no new request (it is closing, or retired).
+    fn remove_upstream(&self, id: EndpointId, conn: &Arc<upstream::UpShared>) {
+        let mut state = self.lock();
+        if let Some(entry) = state.endpoints.get_mut(id) {
+            entry.value.ups.retain(|u| !Arc::ptr_eq(&u.shared, conn));
+            let ready = entry.value.ready();
+            state.endpoints.set_ready(id, ready);
         }
     }
 
-    /// What the liveness monitor of `conn`, endpoint `id`'s connection, reports: a suspect
-    /// connection's endpoint takes no new request until its PING is answered; an answer
-    /// proves an endpoint whose ejection is over.
+    /// What the liveness monitor of `conn`, a connection of endpoint `id`, reports: a suspect
+    /// connection takes no new request until its PING is answered (nor its endpoint, when it
+    /// has no other); an answer proves an endpoint whose ejection is over.
     fn liveness_report(&self, id: EndpointId, conn: &Arc<upstream::UpShared>, report: Report) {
         let now = Instant::now();
         let mut state = self.lock();
         let PoolState {
             picker, endpoints, ..
         } = &mut *state;
-        let current = endpoints
-            .get(id)
-            .and_then(|entry| entry.value.up.as_ref())
-            .is_some_and(|up| Arc::ptr_eq(up, conn));
-        if !current {
+        let Some(member) = endpoints.get_mut(id).map(|e| &mut e.value) else {
             return;
-        }
+        };
+        let Some(up) = member.ups.iter_mut().find(|u| Arc::ptr_eq(&u.shared, conn)) else {
+            return;
+        };
         match report {
-            Report::Suspect(suspect) => endpoints.set_ready(id, !suspect),
+            Report::Suspect(suspect) => {
+                up.suspect = suspect;
+                let ready = member.ready();
+                endpoints.set_ready(id, ready);
+            }
             Report::Answered => picker.proven(endpoints, id, now),
         }
         drop(state);
         if report == Report::Suspect(false) {
             self.ready.send_modify(|n| *n += 1);
         }
+    }
+
+    /// A request on a connection that was full is over: requests waiting for room try again.
+    pub(crate) fn room_freed(&self) {
+        self.ready.send_modify(|n| *n += 1);
+    }
+
+    /// How many connections endpoint `id` wants for the requests it carries and the picks
+    /// that found it full since the last look (which this look forgets), at what its
+    /// connections take each (`ours`, or less where its server says so); at most `max`.
+    fn connections_wanted(&self, id: EndpointId, ours: u32, max: usize) -> usize {
+        let mut state = self.lock();
+        let Some(member) = state.endpoints.get_mut(id).map(|e| &mut e.value) else {
+            return 0;
+        };
+        let open: u32 = member.ups.iter().map(upstream::UpConn::streams).sum();
+        let room = member
+            .ups
+            .iter()
+            .map(upstream::UpConn::limit)
+            .max()
+            .unwrap_or(ours)
+            .max(1);
+        let wanted = (open + std::mem::take(&mut member.demand)).div_ceil(room);
+        usize::try_from(wanted).unwrap_or(usize::MAX).min(max)
     }
 
     /// Endpoint `id`'s connection is dead (its PING went unanswered): the endpoint is
@@ -506,44 +576,57 @@ impl CodecPool {
         if first {
             retry_budget.deposit(now);
         }
-        let pick = picker.pick(endpoints, now, exclude);
-        if picker.has_unproven() {
-            // Ejections that just ended: each endpoint must answer a PING before user calls.
-            for id in picker.take_unproven() {
-                if let Some(entry) = endpoints.get(id) {
-                    entry.value.probe.notify_one();
+        // Endpoints whose every connection is full, with `exclude`: allocated only then.
+        let mut full: Vec<EndpointId> = Vec::new();
+        loop {
+            let skip = if full.is_empty() { exclude } else { &full };
+            let pick = picker.pick(endpoints, now, skip);
+            if picker.has_unproven() {
+                // Ejections that just ended: each endpoint must answer a PING before user
+                // calls.
+                for id in picker.take_unproven() {
+                    if let Some(entry) = endpoints.get(id) {
+                        entry.value.probe.notify_one();
+                    }
                 }
             }
-        }
-        let Some(pick) = pick else {
-            return Err(if endpoints.is_empty() || endpoints.all_excluded(exclude) {
-                NoPick::Nowhere
-            } else {
-                NoPick::NotReady
-            });
-        };
-        let up = endpoints
-            .get(pick.id)
-            .and_then(|entry| entry.value.up.clone());
-        let Some(up) = up else {
-            // Ready in the picker but no connection (both change together): undo the pick.
+            let Some(pick) = pick else {
+                return Err(if endpoints.is_empty() || endpoints.all_excluded(exclude) {
+                    NoPick::Nowhere
+                } else {
+                    // Connecting, or full: it waits for a connection or for room.
+                    NoPick::NotReady
+                });
+            };
+            let Some(member) = endpoints.get_mut(pick.id).map(|e| &mut e.value) else {
+                return Err(NoPick::NotReady);
+            };
+            if let Some(up) = member.ups.iter().find(|u| u.takes_one()) {
+                let up = up.shared.clone();
+                let sample = std::mem::replace(&mut member.warm, true);
+                return Ok((
+                    up,
+                    Lease {
+                        id: pick.id,
+                        probe: pick.probe,
+                        sample,
+                        sent_at: now,
+                        metrics: member.metrics.clone(),
+                    },
+                ));
+            }
+            // Every connection full (or none up, though ready: both change together): its
+            // connection task opens more if it may, and another endpoint is tried.
+            if !member.ups.is_empty() {
+                member.demand += 1;
+                member.grow.notify_one();
+            }
             picker.complete(endpoints, pick.id, pick.probe, Outcome::Cancelled, now);
-            return Err(NoPick::NotReady);
-        };
-        let Some(member) = endpoints.get_mut(pick.id).map(|e| &mut e.value) else {
-            return Err(NoPick::NotReady);
-        };
-        let sample = std::mem::replace(&mut member.warm, true);
-        Ok((
-            up,
-            Lease {
-                id: pick.id,
-                probe: pick.probe,
-                sample,
-                sent_at: now,
-                metrics: member.metrics.clone(),
-            },
-        ))
+            if full.is_empty() {
+                full.extend_from_slice(exclude);
+            }
+            full.push(pick.id);
+        }
     }
 
     /// The response headers of `lease`'s request arrived at `now`.

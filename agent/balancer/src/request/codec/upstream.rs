@@ -3,6 +3,7 @@
 //! response frame to the client stream it answers.
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Weak};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
@@ -19,7 +20,7 @@ use super::client::{ClientShared, Failure, Responded};
 use super::fields::{self, Fields, HpackDecoder, HpackEncoder};
 use super::frames::{self, DEFAULT_WINDOW, HeaderBlocks, Held, RecvWindow, SendLimits};
 use super::out::{HasOut, Out, Shared};
-use super::{CodecPool, Lease, StreamMap};
+use super::{CodecPool, ConnectSettings, Lease, StreamMap};
 use crate::endpoints::EndpointId;
 use crate::metrics::FailureReason;
 use crate::request::picker::Outcome;
@@ -35,6 +36,36 @@ pub(crate) const HEADER_TABLE_SIZE: usize = 4096;
 /// Largest frame this side accepts (it advertises no other SETTINGS_MAX_FRAME_SIZE).
 pub(crate) const MAX_FRAME: u32 = skewless_frame::DEFAULT_MAX_FRAME_SIZE;
 
+/// One upstream connection as the pool picks among an endpoint's: its shared state, and what
+/// tells whether it takes another request without taking its lock.
+pub(crate) struct UpConn {
+    pub(crate) shared: Arc<UpShared>,
+    /// Its requests outstanding (and its liveness monitor's view of it).
+    signals: Arc<Signals>,
+    /// The most requests it carries: the lower of the balancer's `max_streams_per_connection`
+    /// and the server's SETTINGS_MAX_CONCURRENT_STREAMS.
+    limit: Arc<AtomicU32>,
+    /// Its PING is overdue: it takes no new request until the answer comes.
+    pub(crate) suspect: bool,
+}
+
+impl UpConn {
+    /// Requests outstanding on it.
+    pub(crate) fn streams(&self) -> u32 {
+        self.signals.streams()
+    }
+
+    /// The most requests it carries.
+    pub(crate) fn limit(&self) -> u32 {
+        self.limit.load(Ordering::Relaxed)
+    }
+
+    /// Whether it takes another request now.
+    pub(crate) fn takes_one(&self) -> bool {
+        !self.suspect && self.signals.streams() < self.limit.load(Ordering::Relaxed)
+    }
+}
+
 /// What client readers write into and the upstream reader routes by.
 pub(crate) struct UpState {
     out: Out,
@@ -43,7 +74,12 @@ pub(crate) struct UpState {
     routes: StreamMap<Route>,
     /// What may be sent to the server.
     limits: SendLimits,
+    /// The balancer's `max_streams_per_connection`, and the most streams open at once (the
+    /// lower of that and the server's SETTINGS_MAX_CONCURRENT_STREAMS), which the pool reads.
     max_streams: u32,
+    limit: Arc<AtomicU32>,
+    /// Told when a request ends on a connection that was full.
+    pool: Weak<CodecPool>,
     /// No new streams: the server sent GOAWAY, or the connection ended.
     closed: bool,
     /// What the server may still send on the connection. Given back as soon as it arrives:
@@ -102,16 +138,18 @@ pub(crate) struct Route {
 }
 
 impl UpState {
-    fn new(signals: Arc<Signals>) -> Self {
+    fn new(signals: Arc<Signals>, max_streams: u32, pool: Weak<CodecPool>) -> Self {
         Self {
             signals,
+            max_streams,
+            limit: Arc::new(AtomicU32::new(max_streams)),
+            pool,
             ping: PingInFlight::default(),
             out: Out::default(),
             encoder: HpackEncoder::new(),
             next_stream_id: 1,
             routes: StreamMap::default(),
             limits: SendLimits::new(),
-            max_streams: u32::MAX,
             closed: false,
             recv: RecvWindow::new(UPSTREAM_CONNECTION_WINDOW),
             waiting: Vec::new(),
@@ -132,7 +170,7 @@ impl UpState {
         if self.closed
             || self.out.broken
             || self.next_stream_id > skewless_frame::MAX_STREAM_ID
-            || self.routes.len() >= self.max_streams as usize
+            || self.routes.len() >= self.limit.load(Ordering::Relaxed) as usize
         {
             return Err(lease);
         }
@@ -200,8 +238,12 @@ impl UpState {
 
     /// Forgets the route of `stream`: its request is no longer outstanding here.
     fn remove(&mut self, stream: u32) -> Option<Route> {
+        let full = self.routes.len() >= self.limit.load(Ordering::Relaxed) as usize;
         let route = self.routes.remove(&stream)?;
         self.signals.stream_closed();
+        if full && let Some(pool) = self.pool.upgrade() {
+            pool.room_freed();
+        }
         Some(route)
     }
 
@@ -240,65 +282,51 @@ impl UpState {
 /// Connects to the endpoint and keeps a connection up: publishes it to the pool once the
 /// server's SETTINGS are in, watches it with the liveness monitor, and replaces it when it
 /// ends or is found dead. `probe` asks for a PING that proves the endpoint alive (its
-/// ejection is over).
+/// ejection is over); `grow`, for more connections when every one is full, which live until
+/// they end and are not replaced (aborted with this task).
 pub(crate) async fn connection_task(
     pool: Weak<CodecPool>,
     id: EndpointId,
     addr: SocketAddr,
     probe: Arc<tokio::sync::Notify>,
+    grow: Arc<tokio::sync::Notify>,
 ) {
+    let mut extras = tokio::task::JoinSet::new();
     let mut backoff = Duration::from_millis(50);
     loop {
         // As of this connect: a reconfiguration applies from the next one.
-        let Some((timeout, liveness)) = pool.upgrade().map(|p| p.connect_settings()) else {
+        let Some(settings) = pool.upgrade().map(|p| p.connect_settings()) else {
             return;
         };
-        match tokio::time::timeout(timeout, connect(addr, &liveness)).await {
+        match tokio::time::timeout(settings.timeout, connect(addr, &settings.liveness)).await {
             Ok(Ok((stream, rbuf))) => {
                 backoff = Duration::from_millis(50);
-                let (read, write) = stream.into_split();
-                let signals = Arc::new(Signals::default());
-                let shared = Shared::new(write, UpState::new(signals.clone()));
-                let Some(p) = pool.upgrade() else { return };
-                p.set_upstream(id, Some(shared.clone()));
-                drop(p);
-                tracing::debug!("connected");
-                let report = |report| {
-                    if let Some(p) = pool.upgrade() {
-                        p.liveness_report(id, &shared, report);
+                let more = || {
+                    while extras.try_join_next().is_some() {}
+                    let wanted = pool.upgrade().map_or(0, |p| {
+                        p.connections_wanted(id, settings.max_streams, settings.max_connections)
+                    });
+                    while extras.len() + 1 < wanted {
+                        tracing::debug!(
+                            connections = extras.len() + 2,
+                            "opening another connection"
+                        );
+                        extras.spawn(tracing::Instrument::in_current_span(extra_connection(
+                            pool.clone(),
+                            id,
+                            addr,
+                        )));
                     }
                 };
-                // The connect sent no PING: the first two are allowed at once.
-                let alive = liveness::monitor(
-                    UpPings(shared.clone()),
-                    &signals,
-                    &liveness,
-                    0,
-                    Some(&probe),
-                    report,
-                );
-                let mut reading = std::pin::pin!(run(&pool, &shared, &signals, read, rbuf));
-                tokio::select! {
-                    () = &mut reading => {}
-                    verdict = alive => match verdict {
-                        Verdict::Dead => {
-                            // Its calls fail now, not at their deadlines.
-                            if let Some(p) = pool.upgrade() {
-                                p.connection_dead(id);
-                            }
-                        }
-                        Verdict::ProbeNeedsNewConnection => {
-                            tracing::debug!("probing with a new connection once this one is idle");
-                            retire(&pool, id, &shared, &signals, reading).await;
-                        }
-                        Verdict::Closed => {}
-                    },
-                }
-                if let Some(p) = pool.upgrade() {
-                    p.set_upstream(id, None);
-                }
-                fail_all(&pool, &shared);
-                shared.close();
+                serve(
+                    &pool,
+                    id,
+                    stream,
+                    rbuf,
+                    &settings,
+                    Some((&probe, &grow, more)),
+                )
+                .await;
             }
             Ok(Err(error)) => tracing::debug!(%error, "connect failed"),
             Err(_) => tracing::debug!("connect timed out"),
@@ -308,17 +336,121 @@ pub(crate) async fn connection_task(
     }
 }
 
+/// One more connection to the endpoint, used until it ends.
+async fn extra_connection(pool: Weak<CodecPool>, id: EndpointId, addr: SocketAddr) {
+    let Some(settings) = pool.upgrade().map(|p| p.connect_settings()) else {
+        return;
+    };
+    match tokio::time::timeout(settings.timeout, connect(addr, &settings.liveness)).await {
+        Ok(Ok((stream, rbuf))) => {
+            serve::<fn()>(&pool, id, stream, rbuf, &settings, None).await;
+        }
+        Ok(Err(error)) => tracing::debug!(%error, "connect failed"),
+        Err(_) => tracing::debug!("connect timed out"),
+    }
+}
+
+/// Serves one connection to endpoint `id` until it ends: publishes it to the pool, reads the
+/// server's frames, and watches it with the liveness monitor; then fails what it still
+/// carries. The endpoint's own connection (`primary`) also answers the asks for a proving PING
+/// and for more connections (`more`).
+async fn serve<F: FnMut()>(
+    pool: &Weak<CodecPool>,
+    id: EndpointId,
+    stream: TcpStream,
+    rbuf: BytesMut,
+    settings: &ConnectSettings,
+    primary: Option<(&tokio::sync::Notify, &tokio::sync::Notify, F)>,
+) {
+    let (read, write) = stream.into_split();
+    let signals = Arc::new(Signals::default());
+    let state = UpState::new(signals.clone(), settings.max_streams, pool.clone());
+    let limit = state.limit.clone();
+    let shared = Shared::new(write, state);
+    let Some(p) = pool.upgrade() else {
+        shared.close();
+        return;
+    };
+    p.add_upstream(
+        id,
+        UpConn {
+            shared: shared.clone(),
+            signals: signals.clone(),
+            limit,
+            suspect: false,
+        },
+    );
+    drop(p);
+    tracing::debug!("connected");
+    let report = |report| {
+        if let Some(p) = pool.upgrade() {
+            p.liveness_report(id, &shared, report);
+        }
+    };
+    let (probe, grow, mut more) = match primary {
+        Some((probe, grow, more)) => (Some(probe), Some(grow), Some(more)),
+        None => (None, None, None),
+    };
+    // The connect sent no PING: the first two are allowed at once.
+    let alive = liveness::monitor(
+        UpPings(shared.clone()),
+        &signals,
+        &settings.liveness,
+        0,
+        probe,
+        report,
+    );
+    tokio::pin!(alive);
+    let mut reading = std::pin::pin!(run(pool, &shared, &signals, read, rbuf));
+    loop {
+        tokio::select! {
+            () = &mut reading => break,
+            verdict = &mut alive => {
+                match verdict {
+                    Verdict::Dead => {
+                        // Its calls fail now, not at their deadlines.
+                        if let Some(p) = pool.upgrade() {
+                            p.connection_dead(id);
+                        }
+                    }
+                    Verdict::ProbeNeedsNewConnection => {
+                        tracing::debug!("probing with a new connection once this one is idle");
+                        retire(pool, id, &shared, &signals, reading).await;
+                    }
+                    Verdict::Closed => {}
+                }
+                break;
+            }
+            () = async {
+                match grow {
+                    Some(grow) => grow.notified().await,
+                    None => std::future::pending().await,
+                }
+            } => {
+                if let Some(more) = &mut more {
+                    more();
+                }
+            }
+        }
+    }
+    if let Some(p) = pool.upgrade() {
+        p.remove_upstream(id, &shared);
+    }
+    fail_all(pool, &shared);
+    shared.close();
+}
+
 /// Takes no new call on the connection and lets the calls it carries run to their end
 /// (reading on), looking every 100 ms whether they are over.
 async fn retire(
     pool: &Weak<CodecPool>,
     id: EndpointId,
-    shared: &UpShared,
+    shared: &Arc<UpShared>,
     signals: &Signals,
     mut reading: std::pin::Pin<&mut impl Future<Output = ()>>,
 ) {
     if let Some(p) = pool.upgrade() {
-        p.set_upstream(id, None);
+        p.remove_upstream(id, shared);
     }
     shared.lock().closed = true;
     while signals.streams() > 0 {
@@ -594,7 +726,10 @@ impl Reader<'_> {
             for s in settings.iter() {
                 frames::apply_setting(s, &mut st.limits, &mut st.routes);
                 match s.id {
-                    SettingId::MAX_CONCURRENT_STREAMS => st.max_streams = s.value,
+                    SettingId::MAX_CONCURRENT_STREAMS => {
+                        st.limit
+                            .store(s.value.min(st.max_streams), Ordering::Relaxed);
+                    }
                     // The encoder keeps the 4096 of RFC 7541 unless told less; a server that
                     // allows less is not served yet (no size update is sent).
                     SettingId::HEADER_TABLE_SIZE if (s.value as usize) < HEADER_TABLE_SIZE => {
