@@ -5,6 +5,7 @@ use super::*;
 on_both_paths!(
     slow_pod_gets_under_one_percent_of_concurrent_calls,
     endpoint_changes_take_effect,
+    a_call_in_flight_on_a_removed_endpoint_completes_there,
     listener_that_never_serves_gets_no_calls,
     healed_pod_gets_its_fair_share_back_within_5s_without_a_herd,
     an_endpoint_that_does_not_speak_http2_gets_no_calls,
@@ -87,6 +88,34 @@ async fn slow_pod_gets_under_one_percent_of_concurrent_calls<P: DataPath>() {
     assert!(
         burst <= 40,
         "detecting the slow pod costs a bounded burst: {burst} calls {stats:?}"
+    );
+    b.stop().await;
+}
+
+/// An endpoint leaves the Service (a scale-down: the pod still runs and finishes what it
+/// has) while a call is in flight there: the call completes on it, and new calls go to the
+/// endpoints that remain.
+async fn a_call_in_flight_on_a_removed_endpoint_completes_there<P: DataPath>() {
+    let pods = pods(2).await;
+    pods[0].control.set_delay(Duration::from_millis(500));
+    let b = balancer_on::<P>(Config::default(), endpoints(&pods[..1])).await;
+    let mut c = client(b.addr).await;
+    let call = {
+        let mut c = c.clone();
+        tokio::spawn(async move { c.echo(req(b"in flight")).await })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    b.endpoints.send_replace(endpoints(&pods[1..]));
+    let reply = call
+        .await
+        .expect("task")
+        .expect("the call in flight completes")
+        .into_inner();
+    assert_eq!(reply.pod, "pod-0");
+    let next = c.echo(req(b"after")).await.expect("echo").into_inner();
+    assert_eq!(
+        next.pod, "pod-1",
+        "new calls go to the endpoint that remains"
     );
     b.stop().await;
 }

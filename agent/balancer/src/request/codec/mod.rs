@@ -218,6 +218,9 @@ struct Member {
     demand: u32,
     /// Asks its connection task for more connections (every one is full).
     grow: Arc<tokio::sync::Notify>,
+    /// Dropped with the member (the endpoint left the Service): its connections take no new
+    /// request, finish the ones they carry, and close.
+    _listed: watch::Sender<()>,
     /// Whether the current connection has carried a request yet (the first one is no
     /// latency sample: it pays for the connection's warm-up).
     warm: bool,
@@ -302,13 +305,17 @@ impl CodecPool {
             let span = tracing::debug_span!("endpoint", addr = %ep.addr, name = %ep.name);
             let probe = Arc::new(tokio::sync::Notify::new());
             let grow = Arc::new(tokio::sync::Notify::new());
+            let (listed, unlisted) = watch::channel(());
             let task = tokio::spawn(
                 upstream::connection_task(
                     Arc::downgrade(self),
                     id,
                     ep.addr,
-                    probe.clone(),
-                    grow.clone(),
+                    upstream::Asks {
+                        probe: probe.clone(),
+                        grow: grow.clone(),
+                        unlisted,
+                    },
                 )
                 .instrument(span),
             )
@@ -318,6 +325,7 @@ impl CodecPool {
                 ups: Vec::new(),
                 demand: 0,
                 grow,
+                _listed: listed,
                 warm: false,
                 task,
                 probe,
@@ -335,7 +343,10 @@ impl CodecPool {
         }
         drop(state);
         for entry in removed {
-            entry.value.abort();
+            // Its connections wind down as the member goes; its health check stops now.
+            if let Some((health, _)) = &entry.value.health {
+                health.abort();
+            }
         }
     }
 

@@ -14,6 +14,7 @@ use skewless_frame::{
     SettingId, Settings, WindowUpdate, flags,
 };
 use tokio::net::TcpStream;
+use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::client::{ClientShared, Failure, Responded};
@@ -279,26 +280,50 @@ impl UpState {
     }
 }
 
+/// What an endpoint's connection task is asked by the pool.
+pub(crate) struct Asks {
+    /// A PING that proves the endpoint alive (its ejection is over).
+    pub(crate) probe: Arc<tokio::sync::Notify>,
+    /// More connections: every one is full.
+    pub(crate) grow: Arc<tokio::sync::Notify>,
+    /// Closed when the endpoint leaves the Service.
+    pub(crate) unlisted: watch::Receiver<()>,
+}
+
+/// Whether the endpoint has left the Service.
+fn unlisted(rx: &watch::Receiver<()>) -> bool {
+    rx.has_changed().is_err()
+}
+
 /// Connects to the endpoint and keeps a connection up: publishes it to the pool once the
 /// server's SETTINGS are in, watches it with the liveness monitor, and replaces it when it
-/// ends or is found dead. `probe` asks for a PING that proves the endpoint alive (its
-/// ejection is over); `grow`, for more connections when every one is full, which live until
-/// they end and are not replaced (aborted with this task).
+/// ends or is found dead; opens more connections when asked (they live until they end and
+/// are not replaced). Once the endpoint leaves the Service, every connection takes no new
+/// request, finishes what it carries and closes, and the task ends.
 pub(crate) async fn connection_task(
     pool: Weak<CodecPool>,
     id: EndpointId,
     addr: SocketAddr,
-    probe: Arc<tokio::sync::Notify>,
-    grow: Arc<tokio::sync::Notify>,
+    asks: Asks,
 ) {
+    let Asks {
+        probe,
+        grow,
+        unlisted: mut gone,
+    } = asks;
     let mut extras = tokio::task::JoinSet::new();
     let mut backoff = Duration::from_millis(50);
-    loop {
+    while !unlisted(&gone) {
         // As of this connect: a reconfiguration applies from the next one.
         let Some(settings) = pool.upgrade().map(|p| p.connect_settings()) else {
             return;
         };
-        match tokio::time::timeout(settings.timeout, connect(addr, &settings.liveness)).await {
+        let connecting = tokio::time::timeout(settings.timeout, connect(addr, &settings.liveness));
+        let connected = tokio::select! {
+            connected = connecting => connected,
+            _ = gone.changed() => break,
+        };
+        match connected {
             Ok(Ok((stream, rbuf))) => {
                 backoff = Duration::from_millis(50);
                 let more = || {
@@ -315,45 +340,52 @@ pub(crate) async fn connection_task(
                             pool.clone(),
                             id,
                             addr,
+                            gone.clone(),
                         )));
                     }
                 };
-                serve(
-                    &pool,
-                    id,
-                    stream,
-                    rbuf,
-                    &settings,
-                    Some((&probe, &grow, more)),
-                )
-                .await;
+                let primary = Some((&*probe, &*grow, more));
+                serve(&pool, id, stream, rbuf, &settings, primary, gone.clone()).await;
+                continue;
             }
             Ok(Err(error)) => tracing::debug!(%error, "connect failed"),
             Err(_) => tracing::debug!("connect timed out"),
         }
-        tokio::time::sleep(backoff).await;
+        tokio::select! {
+            () = tokio::time::sleep(backoff) => {}
+            _ = gone.changed() => break,
+        }
         backoff = (backoff * 2).min(Duration::from_secs(5));
     }
+    // Unlisted: the extra connections finish their calls too.
+    while extras.join_next().await.is_some() {}
 }
 
 /// One more connection to the endpoint, used until it ends.
-async fn extra_connection(pool: Weak<CodecPool>, id: EndpointId, addr: SocketAddr) {
+async fn extra_connection(
+    pool: Weak<CodecPool>,
+    id: EndpointId,
+    addr: SocketAddr,
+    gone: watch::Receiver<()>,
+) {
     let Some(settings) = pool.upgrade().map(|p| p.connect_settings()) else {
         return;
     };
     match tokio::time::timeout(settings.timeout, connect(addr, &settings.liveness)).await {
-        Ok(Ok((stream, rbuf))) => {
-            serve::<fn()>(&pool, id, stream, rbuf, &settings, None).await;
+        Ok(Ok((stream, rbuf))) if !unlisted(&gone) => {
+            serve::<fn()>(&pool, id, stream, rbuf, &settings, None, gone).await;
         }
+        Ok(Ok(_)) => {}
         Ok(Err(error)) => tracing::debug!(%error, "connect failed"),
         Err(_) => tracing::debug!("connect timed out"),
     }
 }
 
-/// Serves one connection to endpoint `id` until it ends: publishes it to the pool, reads the
-/// server's frames, and watches it with the liveness monitor; then fails what it still
-/// carries. The endpoint's own connection (`primary`) also answers the asks for a proving PING
-/// and for more connections (`more`).
+/// Serves one connection to endpoint `id` until it ends, or until it carries nothing once
+/// the endpoint is unlisted (`gone`): publishes it to the pool, reads the server's frames, and
+/// watches it with the liveness monitor; then fails what it still carries. The endpoint's
+/// own connection (`primary`) also answers the asks for a proving PING and for more
+/// connections (`more`).
 async fn serve<F: FnMut()>(
     pool: &Weak<CodecPool>,
     id: EndpointId,
@@ -361,6 +393,7 @@ async fn serve<F: FnMut()>(
     rbuf: BytesMut,
     settings: &ConnectSettings,
     primary: Option<(&tokio::sync::Notify, &tokio::sync::Notify, F)>,
+    mut gone: watch::Receiver<()>,
 ) {
     let (read, write) = stream.into_split();
     let signals = Arc::new(Signals::default());
@@ -430,6 +463,11 @@ async fn serve<F: FnMut()>(
                 if let Some(more) = &mut more {
                     more();
                 }
+            }
+            _ = gone.changed() => {
+                tracing::debug!("endpoint unlisted, closing its connection once idle");
+                retire(pool, id, &shared, &signals, reading).await;
+                break;
             }
         }
     }
