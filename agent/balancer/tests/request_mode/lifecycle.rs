@@ -8,6 +8,7 @@ on_both_paths!(
     max_connection_age_set_live_rotates_open_client_connections,
     what_a_client_sends_after_its_connection_is_rotated_is_read_not_reset,
     broken_client_connections_are_closed_without_disturbing_other_clients,
+    malformed_requests_are_reset_and_their_connection_serves_on,
 );
 
 async fn shutdown_drains_in_flight_calls_then_stops<P: DataPath>() {
@@ -339,5 +340,160 @@ async fn broken_client_connections_are_closed_without_disturbing_other_clients<P
         .echo(req(b"after"))
         .await
         .expect("a new client is served");
+    b.stop().await;
+}
+
+/// A header block in HPACK literals (no table state), for requests a real client would not
+/// send.
+fn header_block(fields: &[(&str, &str)]) -> Vec<u8> {
+    let mut encoder = httlib_hpack::Encoder::default();
+    let mut block = Vec::new();
+    for (name, value) in fields {
+        encoder
+            .encode(
+                (name.as_bytes().to_vec(), value.as_bytes().to_vec(), 0),
+                &mut block,
+            )
+            .expect("a literal encodes");
+    }
+    block
+}
+
+/// Malformed requests (RFC 9113 section 8.1.1) are stream errors: each is reset with
+/// PROTOCOL_ERROR, nothing reaches a pod, and the connection serves the next request.
+async fn malformed_requests_are_reset_and_their_connection_serves_on<P: DataPath>() {
+    use tokio::io::AsyncWriteExt as _;
+    let pods = pods(1).await;
+    let b = balancer_on::<P>(Config::default(), endpoints(&pods)).await;
+    let request = [
+        (":method", "POST"),
+        (":scheme", "http"),
+        (":path", "/skewless.echo.v1.Echo/Nope"),
+        (":authority", "x"),
+    ];
+    let with = |extra: &[(&'static str, &'static str)]| {
+        let mut f = request.to_vec();
+        f.extend_from_slice(extra);
+        f
+    };
+    let mut malformed: Vec<(&str, Vec<(&str, &str)>)> = vec![
+        (
+            "no :path",
+            request
+                .iter()
+                .copied()
+                .filter(|(n, _)| *n != ":path")
+                .collect(),
+        ),
+        ("repeated pseudo-header", with(&[(":method", "GET")])),
+        (
+            "pseudo-header after a regular field",
+            vec![
+                (":method", "POST"),
+                ("content-type", "application/grpc"),
+                (":path", "/x"),
+            ],
+        ),
+        (
+            "connection-specific field",
+            with(&[("connection", "keep-alive")]),
+        ),
+        ("te other than trailers", with(&[("te", "gzip")])),
+    ];
+    if P::CODEC {
+        // h2 closes the connection for an unknown pseudo-header (stricter than RFC 9113
+        // section 8.3, which makes it a malformed request) and takes uppercase names.
+        malformed.push(("unknown pseudo-header", with(&[(":colour", "red")])));
+        malformed.push(("uppercase field name", with(&[("Content-Type", "x")])));
+    }
+    let mut tcp = tokio::net::TcpStream::connect(b.addr)
+        .await
+        .expect("connect");
+    let mut out = support::hello();
+    let mut stream = 1u32;
+    for (_, fields) in &malformed {
+        let block = header_block(fields);
+        let head = Head::new(
+            Kind::Headers,
+            skewless_frame::flags::END_HEADERS | skewless_frame::flags::END_STREAM,
+            stream,
+            block.len() as u32,
+        );
+        out.extend_from_slice(&head.encode());
+        out.extend_from_slice(&block);
+        stream += 2;
+    }
+    if P::CODEC {
+        // Trailers with a pseudo-header: a malformed request, reset (RFC 9113 section 8.1;
+        // h2 takes them).
+        let block = header_block(&with(&[("content-type", "application/grpc")]));
+        let head = Head::new(
+            Kind::Headers,
+            skewless_frame::flags::END_HEADERS,
+            stream,
+            block.len() as u32,
+        );
+        out.extend_from_slice(&head.encode());
+        out.extend_from_slice(&block);
+        let trailers = header_block(&[(":path", "/again")]);
+        let head = Head::new(
+            Kind::Headers,
+            skewless_frame::flags::END_HEADERS | skewless_frame::flags::END_STREAM,
+            stream,
+            trailers.len() as u32,
+        );
+        out.extend_from_slice(&head.encode());
+        out.extend_from_slice(&trailers);
+        malformed.push(("a pseudo-header in the trailers", Vec::new()));
+        stream += 2;
+    }
+    let good = stream;
+    let block = header_block(&with(&[
+        ("content-type", "application/grpc"),
+        ("te", "trailers"),
+    ]));
+    let head = Head::new(
+        Kind::Headers,
+        skewless_frame::flags::END_HEADERS | skewless_frame::flags::END_STREAM,
+        good,
+        block.len() as u32,
+    );
+    out.extend_from_slice(&head.encode());
+    out.extend_from_slice(&block);
+    tcp.write_all(&out).await.expect("write");
+    let mut reset = std::collections::BTreeMap::new();
+    let answered = tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            let (head, payload) = support::next_frame(&mut tcp).await;
+            match head.kind {
+                Kind::RstStream => {
+                    let rst =
+                        skewless_frame::RstStream::decode(&head, &payload).expect("RST_STREAM");
+                    reset.insert(rst.stream_id, rst.error_code);
+                }
+                Kind::Headers if head.stream_id == good => return,
+                Kind::GoAway => panic!(
+                    "a malformed request is no connection error: {:?} after resets {reset:?}",
+                    skewless_frame::GoAway::decode(&head, &payload)
+                        .map(|g| (g.last_stream_id, g.error_code))
+                ),
+                _ => {}
+            }
+        }
+    })
+    .await;
+    assert!(
+        answered.is_ok(),
+        "the well-formed request is answered: resets {reset:?}"
+    );
+    for (i, (why, _)) in malformed.iter().enumerate() {
+        let id = 1 + 2 * i as u32;
+        assert_eq!(
+            reset.get(&id),
+            Some(&ErrorCode::PROTOCOL_ERROR),
+            "{why}: reset with PROTOCOL_ERROR ({reset:?})"
+        );
+    }
+    drop(tcp);
     b.stop().await;
 }

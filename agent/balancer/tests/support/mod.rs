@@ -380,6 +380,8 @@ pub async fn blackholable(to: SocketAddr) -> (SocketAddr, watch::Sender<bool>) {
 /// Request mode on either data path: h2's (`Balancer`) or the frame codec's
 /// (`CodecBalancer`), as the tests that run on both drive it.
 pub trait DataPath: skewless_balancer::NewConnection + Send + Sync + 'static {
+    /// Whether this is the frame codec's path (for the few checks where the paths differ).
+    const CODEC: bool;
     fn start(config: skewless_balancer::Config, endpoints: watch::Receiver<Vec<Endpoint>>) -> Self;
     fn counters(&self) -> skewless_balancer::BalancerCounters;
     fn stats(&self) -> Vec<skewless_balancer::EndpointStats>;
@@ -389,6 +391,7 @@ pub trait DataPath: skewless_balancer::NewConnection + Send + Sync + 'static {
 }
 
 impl DataPath for skewless_balancer::Balancer {
+    const CODEC: bool = false;
     fn start(config: skewless_balancer::Config, endpoints: watch::Receiver<Vec<Endpoint>>) -> Self {
         Self::new(config, endpoints)
     }
@@ -407,6 +410,7 @@ impl DataPath for skewless_balancer::Balancer {
 }
 
 impl DataPath for skewless_balancer::CodecBalancer {
+    const CODEC: bool = true;
     fn start(config: skewless_balancer::Config, endpoints: watch::Receiver<Vec<Endpoint>>) -> Self {
         Self::new(config, endpoints)
     }

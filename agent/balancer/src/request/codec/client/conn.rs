@@ -491,7 +491,10 @@ impl Conn {
             self.refuse(stream, ErrorCode::REFUSED_STREAM);
             return Ok(());
         }
-        if self.fields.get(b":method").is_none() || self.fields.get(b":path").is_none() {
+        if let Some(why) = malformed_request(&self.fields) {
+            // A malformed request is a stream error (RFC 9113 section 8.1.1), as on the h2
+            // path.
+            tracing::debug!(stream, why, "malformed request");
             self.refuse(stream, ErrorCode::PROTOCOL_ERROR);
             return Ok(());
         }
@@ -525,18 +528,7 @@ impl Conn {
         request.deposited = false;
         request.arrived = Some(now);
         request.deadline = deadline;
-        if self.fields.iter().any(|(n, _)| is_connection_specific(n)) {
-            request.fields.clear();
-            for (name, value) in self
-                .fields
-                .iter()
-                .filter(|(n, _)| !is_connection_specific(n))
-            {
-                request.fields.push(name, value);
-            }
-        } else {
-            request.fields.copy_from(&self.fields);
-        }
+        request.fields.copy_from(&self.fields);
         request.body.push(&[], end_stream);
         self.insert_stream(stream, end_stream, now, deadline);
         let give_up = now + self.pool.ready_timeout();
@@ -581,6 +573,20 @@ impl Conn {
         if !end_stream {
             return Err(ErrorCode::PROTOCOL_ERROR);
         }
+        if self
+            .fields
+            .iter()
+            .any(|(name, _)| name.first() == Some(&b':'))
+        {
+            // Pseudo-headers in trailers: a malformed request, reset both ways.
+            tracing::debug!(stream, "malformed request trailers");
+            let gone = self.shared.lock().take(stream, now);
+            if let Some(s) = gone {
+                self.forget(stream, s, now);
+                self.refuse(stream, ErrorCode::PROTOCOL_ERROR);
+            }
+            return Ok(());
+        }
         let target = {
             let mut state = self.shared.lock();
             match state.streams.get_mut(&stream) {
@@ -603,7 +609,6 @@ impl Conn {
             u.put_trailers(up_stream, &self.fields);
         }
         self.touch(&up);
-        let _ = now;
         Ok(())
     }
 
@@ -747,4 +752,49 @@ impl Conn {
         }
         self.shared.close();
     }
+}
+
+/// Why a request's header list is malformed (RFC 9113 sections 8.2 and 8.3), if it is: a
+/// pseudo-header that is unknown, repeated or after a regular field; no `:method` or no
+/// `:path` (or an empty one); a field name with uppercase letters; a connection-specific
+/// field, or a `te` other than `trailers`.
+fn malformed_request(fields: &Fields) -> Option<&'static str> {
+    let mut regular = false;
+    // :method, :scheme, :authority, :path
+    let mut seen = [false; 4];
+    for (name, value) in fields.iter() {
+        if let Some(pseudo) = name.strip_prefix(b":") {
+            if regular {
+                return Some("pseudo-header after a regular field");
+            }
+            let i = match pseudo {
+                b"method" => 0,
+                b"scheme" => 1,
+                b"authority" => 2,
+                b"path" => 3,
+                _ => return Some("unknown pseudo-header"),
+            };
+            if std::mem::replace(&mut seen[i], true) {
+                return Some("repeated pseudo-header");
+            }
+            if i == 3 && value.is_empty() {
+                return Some("empty :path");
+            }
+            continue;
+        }
+        regular = true;
+        if name.iter().any(u8::is_ascii_uppercase) {
+            return Some("uppercase field name");
+        }
+        if is_connection_specific(name) {
+            return Some("connection-specific field");
+        }
+        if name == b"te" && value != b"trailers" {
+            return Some("te other than trailers");
+        }
+    }
+    if !(seen[0] && seen[3]) {
+        return Some("no :method or no :path");
+    }
+    None
 }
