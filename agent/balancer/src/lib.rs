@@ -63,8 +63,8 @@ pub use connection::{ConnectionBalancer, ConnectionConfig, ConnectionStats, Rota
 pub use endpoints::Endpoint;
 pub use error::BalancerError;
 pub use relay::RotateReason;
-pub use request::Balancer;
 pub use request::codec::CodecBalancer;
+pub use request::{Balancer, DataPath, RequestBalancer};
 pub use server::{Lifecycle, NewConnection, Stop, StopReason};
 pub use status::{BalancerCounters, EndpointState, EndpointStats};
 pub use workers::{Served, Workers, reuseport_listeners};

@@ -16,7 +16,7 @@ use std::{
 };
 
 use anyhow::{Context as _, Result};
-use skewless_balancer::Workers;
+use skewless_balancer::{DataPath, Workers};
 use skewless_datapath::Datapath;
 use tokio::signal::unix::{SignalKind, signal};
 use tracing::{Instrument as _, info, info_span};
@@ -83,6 +83,10 @@ pub struct Args {
     /// balanced traffic needs more than one core.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64), env = "SKEWLESS_BALANCER_THREADS")]
     balancer_threads: u16,
+    /// Request mode's data path: `h2` (the default), or `codec`, the EXPERIMENTAL one on the
+    /// project's own HTTP/2 frame codec (docs/configuration.md: what it has and lacks).
+    #[arg(long, default_value_t = DataPath::H2, env = "SKEWLESS_DATA_PATH")]
+    data_path: DataPath,
     /// Address of the whole admin API (/status, /metrics, /live, /ready), `skewless status`
     /// asks it. Local by default: /status lists every Service, VIP and backend of the node,
     /// so keep it on loopback; other hosts get metrics and probes from `--metrics-addr`.
@@ -169,12 +173,18 @@ pub async fn run(args: Args) -> Result<()> {
         metrics_addr,
         node_name,
         balancer_threads,
+        data_path,
         cpu_request_millicores,
         cpu_limit_millicores,
         memory_request_bytes,
         memory_limit_bytes,
         provoke_map_update_failures,
     } = args;
+    if data_path == DataPath::Codec {
+        tracing::warn!(
+            "request mode runs on the EXPERIMENTAL frame codec data path (--data-path codec)"
+        );
+    }
     let resources = skewless_admin::json::Resources {
         cpu_request_cores: cpu_request_millicores.map(|m| m as f64 / 1000.0),
         cpu_limit_cores: cpu_limit_millicores.map(|m| m as f64 / 1000.0),
@@ -217,6 +227,7 @@ pub async fn run(args: Args) -> Result<()> {
         balancer_ip,
         balancer_ip6,
         Arc::clone(&peers),
+        data_path,
     )));
     let source = if let Some(path) = services_file {
         Some(file_source(path, model_metrics))

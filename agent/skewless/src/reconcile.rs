@@ -26,8 +26,8 @@ use std::{
 
 use skewless_admin::json::{ServiceStatus, UnservedService};
 use skewless_balancer::{
-    Balancer, Config, ConnectionBalancer, ConnectionConfig, Endpoint, RotationConfig, Served,
-    Workers,
+    Balancer, CodecBalancer, Config, ConnectionBalancer, ConnectionConfig, DataPath, Endpoint,
+    NewConnection, RequestBalancer, RotationConfig, Served, Workers,
 };
 use skewless_datapath::{Datapath, Error};
 use skewless_model::{Mode, ServiceKey, ServiceState, Snapshot, Tuning};
@@ -51,8 +51,8 @@ struct Running {
 
 /// The balancers of one redirected Service port.
 enum Balancers {
-    /// One per data-plane worker.
-    Request(Vec<Arc<Balancer>>),
+    /// One per data-plane worker, on the agent's data path.
+    Request(Vec<Arc<dyn RequestBalancer>>),
     /// One for every worker.
     Connection(ConnectionBalancer),
 }
@@ -79,6 +79,26 @@ impl Balancers {
     }
 }
 
+/// The workers' request-mode balancers of either data path, as the reconciler keeps them.
+fn request_balancers<B: NewConnection + RequestBalancer + 'static>(
+    served: Served<B>,
+) -> (
+    SocketAddr,
+    Vec<Arc<dyn RequestBalancer>>,
+    Vec<JoinHandle<()>>,
+) {
+    let Served {
+        addr,
+        balancers,
+        tasks,
+    } = served;
+    let balancers = balancers
+        .into_iter()
+        .map(|b| b as Arc<dyn RequestBalancer>)
+        .collect();
+    (addr, balancers, tasks)
+}
+
 /// Owns the balancers and the redirect entries derived from the model.
 pub struct Reconciler {
     datapath: Arc<Mutex<dyn Redirector>>,
@@ -86,6 +106,8 @@ pub struct Reconciler {
     balancer_ip: Ipv4Addr,
     balancer_ip6: Option<Ipv6Addr>,
     peers: Arc<PeerFilter>,
+    /// Request mode's data path (`--data-path`).
+    data_path: DataPath,
     running: BTreeMap<SocketAddr, Running>,
     /// Wanted Service ports whose last start failed: why, and since when.
     unserved: BTreeMap<SocketAddr, Unserved>,
@@ -107,6 +129,7 @@ impl Reconciler {
         balancer_ip: Ipv4Addr,
         balancer_ip6: Option<Ipv6Addr>,
         peers: Arc<PeerFilter>,
+        data_path: DataPath,
     ) -> Self {
         Self {
             datapath,
@@ -114,6 +137,7 @@ impl Reconciler {
             balancer_ip,
             balancer_ip6,
             peers,
+            data_path,
             running: BTreeMap::new(),
             unserved: BTreeMap::new(),
             warned: HashSet::new(),
@@ -259,17 +283,22 @@ impl Reconciler {
                         }
                         Mode::Request | Mode::Observe => {
                             let config = config(&state);
-                            let Served {
-                                addr,
-                                balancers,
-                                tasks,
-                            } = self.workers.serve(
-                                listen,
-                                || Balancer::new(config.clone(), rx.clone()),
-                                &stop_rx,
-                                admit,
-                                on_error,
-                            )?;
+                            let (addr, balancers, tasks) = match self.data_path {
+                                DataPath::H2 => request_balancers(self.workers.serve(
+                                    listen,
+                                    || Balancer::new(config.clone(), rx.clone()),
+                                    &stop_rx,
+                                    admit,
+                                    on_error,
+                                )?),
+                                DataPath::Codec => request_balancers(self.workers.serve(
+                                    listen,
+                                    || CodecBalancer::new(config.clone(), rx.clone()),
+                                    &stop_rx,
+                                    admit,
+                                    on_error,
+                                )?),
+                            };
                             (addr, Balancers::Request(balancers), tasks)
                         }
                     })

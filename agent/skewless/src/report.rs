@@ -7,7 +7,7 @@ use skewless_admin::json::{
     ClientError, ConnectionStatus, EndpointStatus, Failures, Histogram, Rotation, ServiceStatus,
 };
 use skewless_balancer::{
-    Balancer, ConnectionBalancer, EndpointStats,
+    ConnectionBalancer, EndpointStats, RequestBalancer,
     connection::{BackendStats, ConnectionStats, PolicyState},
     metrics::{
         CONNECTION_BOUNDS, ClientErrorReason, FailureReason, HistogramSnapshot, LATENCY_BOUNDS,
@@ -24,7 +24,7 @@ pub struct Port<'a> {
     pub listener: String,
     pub ready_endpoints: usize,
     /// One per data-plane worker.
-    pub balancers: &'a [Arc<Balancer>],
+    pub balancers: &'a [Arc<dyn RequestBalancer>],
 }
 
 fn histogram(h: HistogramSnapshot) -> Histogram {
@@ -45,7 +45,7 @@ pub fn service_status(port: Port<'_>) -> ServiceStatus {
     let mut total = ServiceSnapshot::default();
     let (mut retries, mut ejections) = (0, 0);
     for b in balancers {
-        total.add(&b.metrics());
+        total.add(&b.snapshot());
         let c = b.counters();
         retries += c.retries;
         ejections += c.ejections;

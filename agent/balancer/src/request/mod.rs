@@ -145,3 +145,92 @@ impl Drop for Balancer {
         self.discovery.abort();
     }
 }
+
+/// Request mode's data path: h2's ([`Balancer`], the default) or the project's frame codec's
+/// ([`codec::CodecBalancer`], experimental).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum DataPath {
+    #[default]
+    H2,
+    Codec,
+}
+
+impl std::str::FromStr for DataPath {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "h2" => Ok(Self::H2),
+            "codec" => Ok(Self::Codec),
+            other => Err(format!("unknown data path {other:?}: h2 or codec")),
+        }
+    }
+}
+
+impl std::fmt::Display for DataPath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::H2 => "h2",
+            Self::Codec => "codec",
+        })
+    }
+}
+
+/// What an owner reads from and tells a request-mode balancer of either data path, one per
+/// worker: its numbers, and its configuration.
+pub trait RequestBalancer: Send + Sync {
+    /// The Service port's call latency, failures by reason, rotations and client connections.
+    fn snapshot(&self) -> metrics::ServiceSnapshot;
+    /// Balancer-wide counters (retries, locally generated errors, ejections).
+    fn counters(&self) -> BalancerCounters;
+    /// Per-endpoint state, load and latency.
+    fn stats(&self) -> Vec<EndpointStats>;
+    /// Applies a new configuration to the running balancer.
+    fn reconfigure(&self, config: Config);
+    /// The configuration in effect.
+    fn config(&self) -> Arc<Config>;
+    /// Which data path it is.
+    fn data_path(&self) -> DataPath;
+}
+
+impl RequestBalancer for Balancer {
+    fn snapshot(&self) -> metrics::ServiceSnapshot {
+        self.metrics()
+    }
+    fn counters(&self) -> BalancerCounters {
+        Self::counters(self)
+    }
+    fn stats(&self) -> Vec<EndpointStats> {
+        Self::stats(self)
+    }
+    fn reconfigure(&self, config: Config) {
+        Self::reconfigure(self, config);
+    }
+    fn config(&self) -> Arc<Config> {
+        Self::config(self)
+    }
+    fn data_path(&self) -> DataPath {
+        DataPath::H2
+    }
+}
+
+impl RequestBalancer for codec::CodecBalancer {
+    fn snapshot(&self) -> metrics::ServiceSnapshot {
+        self.metrics()
+    }
+    fn counters(&self) -> BalancerCounters {
+        Self::counters(self)
+    }
+    fn stats(&self) -> Vec<EndpointStats> {
+        Self::stats(self)
+    }
+    fn reconfigure(&self, config: Config) {
+        Self::reconfigure(self, config);
+    }
+    fn config(&self) -> Arc<Config> {
+        Self::config(self)
+    }
+    fn data_path(&self) -> DataPath {
+        DataPath::Codec
+    }
+}

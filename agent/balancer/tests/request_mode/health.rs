@@ -174,13 +174,13 @@ async fn until_state(
 ) -> tokio::time::Instant {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
     loop {
-        if DataPath::stats(b)[i].state == state {
+        if b.stats()[i].state == state {
             return tokio::time::Instant::now();
         }
         assert!(
             tokio::time::Instant::now() < deadline,
             "endpoint {i} reaches {state:?} within 5 s: {:?}",
-            DataPath::stats(b)
+            b.stats()
         );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }

@@ -378,16 +378,14 @@ pub async fn blackholable(to: SocketAddr) -> (SocketAddr, watch::Sender<bool>) {
 }
 
 /// Request mode on either data path: h2's (`Balancer`) or the frame codec's
-/// (`CodecBalancer`), as the tests that run on both drive it.
-pub trait DataPath: skewless_balancer::NewConnection + Send + Sync + 'static {
+/// (`CodecBalancer`), as the tests that run on both drive it: what the library's
+/// `RequestBalancer` reads and tells either, and how to start one.
+pub trait DataPath:
+    skewless_balancer::NewConnection + skewless_balancer::RequestBalancer + 'static
+{
     /// Whether this is the frame codec's path (for the few checks where the paths differ).
     const CODEC: bool;
     fn start(config: skewless_balancer::Config, endpoints: watch::Receiver<Vec<Endpoint>>) -> Self;
-    fn counters(&self) -> skewless_balancer::BalancerCounters;
-    fn stats(&self) -> Vec<skewless_balancer::EndpointStats>;
-    /// The Service port's numbers (`metrics()` of either balancer).
-    fn snapshot(&self) -> ServiceSnapshot;
-    fn reconfigure(&self, config: skewless_balancer::Config);
 }
 
 impl DataPath for skewless_balancer::Balancer {
@@ -395,36 +393,12 @@ impl DataPath for skewless_balancer::Balancer {
     fn start(config: skewless_balancer::Config, endpoints: watch::Receiver<Vec<Endpoint>>) -> Self {
         Self::new(config, endpoints)
     }
-    fn counters(&self) -> skewless_balancer::BalancerCounters {
-        Self::counters(self)
-    }
-    fn stats(&self) -> Vec<skewless_balancer::EndpointStats> {
-        Self::stats(self)
-    }
-    fn snapshot(&self) -> ServiceSnapshot {
-        Self::metrics(self)
-    }
-    fn reconfigure(&self, config: skewless_balancer::Config) {
-        Self::reconfigure(self, config);
-    }
 }
 
 impl DataPath for skewless_balancer::CodecBalancer {
     const CODEC: bool = true;
     fn start(config: skewless_balancer::Config, endpoints: watch::Receiver<Vec<Endpoint>>) -> Self {
         Self::new(config, endpoints)
-    }
-    fn counters(&self) -> skewless_balancer::BalancerCounters {
-        Self::counters(self)
-    }
-    fn stats(&self) -> Vec<skewless_balancer::EndpointStats> {
-        Self::stats(self)
-    }
-    fn snapshot(&self) -> ServiceSnapshot {
-        Self::metrics(self)
-    }
-    fn reconfigure(&self, config: skewless_balancer::Config) {
-        Self::reconfigure(self, config);
     }
 }
 

@@ -113,10 +113,14 @@ struct Bed {
 
 impl Bed {
     fn new() -> Self {
-        Self::with_ip6(None)
+        Self::with(None, DataPath::H2)
     }
 
     fn with_ip6(balancer_ip6: Option<Ipv6Addr>) -> Self {
+        Self::with(balancer_ip6, DataPath::H2)
+    }
+
+    fn with(balancer_ip6: Option<Ipv6Addr>, data_path: DataPath) -> Self {
         let fake = Arc::new(Mutex::new(Fake::default()));
         let workers = Arc::new(Workers::start(1, "test-dp").expect("worker threads start"));
         let redirector: Arc<Mutex<dyn Redirector>> = fake.clone();
@@ -126,6 +130,7 @@ impl Bed {
             Ipv4Addr::LOCALHOST,
             balancer_ip6,
             Arc::new(PeerFilter::new(Vec::new())),
+            data_path,
         );
         let index = Index::new(Metrics::default());
         let snapshots = index.subscribe();
@@ -754,4 +759,56 @@ async fn shutdown_removes_a_connection_mode_redirect_before_its_balancer_drains(
         }]
     );
     wait_until_closed(listener).await;
+}
+
+/// `--data-path codec`: a request-mode Service is served by the frame codec's balancers,
+/// behind a redirect written once they serve, and reported like the h2 path's (endpoints,
+/// call latency) from the same status.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_codec_data_path_serves_request_mode_and_reports_it() {
+    let backend = Backend::start();
+    let mut bed = Bed::with(None, DataPath::Codec);
+    bed.apply_with(&mk_service("echo", "198.19.0.10", "request"), &backend)
+        .await;
+    let listener = bed.listener(vip());
+    assert_eq!(
+        bed.take_log(),
+        vec![Op::Set {
+            vip: vip(),
+            listener,
+            served: true
+        }],
+        "one redirect, written when the balancer already answered HTTP/2"
+    );
+    let Balancers::Request(balancers) = &bed.reconciler.running[&vip()].balancers else {
+        panic!("request mode");
+    };
+    assert!(
+        balancers.iter().all(|b| b.data_path() == DataPath::Codec),
+        "every worker's balancer is on the codec path"
+    );
+    let channel = tonic::transport::Channel::from_shared(format!("http://{listener}"))
+        .expect("uri")
+        .connect()
+        .await
+        .expect("a client connects to the balancer");
+    let mut health = tonic_health::pb::health_client::HealthClient::new(channel);
+    // The balancer connects to the backend in the background: the first call may wait for it.
+    let reply = health
+        .check(tonic_health::pb::HealthCheckRequest::default())
+        .await
+        .expect("a call through the codec path")
+        .into_inner();
+    assert_eq!(
+        reply.status,
+        tonic_health::pb::health_check_response::ServingStatus::Serving as i32
+    );
+    let status = bed.reconciler.status();
+    assert_eq!(status[0].mode, "request");
+    assert_eq!(status[0].endpoints[0].state, "Active", "{status:?}");
+    assert_eq!(
+        status[0].latency.counts.iter().sum::<u64>(),
+        1,
+        "the call is in the Service's latency: {status:?}"
+    );
 }

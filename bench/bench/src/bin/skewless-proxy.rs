@@ -13,8 +13,8 @@ use std::time::Duration;
 use anyhow::{Context as _, bail};
 use clap::Parser;
 use skewless_balancer::{
-    Balancer, BalancerError, CodecBalancer, Config, ConnectionBalancer, ConnectionConfig, Endpoint,
-    NewConnection, RotationConfig, Served, Workers,
+    Balancer, BalancerError, CodecBalancer, Config, ConnectionBalancer, ConnectionConfig, DataPath,
+    Endpoint, NewConnection, RotationConfig, Served, Workers,
 };
 
 /// Serve one skewless balancer over a fixed set of endpoints (HTTP/2 cleartext both sides).
@@ -56,15 +56,8 @@ struct Args {
     max_connection_age: f64,
     /// Request mode's data path: `h2` (the default), or `codec`, the experimental one on the
     /// project's frame codec (see docs/configuration.md).
-    #[arg(long, value_enum, default_value_t = DataPath::H2)]
+    #[arg(long, default_value_t = DataPath::H2)]
     data_path: DataPath,
-}
-
-/// Request mode's data path.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-enum DataPath {
-    H2,
-    Codec,
 }
 
 /// How the balancer serves a client connection.

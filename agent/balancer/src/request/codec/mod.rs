@@ -139,6 +139,12 @@ impl CodecBalancer {
         }
     }
 
+    /// The configuration in effect.
+    #[must_use]
+    pub fn config(&self) -> Arc<Config> {
+        self.pool.config()
+    }
+
     /// Per-endpoint state, load and latency.
     #[must_use]
     pub fn stats(&self) -> Vec<crate::EndpointStats> {
