@@ -193,44 +193,31 @@ pub trait RequestBalancer: Send + Sync {
     fn data_path(&self) -> DataPath;
 }
 
-impl RequestBalancer for Balancer {
-    fn snapshot(&self) -> metrics::ServiceSnapshot {
-        self.metrics()
-    }
-    fn counters(&self) -> BalancerCounters {
-        Self::counters(self)
-    }
-    fn stats(&self) -> Vec<EndpointStats> {
-        Self::stats(self)
-    }
-    fn reconfigure(&self, config: Config) {
-        Self::reconfigure(self, config);
-    }
-    fn config(&self) -> Arc<Config> {
-        Self::config(self)
-    }
-    fn data_path(&self) -> DataPath {
-        DataPath::H2
-    }
+/// Both paths' balancers have the same inherent methods under these names.
+macro_rules! request_balancer {
+    ($balancer:ty, $path:expr) => {
+        impl RequestBalancer for $balancer {
+            fn snapshot(&self) -> metrics::ServiceSnapshot {
+                self.metrics()
+            }
+            fn counters(&self) -> BalancerCounters {
+                Self::counters(self)
+            }
+            fn stats(&self) -> Vec<EndpointStats> {
+                Self::stats(self)
+            }
+            fn reconfigure(&self, config: Config) {
+                Self::reconfigure(self, config);
+            }
+            fn config(&self) -> Arc<Config> {
+                Self::config(self)
+            }
+            fn data_path(&self) -> DataPath {
+                $path
+            }
+        }
+    };
 }
 
-impl RequestBalancer for codec::CodecBalancer {
-    fn snapshot(&self) -> metrics::ServiceSnapshot {
-        self.metrics()
-    }
-    fn counters(&self) -> BalancerCounters {
-        Self::counters(self)
-    }
-    fn stats(&self) -> Vec<EndpointStats> {
-        Self::stats(self)
-    }
-    fn reconfigure(&self, config: Config) {
-        Self::reconfigure(self, config);
-    }
-    fn config(&self) -> Arc<Config> {
-        Self::config(self)
-    }
-    fn data_path(&self) -> DataPath {
-        DataPath::Codec
-    }
-}
+request_balancer!(Balancer, DataPath::H2);
+request_balancer!(codec::CodecBalancer, DataPath::Codec);

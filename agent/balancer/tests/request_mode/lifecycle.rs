@@ -359,6 +359,13 @@ fn header_block(fields: &[(&str, &str)]) -> Vec<u8> {
     block
 }
 
+/// Appends a HEADERS frame on `stream` with `flags` carrying `block` to `out`.
+fn put_headers(out: &mut Vec<u8>, stream: u32, flags: u8, block: &[u8]) {
+    let len = u32::try_from(block.len()).expect("a small block");
+    out.extend_from_slice(&Head::new(Kind::Headers, flags, stream, len).encode());
+    out.extend_from_slice(block);
+}
+
 /// Malformed requests (RFC 9113 section 8.1.1) are stream errors: each is reset with
 /// PROTOCOL_ERROR, nothing reaches a pod, and the connection serves the next request.
 async fn malformed_requests_are_reset_and_their_connection_serves_on<P: DataPath>() {
@@ -413,37 +420,26 @@ async fn malformed_requests_are_reset_and_their_connection_serves_on<P: DataPath
     let mut stream = 1u32;
     for (_, fields) in &malformed {
         let block = header_block(fields);
-        let head = Head::new(
-            Kind::Headers,
-            skewless_frame::flags::END_HEADERS | skewless_frame::flags::END_STREAM,
+        put_headers(
+            &mut out,
             stream,
-            block.len() as u32,
+            skewless_frame::flags::END_HEADERS | skewless_frame::flags::END_STREAM,
+            &block,
         );
-        out.extend_from_slice(&head.encode());
-        out.extend_from_slice(&block);
         stream += 2;
     }
     if P::CODEC {
         // Trailers with a pseudo-header: a malformed request, reset (RFC 9113 section 8.1;
         // h2 takes them).
         let block = header_block(&with(&[("content-type", "application/grpc")]));
-        let head = Head::new(
-            Kind::Headers,
-            skewless_frame::flags::END_HEADERS,
-            stream,
-            block.len() as u32,
-        );
-        out.extend_from_slice(&head.encode());
-        out.extend_from_slice(&block);
+        put_headers(&mut out, stream, skewless_frame::flags::END_HEADERS, &block);
         let trailers = header_block(&[(":path", "/again")]);
-        let head = Head::new(
-            Kind::Headers,
-            skewless_frame::flags::END_HEADERS | skewless_frame::flags::END_STREAM,
+        put_headers(
+            &mut out,
             stream,
-            trailers.len() as u32,
+            skewless_frame::flags::END_HEADERS | skewless_frame::flags::END_STREAM,
+            &trailers,
         );
-        out.extend_from_slice(&head.encode());
-        out.extend_from_slice(&trailers);
         malformed.push(("a pseudo-header in the trailers", Vec::new()));
         stream += 2;
     }
@@ -452,14 +448,12 @@ async fn malformed_requests_are_reset_and_their_connection_serves_on<P: DataPath
         ("content-type", "application/grpc"),
         ("te", "trailers"),
     ]));
-    let head = Head::new(
-        Kind::Headers,
-        skewless_frame::flags::END_HEADERS | skewless_frame::flags::END_STREAM,
+    put_headers(
+        &mut out,
         good,
-        block.len() as u32,
+        skewless_frame::flags::END_HEADERS | skewless_frame::flags::END_STREAM,
+        &block,
     );
-    out.extend_from_slice(&head.encode());
-    out.extend_from_slice(&block);
     tcp.write_all(&out).await.expect("write");
     let mut reset = std::collections::BTreeMap::new();
     let answered = tokio::time::timeout(Duration::from_secs(5), async {

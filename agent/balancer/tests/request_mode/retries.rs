@@ -242,16 +242,9 @@ async fn only_methods_marked_retryable_are_retried_after_a_processing_failure<P:
 }
 
 async fn retryable_methods_added_live_are_retried_from_the_next_call<P: DataPath>() {
-    let pods = pods(1).await;
-    // INTERNAL_ERROR: the upstream may have run the call, so only a retryable method is retried.
-    let (broken, hits) = resetting_upstream(h2::Reason::INTERNAL_ERROR).await;
-    let mut eps = endpoints(&pods);
-    eps.push(Endpoint::new(broken, "broken"));
     // Never ejected, so the broken endpoint keeps being picked in both phases (else whether it
     // is tried after the change depends on how many calls it took before).
-    let mut config = Config::default();
-    config.picker.failure_threshold = u32::MAX;
-    let b = balancer_on::<P>(config.clone(), eps).await;
+    let (_pods, hits, config, b) = beside_a_broken_endpoint::<P>().await;
     let mut c = client(b.addr).await;
     let hit = || hits.load(std::sync::atomic::Ordering::Relaxed);
     let mut failed = 0;
@@ -291,14 +284,8 @@ async fn every_call_and_every_failure_is_counted_by_reason<P: DataPath>() {
         let i = FailureReason::ALL.iter().position(|r| *r == reason);
         b.snapshot().failures[i.expect("a reason")]
     };
-    let pods = pods(1).await;
-    let (broken, hits) = resetting_upstream(h2::Reason::INTERNAL_ERROR).await;
-    let mut eps = endpoints(&pods);
-    eps.push(Endpoint::new(broken, "broken"));
-    // Never ejected, so the broken endpoint keeps taking calls; not retryable.
-    let mut config = Config::default();
-    config.picker.failure_threshold = u32::MAX;
-    let b = balancer_on::<P>(config, eps).await;
+    // The broken endpoint keeps taking calls; not retryable.
+    let (_pods, hits, _, b) = beside_a_broken_endpoint::<P>().await;
     let mut c = client(b.addr).await;
     // Bounded: 40 calls, enough for both endpoints to take some.
     let mut failed = 0;
@@ -337,4 +324,24 @@ async fn every_call_and_every_failure_is_counted_by_reason<P: DataPath>() {
         b.balancer.snapshot().failures
     );
     b.stop().await;
+}
+
+/// A balancer on path `P` over one pod and an endpoint that resets every stream with
+/// INTERNAL_ERROR (the upstream may have run the call, so only a retryable method is retried),
+/// which is never ejected; with the pod, the count of the broken endpoint's streams, and the
+/// configuration.
+async fn beside_a_broken_endpoint<P: DataPath>() -> (
+    Vec<SpawnedEcho>,
+    Arc<std::sync::atomic::AtomicUsize>,
+    Config,
+    support::Serving<P>,
+) {
+    let pods = pods(1).await;
+    let (broken, hits) = resetting_upstream(h2::Reason::INTERNAL_ERROR).await;
+    let mut eps = endpoints(&pods);
+    eps.push(Endpoint::new(broken, "broken"));
+    let mut config = Config::default();
+    config.picker.failure_threshold = u32::MAX;
+    let b = balancer_on::<P>(config.clone(), eps).await;
+    (pods, hits, config, b)
 }
