@@ -9,6 +9,7 @@ on_both_paths!(
     listener_that_never_serves_gets_no_calls,
     healed_pod_gets_its_fair_share_back_within_5s_without_a_herd,
     an_endpoint_that_does_not_speak_http2_gets_no_calls,
+    an_endpoint_whose_connections_die_young_is_reconnected_with_backoff,
     a_blackholed_pod_costs_no_call_after_the_first_second_and_returns_within_5s,
 );
 
@@ -312,6 +313,53 @@ async fn an_endpoint_that_does_not_speak_http2_gets_no_calls<P: DataPath>() {
         .find(|s| s.name == "not-http2")
         .expect("the endpoint is listed");
     assert_eq!(broken.requests, 0, "no call was sent to it: {broken:?}");
+    b.stop().await;
+}
+
+/// An endpoint that answers the handshake and closes every connection at once (a server in
+/// a crash loop): the balancer reconnects with a growing backoff, not in a tight loop, and the
+/// calls go to the pod that serves.
+async fn an_endpoint_whose_connections_die_young_is_reconnected_with_backoff<P: DataPath>() {
+    use skewless_frame::{Setting, Settings};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let count = accepted.clone();
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            count.fetch_add(1, Ordering::Relaxed);
+            tokio::spawn(async move {
+                let mut settings = Vec::new();
+                Settings::encode(false, &[] as &[Setting], &mut settings);
+                let _ = stream.write_all(&settings).await;
+                // Read what the balancer sent, then close.
+                let mut buf = [0u8; 1024];
+                let _ =
+                    tokio::time::timeout(Duration::from_millis(20), stream.read(&mut buf)).await;
+            });
+        }
+    });
+    let pods = pods(1).await;
+    let mut eps = endpoints(&pods);
+    eps.push(Endpoint::new(addr, "crashing"));
+    let b = balancer_on::<P>(Config::default(), eps).await;
+    let mut c = client(b.addr).await;
+    // Calls for 1.5 s (bounded: 20,000).
+    let until = tokio::time::Instant::now() + Duration::from_millis(1500);
+    let mut n = 0;
+    while tokio::time::Instant::now() < until && n < 20_000 {
+        let reply = c.echo(req(b"c")).await.expect("the pod serves every call");
+        assert_eq!(reply.into_inner().pod, "pod-0");
+        n += 1;
+    }
+    let connects = accepted.load(Ordering::Relaxed);
+    // 50 ms doubling: 50 + 100 + 200 + 400 + 800 ms, about 6 connects in 1.5 s.
+    assert!(
+        (2..=10).contains(&connects),
+        "reconnects back off: {connects} connections in 1.5 s"
+    );
     b.stop().await;
 }
 

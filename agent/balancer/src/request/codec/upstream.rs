@@ -314,6 +314,7 @@ pub(crate) async fn connection_task(
     let mut extras = tokio::task::JoinSet::new();
     let mut backoff = Duration::from_millis(50);
     while !unlisted(&gone) {
+        // Backs off only when connects fail or connections die young.
         // As of this connect: a reconfiguration applies from the next one.
         let Some(settings) = pool.upgrade().map(|p| p.connect_settings()) else {
             return;
@@ -325,7 +326,6 @@ pub(crate) async fn connection_task(
         };
         match connected {
             Ok(Ok((stream, rbuf))) => {
-                backoff = Duration::from_millis(50);
                 let more = || {
                     while extras.try_join_next().is_some() {}
                     let wanted = pool.upgrade().map_or(0, |p| {
@@ -345,8 +345,13 @@ pub(crate) async fn connection_task(
                     }
                 };
                 let primary = Some((&*probe, &*grow, more));
+                let started = Instant::now();
                 serve(&pool, id, stream, rbuf, &settings, primary, gone.clone()).await;
-                continue;
+                // Replaced at once, unless connections keep dying young (as on the h2 path).
+                if started.elapsed() >= Duration::from_millis(100) {
+                    backoff = Duration::from_millis(50);
+                    continue;
+                }
             }
             Ok(Err(error)) => tracing::debug!(%error, "connect failed"),
             Err(_) => tracing::debug!("connect timed out"),
