@@ -10,6 +10,7 @@ on_both_paths!(
     only_methods_marked_retryable_are_retried_after_a_processing_failure,
     retryable_methods_added_live_are_retried_from_the_next_call,
     every_call_and_every_failure_is_counted_by_reason,
+    a_servers_goaway_costs_no_call_of_a_one_endpoint_service,
 );
 
 async fn upstream_graceful_restart_fails_no_calls<P: DataPath>() {
@@ -344,4 +345,75 @@ async fn beside_a_broken_endpoint<P: DataPath>() -> (
     config.picker.failure_threshold = u32::MAX;
     let b = balancer_on::<P>(config.clone(), eps).await;
     (pods, hits, config, b)
+}
+
+/// An HTTP/2 upstream whose first call on each connection takes 500 ms and sends a graceful
+/// GOAWAY as it starts (a server at its max connection age, finishing what it has); other
+/// calls are answered at once. Answers are empty gRPC replies; it counts its connections.
+async fn goaway_after_first_call_upstream() -> (SocketAddr, Arc<std::sync::atomic::AtomicUsize>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let connections = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = connections.clone();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            tokio::spawn(async move {
+                let Ok(mut conn) = h2::server::handshake(stream).await else {
+                    return;
+                };
+                let mut first = true;
+                while let Some(Ok((_request, mut respond))) = conn.accept().await {
+                    let slow = std::mem::replace(&mut first, false);
+                    if slow {
+                        conn.graceful_shutdown();
+                    }
+                    tokio::spawn(async move {
+                        if slow {
+                            tokio::time::sleep(Duration::from_millis(500)).await;
+                        }
+                        let head = http::Response::builder()
+                            .header("content-type", "application/grpc")
+                            .body(())
+                            .expect("head");
+                        let Ok(mut body) = respond.send_response(head, false) else {
+                            return;
+                        };
+                        let _ = body.send_data(Bytes::from_static(&[0; 5]), false);
+                        let mut trailers = http::HeaderMap::new();
+                        trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
+                        let _ = body.send_trailers(trailers);
+                    });
+                }
+            });
+        }
+    });
+    (addr, connections)
+}
+
+/// A Service with one endpoint whose server sends a graceful GOAWAY (its max connection age)
+/// while a call is in flight: the call finishes on the old connection, and a call made
+/// meanwhile goes on a new one instead of failing for want of another endpoint.
+async fn a_servers_goaway_costs_no_call_of_a_one_endpoint_service<P: DataPath>() {
+    let (addr, connections) = goaway_after_first_call_upstream().await;
+    let b = balancer_on::<P>(Config::default(), vec![Endpoint::new(addr, "aging")]).await;
+    let c = client(b.addr).await;
+    let slow = {
+        let mut c = c.clone();
+        tokio::spawn(async move { c.echo(req(b"slow")).await })
+    };
+    // The GOAWAY is in by then (sent as the slow call arrived).
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let mut c2 = c.clone();
+    c2.echo(req(b"meanwhile"))
+        .await
+        .expect("a call made after the GOAWAY goes on a new connection");
+    slow.await
+        .expect("task")
+        .expect("the call in flight finishes on the old connection");
+    assert!(
+        connections.load(std::sync::atomic::Ordering::Relaxed) >= 2,
+        "a new connection took the old one's place"
+    );
+    b.stop().await;
 }

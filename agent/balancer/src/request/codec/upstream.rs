@@ -83,6 +83,8 @@ pub(crate) struct UpState {
     pool: Weak<CodecPool>,
     /// No new streams: the server sent GOAWAY, or the connection ended.
     closed: bool,
+    /// Told when the server sends GOAWAY: the connection is replaced at once.
+    went_away: Arc<tokio::sync::Notify>,
     /// What the server may still send on the connection. Given back as soon as it arrives:
     /// only the streams' windows bound what a server can make the balancer hold, so one
     /// client that reads slowly holds up its own streams, not the connection others share.
@@ -145,6 +147,7 @@ impl UpState {
             max_streams,
             limit: Arc::new(AtomicU32::new(max_streams)),
             pool,
+            went_away: Arc::new(tokio::sync::Notify::new()),
             ping: PingInFlight::default(),
             out: Out::default(),
             encoder: HpackEncoder::new(),
@@ -404,6 +407,7 @@ async fn serve<F: FnMut()>(
     let signals = Arc::new(Signals::default());
     let state = UpState::new(signals.clone(), settings.max_streams, pool.clone());
     let limit = state.limit.clone();
+    let went_away = state.went_away.clone();
     let shared = Shared::new(write, state);
     let Some(p) = pool.upgrade() else {
         shared.close();
@@ -439,7 +443,14 @@ async fn serve<F: FnMut()>(
         report,
     );
     tokio::pin!(alive);
-    let mut reading = std::pin::pin!(run(pool, &shared, &signals, read, rbuf));
+    // Boxed: after a GOAWAY it goes on on a task of its own.
+    let mut reading = Box::pin(run(
+        pool.clone(),
+        shared.clone(),
+        signals.clone(),
+        read,
+        rbuf,
+    ));
     loop {
         tokio::select! {
             () = &mut reading => break,
@@ -453,7 +464,7 @@ async fn serve<F: FnMut()>(
                     }
                     Verdict::ProbeNeedsNewConnection => {
                         tracing::debug!("probing with a new connection once this one is idle");
-                        retire(pool, id, &shared, &signals, reading).await;
+                        retire(pool, id, &shared, &signals, reading.as_mut()).await;
                     }
                     Verdict::Closed => {}
                 }
@@ -471,8 +482,21 @@ async fn serve<F: FnMut()>(
             }
             _ = gone.changed() => {
                 tracing::debug!("endpoint unlisted, closing its connection once idle");
-                retire(pool, id, &shared, &signals, reading).await;
+                retire(pool, id, &shared, &signals, reading.as_mut()).await;
                 break;
+            }
+            () = went_away.notified() => {
+                // As the h2 path does: a new connection takes its place now (the caller's
+                // loop), while this one finishes the calls at or below the GOAWAY's last
+                // stream id on a task of its own.
+                tracing::debug!("upstream sent GOAWAY, replacing the connection");
+                let (pool, shared, signals) = (pool.clone(), shared.clone(), signals.clone());
+                tokio::spawn(tracing::Instrument::in_current_span(async move {
+                    retire(&pool, id, &shared, &signals, reading.as_mut()).await;
+                    fail_all(&pool, &shared);
+                    shared.close();
+                }));
+                return;
             }
         }
     }
@@ -592,9 +616,9 @@ async fn connect(
 
 /// Reads and routes the server's frames until the connection ends.
 async fn run(
-    pool: &Weak<CodecPool>,
-    shared: &Arc<UpShared>,
-    signals: &Signals,
+    pool: Weak<CodecPool>,
+    shared: Arc<UpShared>,
+    signals: Arc<Signals>,
     mut read: tokio::net::tcp::OwnedReadHalf,
     mut rbuf: BytesMut,
 ) {
@@ -622,7 +646,7 @@ async fn run(
                 heard |= matches!(head.kind, Kind::Headers | Kind::Data);
                 let mut reader = Reader {
                     pool: &p,
-                    shared,
+                    shared: &shared,
                     decoder: &mut decoder,
                     fields: &mut fields,
                     dirty: &mut dirty,
@@ -739,7 +763,11 @@ impl Reader<'_> {
             Kind::GoAway => {
                 let go = GoAway::decode(&head, payload).map_err(|_| ErrorCode::PROTOCOL_ERROR)?;
                 tracing::debug!(last_stream_id = go.last_stream_id, "upstream sent GOAWAY");
-                self.shared.lock().closed = true;
+                {
+                    let mut state = self.shared.lock();
+                    state.closed = true;
+                    state.went_away.notify_one();
+                }
                 let above: Vec<u32> = self
                     .shared
                     .lock()
