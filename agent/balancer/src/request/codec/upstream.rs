@@ -433,12 +433,12 @@ async fn serve<F: FnMut()>(
         Some((probe, grow, more)) => (Some(probe), Some(grow), Some(more)),
         None => (None, None, None),
     };
-    // The connect sent no PING: the first two are allowed at once.
+    // The connect's PING counts against the allowance (no HEADERS or DATA since).
     let alive = liveness::monitor(
         UpPings(shared.clone()),
         &signals,
         &settings.liveness,
-        0,
+        1,
         probe,
         report,
     );
@@ -562,8 +562,14 @@ impl Pings for UpPings {
     }
 }
 
-/// TCP connect (with the liveness TCP backstop), the preface and SETTINGS both ways;
-/// returns once the server's SETTINGS are in, with what was read after them.
+/// The payload of the PING a connect ends with (the reader ignores its ACK).
+const CONNECT_PING: [u8; 8] = *b"connect!";
+/// What a server may send before it answers the connect's PING.
+const CONNECT_READ_LIMIT: usize = 64 * 1024;
+
+/// TCP connect (with the liveness TCP backstop), the preface and SETTINGS both ways, and a
+/// PING: returns once the server has answered it (as on the h2 path, a server that completes
+/// the handshake but does not serve its connection is never used), with what was read.
 async fn connect(
     addr: SocketAddr,
     liveness: &LivenessConfig,
@@ -597,6 +603,11 @@ async fn connect(
         increment: UPSTREAM_CONNECTION_WINDOW - DEFAULT_WINDOW as u32,
     }
     .encode(&mut hello);
+    Ping {
+        ack: false,
+        opaque: CONNECT_PING,
+    }
+    .encode(&mut hello);
     tcp.write_all(&hello).await?;
     let mut rbuf = BytesMut::with_capacity(64 * 1024);
     loop {
@@ -605,8 +616,20 @@ async fn connect(
             if head.kind != Kind::Settings || head.has(flags::ACK) {
                 return Err(std::io::Error::other("server did not start with SETTINGS"));
             }
-            // Leave the SETTINGS in the buffer: the reader applies them.
-            return Ok((tcp, rbuf));
+            let answered = Frames::new(&rbuf, MAX_FRAME).any(|frame| {
+                frame.is_ok_and(|(head, payload)| {
+                    head.kind == Kind::Ping && head.has(flags::ACK) && payload == CONNECT_PING
+                })
+            });
+            if answered {
+                // Leave what came in the buffer: the reader applies the SETTINGS.
+                return Ok((tcp, rbuf));
+            }
+            if rbuf.len() > CONNECT_READ_LIMIT {
+                return Err(std::io::Error::other(
+                    "server did not answer the connect's PING",
+                ));
+            }
         }
         if tcp.read_buf(&mut rbuf).await? == 0 {
             return Err(std::io::ErrorKind::UnexpectedEof.into());
