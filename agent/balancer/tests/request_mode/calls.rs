@@ -420,30 +420,22 @@ async fn calls_beyond_the_room_of_every_connection_wait_for_it<P: DataPath>() {
 /// streams per connection and answers after 300 ms; every call must succeed. Returns how many
 /// connections the upstream accepted.
 async fn calls_over_a_narrow_upstream<P: DataPath>(config: Config, streams: u32) -> usize {
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let up = listener.local_addr().expect("addr");
-    let connections = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let count = connections.clone();
-    tokio::spawn(async move {
-        while let Ok((stream, _)) = listener.accept().await {
-            count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            tokio::spawn(async move {
-                let service = hyper::service::service_fn(|_req: http::Request<Incoming>| async {
-                    tokio::time::sleep(Duration::from_millis(300)).await;
-                    let resp = http::Response::builder()
-                        .header("content-type", "application/grpc")
-                        .header("grpc-status", "0")
-                        .body(http_body_util::Empty::<Bytes>::new())
-                        .expect("response");
-                    Ok::<_, Infallible>(resp)
-                });
-                let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
-                    .max_concurrent_streams(streams)
-                    .serve_connection(TokioIo::new(stream), service)
-                    .await;
-            });
-        }
-    });
+    let (up, connections) = support::counting_upstream(move |stream| async move {
+        let service = hyper::service::service_fn(|_req: http::Request<Incoming>| async {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            let resp = http::Response::builder()
+                .header("content-type", "application/grpc")
+                .header("grpc-status", "0")
+                .body(http_body_util::Empty::<Bytes>::new())
+                .expect("response");
+            Ok::<_, Infallible>(resp)
+        });
+        let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+            .max_concurrent_streams(streams)
+            .serve_connection(TokioIo::new(stream), service)
+            .await;
+    })
+    .await;
     let b = balancer_on::<P>(config, vec![Endpoint::new(up, "narrow")]).await;
     let send = raw_client(b.addr).await;
     let mut calls = Vec::new();

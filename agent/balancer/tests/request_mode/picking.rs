@@ -268,23 +268,15 @@ async fn an_endpoint_that_does_not_speak_http2_gets_no_calls<P: DataPath>() {
     // Accepts TCP and, after 200 ms, answers with bytes that are not HTTP/2 (an HTTP/1.1
     // server, say). A connection published before the server spoke would take calls for those
     // 200 ms and fail them when the garbage arrives.
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let garbage = listener.local_addr().expect("addr");
-    let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let count = accepted.clone();
-    tokio::spawn(async move {
+    let (garbage, accepted) = support::counting_upstream(|mut stream| async move {
         use tokio::io::AsyncWriteExt as _;
-        while let Ok((mut stream, _)) = listener.accept().await {
-            count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            tokio::spawn(async move {
-                tokio::time::sleep(Duration::from_millis(200)).await;
-                let _ = stream
-                    .write_all(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
-                    .await;
-                tokio::time::sleep(Duration::from_secs(1)).await;
-            });
-        }
-    });
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let _ = stream
+            .write_all(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+            .await;
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    })
+    .await;
     let pods = pods(2).await;
     let mut eps = endpoints(&pods);
     eps.push(Endpoint::new(garbage, "not-http2"));
@@ -321,26 +313,17 @@ async fn an_endpoint_that_does_not_speak_http2_gets_no_calls<P: DataPath>() {
 /// calls go to the pod that serves.
 async fn an_endpoint_whose_connections_die_young_is_reconnected_with_backoff<P: DataPath>() {
     use skewless_frame::{Setting, Settings};
-    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::atomic::Ordering;
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    let accepted = Arc::new(AtomicUsize::new(0));
-    let count = accepted.clone();
-    tokio::spawn(async move {
-        while let Ok((mut stream, _)) = listener.accept().await {
-            count.fetch_add(1, Ordering::Relaxed);
-            tokio::spawn(async move {
-                let mut settings = Vec::new();
-                Settings::encode(false, &[] as &[Setting], &mut settings);
-                let _ = stream.write_all(&settings).await;
-                // Read what the balancer sent, then close.
-                let mut buf = [0u8; 1024];
-                let _ =
-                    tokio::time::timeout(Duration::from_millis(20), stream.read(&mut buf)).await;
-            });
-        }
-    });
+    let (addr, accepted) = support::counting_upstream(|mut stream| async move {
+        let mut settings = Vec::new();
+        Settings::encode(false, &[] as &[Setting], &mut settings);
+        let _ = stream.write_all(&settings).await;
+        // Read what the balancer sent, then close.
+        let mut buf = [0u8; 1024];
+        let _ = tokio::time::timeout(Duration::from_millis(20), stream.read(&mut buf)).await;
+    })
+    .await;
     let pods = pods(1).await;
     let mut eps = endpoints(&pods);
     eps.push(Endpoint::new(addr, "crashing"));

@@ -351,44 +351,35 @@ async fn beside_a_broken_endpoint<P: DataPath>() -> (
 /// GOAWAY as it starts (a server at its max connection age, finishing what it has); other
 /// calls are answered at once. Answers are empty gRPC replies; it counts its connections.
 async fn goaway_after_first_call_upstream() -> (SocketAddr, Arc<std::sync::atomic::AtomicUsize>) {
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    let connections = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let count = connections.clone();
-    tokio::spawn(async move {
-        while let Ok((stream, _)) = listener.accept().await {
-            count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    support::counting_upstream(|stream| async move {
+        let Ok(mut conn) = h2::server::handshake(stream).await else {
+            return;
+        };
+        let mut first = true;
+        while let Some(Ok((_request, mut respond))) = conn.accept().await {
+            let slow = std::mem::replace(&mut first, false);
+            if slow {
+                conn.graceful_shutdown();
+            }
             tokio::spawn(async move {
-                let Ok(mut conn) = h2::server::handshake(stream).await else {
+                if slow {
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+                let head = http::Response::builder()
+                    .header("content-type", "application/grpc")
+                    .body(())
+                    .expect("head");
+                let Ok(mut body) = respond.send_response(head, false) else {
                     return;
                 };
-                let mut first = true;
-                while let Some(Ok((_request, mut respond))) = conn.accept().await {
-                    let slow = std::mem::replace(&mut first, false);
-                    if slow {
-                        conn.graceful_shutdown();
-                    }
-                    tokio::spawn(async move {
-                        if slow {
-                            tokio::time::sleep(Duration::from_millis(500)).await;
-                        }
-                        let head = http::Response::builder()
-                            .header("content-type", "application/grpc")
-                            .body(())
-                            .expect("head");
-                        let Ok(mut body) = respond.send_response(head, false) else {
-                            return;
-                        };
-                        let _ = body.send_data(Bytes::from_static(&[0; 5]), false);
-                        let mut trailers = http::HeaderMap::new();
-                        trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
-                        let _ = body.send_trailers(trailers);
-                    });
-                }
+                let _ = body.send_data(Bytes::from_static(&[0; 5]), false);
+                let mut trailers = http::HeaderMap::new();
+                trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
+                let _ = body.send_trailers(trailers);
             });
         }
-    });
-    (addr, connections)
+    })
+    .await
 }
 
 /// A Service with one endpoint whose server sends a graceful GOAWAY (its max connection age)

@@ -106,6 +106,26 @@ impl<B> Serving<B> {
     }
 }
 
+/// An upstream on a fresh loopback port that serves every connection it accepts with
+/// `serve`, each on a task of its own, and counts them: its address and the count.
+pub async fn counting_upstream<F, Fut>(serve: F) -> (SocketAddr, Arc<AtomicUsize>)
+where
+    F: Fn(tokio::net::TcpStream) -> Fut + Send + 'static,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let count = accepted.clone();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            count.fetch_add(1, Ordering::Relaxed);
+            tokio::spawn(serve(stream));
+        }
+    });
+    (addr, accepted)
+}
+
 /// `n` echo pods on loopback, named `pod-0` ...
 pub async fn pods(n: usize) -> Vec<SpawnedEcho> {
     let mut v = Vec::new();
