@@ -86,6 +86,37 @@ async fn stalled_upstream() -> std::net::SocketAddr {
     addr
 }
 
+/// Opens streams on `io` (after its hello) until one goes upstream, and returns its id.
+async fn a_stream_upstream(io: &mut tokio::net::TcpStream) -> u32 {
+    // POST /, a static-table header block, without END_STREAM: a request whose body follows.
+    // Until the upstream connection is up it is answered at once (trailers-only UNAVAILABLE)
+    // and the next stream tries again; once one goes upstream, nothing comes back.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    let mut stream = 1u32;
+    loop {
+        io.write_all(&frame(
+            Kind::Headers,
+            flags::END_HEADERS,
+            stream,
+            &[0x83, 0x86, 0x84],
+        ))
+        .await
+        .expect("headers");
+        loop {
+            match tokio::time::timeout(Duration::from_millis(300), next_frame(io)).await {
+                Err(_) => return stream,
+                Ok((head, _)) if head.kind == Kind::Headers && head.stream_id == stream => break,
+                Ok(_) => {}
+            }
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the upstream is not up within 5 s"
+        );
+        stream += 2;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_overruns_its_stream_window_gets_a_flow_control_error() {
     let up = stalled_upstream().await;
@@ -97,33 +128,7 @@ async fn a_client_that_overruns_its_stream_window_gets_a_flow_control_error() {
         .await
         .expect("connect");
     io.write_all(&hello()).await.expect("hello");
-    // POST /, a static-table header block, without END_STREAM: a request whose body follows.
-    // Until the upstream connection is up it is answered at once (trailers-only UNAVAILABLE)
-    // and the next stream tries again; once one goes upstream, nothing comes back.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-    let mut stream = 1u32;
-    'ready: loop {
-        io.write_all(&frame(
-            Kind::Headers,
-            flags::END_HEADERS,
-            stream,
-            &[0x83, 0x86, 0x84],
-        ))
-        .await
-        .expect("headers");
-        loop {
-            match tokio::time::timeout(Duration::from_millis(300), next_frame(&mut io)).await {
-                Err(_) => break 'ready,
-                Ok((head, _)) if head.kind == Kind::Headers && head.stream_id == stream => break,
-                Ok(_) => {}
-            }
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the upstream is not up within 5 s"
-        );
-        stream += 2;
-    }
+    let stream = a_stream_upstream(&mut io).await;
     // The upstream takes 65,535 bytes and no more; the balancer holds what the client sends
     // beyond, up to the 1 MiB stream window it gave the client, and gives nothing back while
     // it holds it. 65 frames of 16 KiB are 16 KiB over.
@@ -150,6 +155,90 @@ async fn a_client_that_overruns_its_stream_window_gets_a_flow_control_error() {
     .await
     .expect("the overrun stream is reset within 5 s");
     assert_eq!(reset, ErrorCode::FLOW_CONTROL_ERROR);
+}
+
+/// DATA or trailers after the client ended a stream that is still open (half-closed remote),
+/// and DATA on a closed stream, are stream errors, STREAM_CLOSED (RFC 9113 section 5.1): the
+/// stream is reset, the connection serves on. (h2 makes the first two a connection error.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frames_after_the_client_ended_a_stream_reset_it_with_stream_closed() {
+    let up = stalled_upstream().await;
+    let b = serve(vec![Endpoint::new(up, "stalled")], |rx| {
+        CodecBalancer::new(Config::default(), rx)
+    })
+    .await;
+    let mut io = tokio::net::TcpStream::connect(b.addr)
+        .await
+        .expect("connect");
+    io.write_all(&hello()).await.expect("hello");
+    let first = a_stream_upstream(&mut io).await;
+    // Its body ends, then more DATA comes.
+    let mut out = frame(Kind::Data, flags::END_STREAM, first, b"end");
+    out.extend_from_slice(&frame(Kind::Data, 0, first, b"more"));
+    // A second request, its trailers, then trailers again.
+    let second = first + 2;
+    out.extend_from_slice(&frame(
+        Kind::Headers,
+        flags::END_HEADERS,
+        second,
+        &[0x83, 0x86, 0x84],
+    ));
+    // `te: trailers`, twice.
+    let trailers = [
+        0x40, 2, b't', b'e', 8, b't', b'r', b'a', b'i', b'l', b'e', b'r', b's',
+    ];
+    for _ in 0..2 {
+        out.extend_from_slice(&frame(
+            Kind::Headers,
+            flags::END_HEADERS | flags::END_STREAM,
+            second,
+            &trailers,
+        ));
+    }
+    // DATA on a stream the client let close unused (it opened a higher one): reset too.
+    let skipped = second + 2;
+    out.extend_from_slice(&frame(
+        Kind::Headers,
+        flags::END_HEADERS | flags::END_STREAM,
+        skipped + 2,
+        &[0x83, 0x86, 0x84],
+    ));
+    out.extend_from_slice(&frame(Kind::Data, 0, skipped, b"late"));
+    let mut ping = Vec::new();
+    Ping {
+        ack: false,
+        opaque: *b"still up",
+    }
+    .encode(&mut ping);
+    out.extend_from_slice(&ping);
+    io.write_all(&out).await.expect("frames");
+    let mut resets = std::collections::BTreeMap::new();
+    tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            let (head, payload) = next_frame(&mut io).await;
+            match head.kind {
+                Kind::RstStream => {
+                    let rst = RstStream::decode(&head, &payload).expect("RST_STREAM");
+                    resets.insert(rst.stream_id, rst.error_code);
+                }
+                Kind::Ping if head.is_ack() => return,
+                Kind::GoAway => panic!("a stream error is no connection error ({resets:?})"),
+                _ => {}
+            }
+        }
+    })
+    .await
+    .expect("the PING is answered within 5 s");
+    assert_eq!(
+        resets,
+        [
+            (first, ErrorCode::STREAM_CLOSED),
+            (second, ErrorCode::STREAM_CLOSED),
+            (skipped, ErrorCode::STREAM_CLOSED),
+        ]
+        .into(),
+        "the three streams reset with STREAM_CLOSED, nothing else"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -306,18 +395,21 @@ async fn a_call_past_its_grpc_timeout_gets_deadline_exceeded_from_the_codec_path
     );
 }
 
-/// How [`refusing_upstream`] refuses a request.
+/// How [`scripted_upstream`] answers a request.
 #[derive(Clone, Copy)]
-enum Refusal {
+enum Answer {
     /// RST_STREAM with REFUSED_STREAM.
     Reset,
     /// GOAWAY with last stream id 0 (a pod shutting down), the connection left open.
     GoAway,
+    /// Response headers with a field name that is not a token (an h2-based client refuses
+    /// it with its whole connection).
+    Malformed,
 }
 
 /// An HTTP/2 server that refuses every request stream (it provably processed nothing), as a
 /// pod that is shutting down may.
-async fn refusing_upstream(how: Refusal) -> std::net::SocketAddr {
+async fn scripted_upstream(how: Answer) -> std::net::SocketAddr {
     use tokio::io::AsyncReadExt as _;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
@@ -333,17 +425,41 @@ async fn refusing_upstream(how: Refusal) -> std::net::SocketAddr {
                     return;
                 }
                 loop {
-                    let (head, _) = next_frame(&mut io).await;
+                    let (head, payload) = next_frame(&mut io).await;
                     let answer = match head.kind {
                         Kind::Settings if !head.is_ack() => support::settings_ack(),
+                        // The balancer's connect ends with a PING.
+                        Kind::Ping if !head.is_ack() => {
+                            support::ping(true, payload.try_into().expect("8 bytes"))
+                        }
                         Kind::Headers => match how {
-                            Refusal::Reset => frame(
+                            Answer::Reset => frame(
                                 Kind::RstStream,
                                 0,
                                 head.stream_id,
                                 &ErrorCode::REFUSED_STREAM.0.to_be_bytes(),
                             ),
-                            Refusal::GoAway => support::go_away(0, ErrorCode::NO_ERROR),
+                            Answer::GoAway => support::go_away(0, ErrorCode::NO_ERROR),
+                            Answer::Malformed => {
+                                let mut block = Vec::new();
+                                let mut encoder = httlib_hpack::Encoder::default();
+                                for (n, v) in [
+                                    (&b":status"[..], &b"200"[..]),
+                                    (b"content-type", b"application/grpc"),
+                                    (b"grpc-status", b"0"),
+                                    (b"bad name", b"1"),
+                                ] {
+                                    encoder
+                                        .encode((n.to_vec(), v.to_vec(), 0), &mut block)
+                                        .expect("a literal encodes");
+                                }
+                                frame(
+                                    Kind::Headers,
+                                    flags::END_HEADERS | flags::END_STREAM,
+                                    head.stream_id,
+                                    &block,
+                                )
+                            }
                         },
                         _ => continue,
                     };
@@ -359,20 +475,20 @@ async fn refusing_upstream(how: Refusal) -> std::net::SocketAddr {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_an_endpoint_refuses_goes_to_another_on_the_codec_path() {
-    refused_requests_go_to_another_endpoint(Refusal::Reset).await;
+    refused_requests_go_to_another_endpoint(Answer::Reset).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_above_an_endpoints_goaway_goes_to_another_on_the_codec_path() {
-    refused_requests_go_to_another_endpoint(Refusal::GoAway).await;
+    refused_requests_go_to_another_endpoint(Answer::GoAway).await;
 }
 
 /// One pod serves, one endpoint refuses every stream `how`: every call still succeeds, each
 /// one the refuser took sent on to the pod.
-async fn refused_requests_go_to_another_endpoint(how: Refusal) {
+async fn refused_requests_go_to_another_endpoint(how: Answer) {
     let pods = pods(1).await;
     let mut endpoints = endpoints(&pods);
-    endpoints.push(Endpoint::new(refusing_upstream(how).await, "refuser"));
+    endpoints.push(Endpoint::new(scripted_upstream(how).await, "refuser"));
     let b = serve(endpoints, |rx| CodecBalancer::new(Config::default(), rx)).await;
     let mut c = client(b.addr).await;
     for i in 0..60u32 {
@@ -641,4 +757,84 @@ async fn ejected_endpoint_serves_again(config: Config) {
         "the endpoint serves again after its ejection: {} calls in {n}",
         served.load(Ordering::Relaxed)
     );
+}
+
+/// A pod whose response carries a field an h2-based client refuses with its whole connection
+/// (a name that is not a token): its call fails (RST_STREAM INTERNAL_ERROR), the field never
+/// reaches the client, and the client's connection serves on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_malformed_response_fails_its_call_not_the_client_connection() {
+    let up = scripted_upstream(Answer::Malformed).await;
+    let b = serve(vec![Endpoint::new(up, "malformed")], |rx| {
+        CodecBalancer::new(Config::default(), rx)
+    })
+    .await;
+    let mut io = tokio::net::TcpStream::connect(b.addr)
+        .await
+        .expect("connect");
+    io.write_all(&hello()).await.expect("hello");
+    let mut decoder = httlib_hpack::Decoder::default();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    let mut stream = 1u32;
+    // Requests until one reaches the pod (before its connection is up, the balancer answers
+    // UNAVAILABLE itself).
+    let reset = 'calls: loop {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no request reached the pod within 5 s"
+        );
+        io.write_all(&frame(
+            Kind::Headers,
+            flags::END_HEADERS | flags::END_STREAM,
+            stream,
+            &[0x83, 0x86, 0x84],
+        ))
+        .await
+        .expect("request");
+        loop {
+            let (head, payload) = next_frame(&mut io).await;
+            match head.kind {
+                Kind::Headers => {
+                    let mut block = payload.clone();
+                    let mut fields = Vec::new();
+                    decoder.decode(&mut block, &mut fields).expect("decodes");
+                    assert!(
+                        fields.iter().all(|(n, _, _)| n != b"bad name"),
+                        "the malformed field reached the client: {fields:?}"
+                    );
+                    if head.is_end_stream() && head.stream_id == stream {
+                        break;
+                    }
+                }
+                Kind::RstStream if head.stream_id == stream => {
+                    break 'calls RstStream::decode(&head, &payload)
+                        .expect("RST_STREAM")
+                        .error_code;
+                }
+                Kind::GoAway => panic!("the client connection is closed"),
+                _ => {}
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        stream += 2;
+    };
+    assert_eq!(reset, ErrorCode::INTERNAL_ERROR);
+    let mut ping = Vec::new();
+    Ping {
+        ack: false,
+        opaque: *b"still up",
+    }
+    .encode(&mut ping);
+    io.write_all(&ping).await.expect("ping");
+    tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            let (head, _) = next_frame(&mut io).await;
+            assert_ne!(head.kind, Kind::GoAway, "the client connection is closed");
+            if head.kind == Kind::Ping && head.is_ack() {
+                return;
+            }
+        }
+    })
+    .await
+    .expect("the connection answers its PING");
 }

@@ -9,6 +9,7 @@ on_both_paths!(
     what_a_client_sends_after_its_connection_is_rotated_is_read_not_reset,
     broken_client_connections_are_closed_without_disturbing_other_clients,
     malformed_requests_are_reset_and_their_connection_serves_on,
+    a_client_that_allows_no_hpack_table_is_answered_without_one,
 );
 
 async fn shutdown_drains_in_flight_calls_then_stops<P: DataPath>() {
@@ -321,6 +322,59 @@ async fn broken_client_connections_are_closed_without_disturbing_other_clients<P
         has_go_away(&answer, h2::Reason::PROTOCOL_ERROR),
         "GOAWAY(PROTOCOL_ERROR) for DATA on an idle stream: {answer:?}"
     );
+    // RST_STREAM and WINDOW_UPDATE on an idle stream: the same (RFC 9113 section 5.1).
+    let mut rst_on_idle = Head::new(Kind::RstStream, 0, 5, 4).encode().to_vec();
+    rst_on_idle.extend_from_slice(&8u32.to_be_bytes());
+    let mut window_on_idle = Head::new(Kind::WindowUpdate, 0, 7, 4).encode().to_vec();
+    window_on_idle.extend_from_slice(&100u32.to_be_bytes());
+    // A request on stream 5, then a header block on stream 3, which the client never opened
+    // and can no longer open.
+    let end = skewless_frame::flags::END_HEADERS | skewless_frame::flags::END_STREAM;
+    let request = header_block(&[(":method", "POST"), (":path", "/x")]);
+    let mut going_back = support::frame(Kind::Headers, end, 5, &request);
+    going_back.extend_from_slice(&support::frame(Kind::Headers, end, 3, &request));
+    // Two SETTINGS ACKs: the balancer sent one SETTINGS, so the second acknowledges none.
+    let mut acks = Head::new(Kind::Settings, skewless_frame::flags::ACK, 0, 0)
+        .encode()
+        .to_vec();
+    acks.extend_from_slice(&Head::new(Kind::Settings, skewless_frame::flags::ACK, 0, 0).encode());
+    for (what, frame) in [
+        ("RST_STREAM on an idle stream", rst_on_idle),
+        ("WINDOW_UPDATE on an idle stream", window_on_idle),
+        ("a SETTINGS ACK of nothing", acks),
+        ("a stream id going back", going_back),
+        (
+            "a GOAWAY on a stream",
+            support::frame(Kind::GoAway, 0, 3, &[0; 8]),
+        ),
+        (
+            "a PRIORITY on stream 0",
+            support::frame(Kind::Priority, 0, 0, &[0, 0, 0, 1, 16]),
+        ),
+        (
+            "a HEADERS on an even stream",
+            support::frame(
+                Kind::Headers,
+                skewless_frame::flags::END_HEADERS | skewless_frame::flags::END_STREAM,
+                2,
+                &header_block(&[(":method", "POST"), (":path", "/x")]),
+            ),
+        ),
+    ] {
+        let answer = exchange(b.addr, &[PREFACE, &settings, &frame]).await;
+        assert!(
+            has_go_away(&answer, h2::Reason::PROTOCOL_ERROR),
+            "GOAWAY(PROTOCOL_ERROR) for {what}: {answer:?}"
+        );
+    }
+    // A WINDOW_UPDATE that takes the connection's window beyond 2^31-1 (RFC 9113 section
+    // 6.9.1).
+    let overflow = support::frame(Kind::WindowUpdate, 0, 0, &0x7fff_ffffu32.to_be_bytes());
+    let answer = exchange(b.addr, &[PREFACE, &settings, &overflow]).await;
+    assert!(
+        has_go_away(&answer, h2::Reason::FLOW_CONTROL_ERROR),
+        "GOAWAY(FLOW_CONTROL_ERROR) for a window beyond 2^31-1: {answer:?}"
+    );
     // Random bytes after a valid preface and SETTINGS.
     exchange(b.addr, &[PREFACE, &settings, &[0xff; 64]]).await;
 
@@ -392,6 +446,14 @@ async fn malformed_requests_are_reset_and_their_connection_serves_on<P: DataPath
                 .filter(|(n, _)| *n != ":path")
                 .collect(),
         ),
+        (
+            "no :scheme",
+            request
+                .iter()
+                .copied()
+                .filter(|(n, _)| *n != ":scheme")
+                .collect(),
+        ),
         ("repeated pseudo-header", with(&[(":method", "GET")])),
         (
             "pseudo-header after a regular field",
@@ -412,6 +474,23 @@ async fn malformed_requests_are_reset_and_their_connection_serves_on<P: DataPath
         // section 8.3, which makes it a malformed request) and takes uppercase names.
         malformed.push(("unknown pseudo-header", with(&[(":colour", "red")])));
         malformed.push(("uppercase field name", with(&[("Content-Type", "x")])));
+        // Fields RFC 9113 section 8.2.1 makes malformed, which h2's header types refuse with
+        // the whole connection.
+        malformed.push(("empty field name", with(&[("", "x")])));
+        malformed.push(("space in a field name", with(&[("x y", "1")])));
+        malformed.push(("colon in a field name", with(&[("x:y", "1")])));
+        malformed.push(("CR in a field value", with(&[("x-v", "a\rb")])));
+        malformed.push(("NUL in a field value", with(&[("x-v", "a\0b")])));
+        // Fields h2-based servers (the pods here are tonic) refuse with their whole
+        // connection: forwarded, they would cost every call on it.
+        malformed.push(("a field name that is not a token", with(&[("x(y)", "1")])));
+        malformed.push(("a control in a field value", with(&[("x-v", "a\u{1}b")])));
+        let mut bad_path = request.to_vec();
+        bad_path[2] = (":path", "/a b");
+        malformed.push(("a space in :path", bad_path));
+        let mut bad_method = request.to_vec();
+        bad_method[0] = (":method", "PO ST");
+        malformed.push(("a :method that is not a token", bad_method));
     }
     let mut tcp = tokio::net::TcpStream::connect(b.addr)
         .await
@@ -443,6 +522,18 @@ async fn malformed_requests_are_reset_and_their_connection_serves_on<P: DataPath
         malformed.push(("a pseudo-header in the trailers", Vec::new()));
         stream += 2;
     }
+    // Trailers without END_STREAM: a malformed request (RFC 9113 section 8.1).
+    let block = header_block(&with(&[("content-type", "application/grpc")]));
+    put_headers(&mut out, stream, skewless_frame::flags::END_HEADERS, &block);
+    let trailers = header_block(&[("grpc-status", "0")]);
+    put_headers(
+        &mut out,
+        stream,
+        skewless_frame::flags::END_HEADERS,
+        &trailers,
+    );
+    malformed.push(("trailers without END_STREAM", Vec::new()));
+    stream += 2;
     let good = stream;
     let block = header_block(&with(&[
         ("content-type", "application/grpc"),
@@ -488,6 +579,75 @@ async fn malformed_requests_are_reset_and_their_connection_serves_on<P: DataPath
             "{why}: reset with PROTOCOL_ERROR ({reset:?})"
         );
     }
+    drop(tcp);
+    b.stop().await;
+}
+
+/// A client whose SETTINGS_HEADER_TABLE_SIZE is 0 (its decoder keeps no dynamic table): the
+/// balancer's header blocks start with a size update to 0 and never use the table (RFC 7541
+/// section 4.2), so a decoder with no table decodes every one of them.
+async fn a_client_that_allows_no_hpack_table_is_answered_without_one<P: DataPath>() {
+    use tokio::io::AsyncWriteExt as _;
+    let pods = pods(1).await;
+    let b = balancer_on::<P>(Config::default(), endpoints(&pods)).await;
+    let mut tcp = tokio::net::TcpStream::connect(b.addr)
+        .await
+        .expect("connect");
+    let mut out = PREFACE.to_vec();
+    // SETTINGS_HEADER_TABLE_SIZE (0x1) = 0.
+    out.extend_from_slice(&support::frame(Kind::Settings, 0, 0, &[0, 1, 0, 0, 0, 0]));
+    tcp.write_all(&out).await.expect("hello");
+    let request = header_block(&[
+        (":method", "POST"),
+        (":scheme", "http"),
+        (":path", "/skewless.echo.v1.Echo/Nope"),
+        (":authority", "x"),
+        ("content-type", "application/grpc"),
+        ("te", "trailers"),
+    ]);
+    let mut decoder = httlib_hpack::Decoder::with_dynamic_size(0);
+    let mut blocks = 0;
+    let mut settings_acked = false;
+    // Three calls one after another: the second and third would find the first's fields in a
+    // table, were there one.
+    for stream in [1u32, 3, 5] {
+        let end = skewless_frame::flags::END_HEADERS | skewless_frame::flags::END_STREAM;
+        tcp.write_all(&support::frame(Kind::Headers, end, stream, &request))
+            .await
+            .expect("request");
+        loop {
+            let (head, payload) = support::next_frame(&mut tcp).await;
+            match head.kind {
+                Kind::Settings if !head.is_ack() && !settings_acked => {
+                    settings_acked = true;
+                    tcp.write_all(&support::frame(
+                        Kind::Settings,
+                        skewless_frame::flags::ACK,
+                        0,
+                        &[],
+                    ))
+                    .await
+                    .expect("ack");
+                }
+                Kind::GoAway => panic!("the connection is refused: {payload:?}"),
+                Kind::Headers => {
+                    assert!(head.is_end_headers(), "one frame per block here");
+                    let mut block = payload.clone();
+                    let mut fields = Vec::new();
+                    decoder
+                        .decode(&mut block, &mut fields)
+                        .expect("the block decodes without a dynamic table");
+                    blocks += 1;
+                    if head.is_end_stream() && head.stream_id == stream {
+                        break;
+                    }
+                }
+                Kind::RstStream if head.stream_id == stream => break,
+                _ => {}
+            }
+        }
+    }
+    assert!(blocks >= 3, "three answers decoded: {blocks}");
     drop(tcp);
     b.stop().await;
 }

@@ -13,7 +13,9 @@ use tokio::io::AsyncReadExt as _;
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
-use super::fields::{self, Fields, HpackDecoder, HpackEncoder};
+use super::fields::{
+    self, Fields, HpackDecoder, HpackEncoder, TOKEN, invalid_field, is_connection_specific,
+};
 use super::frames::{self, DEFAULT_WINDOW, HeaderBlocks, Held, RecvWindow, SendLimits};
 use super::out::{HasOut, Out, Shared};
 use super::upstream::{HEADER_TABLE_SIZE, MAX_FRAME, UpShared};
@@ -77,7 +79,14 @@ pub(crate) struct ClientState {
         reason = "the copies move between here and the streams as boxes, never allocated again"
     )]
     spare: Vec<Box<Request>>,
+    /// Streams closed here while the client may still send on them (refused, or ended
+    /// before their request did), newest last, at most [`MAX_CLOSED_EARLY`]: a header block
+    /// on one is ignored, where one on any other stream that is not open is a protocol error.
+    closed_early: std::collections::VecDeque<u32>,
 }
+
+/// Streams [`ClientState::closed_early`] remembers (h2 remembers ten it reset).
+const MAX_CLOSED_EARLY: usize = 64;
 
 impl HasOut for ClientState {
     fn out(&mut self) -> &mut Out {
@@ -200,6 +209,7 @@ impl ClientState {
             retries: Vec::new(),
             redispatch: Arc::new(tokio::sync::Notify::new()),
             spare: Vec::new(),
+            closed_early: std::collections::VecDeque::new(),
         }
     }
 
@@ -270,10 +280,27 @@ impl ClientState {
     /// request's headers, is recorded (as on the h2 path, however the call ended).
     fn take(&mut self, stream: u32, now: Instant) -> Option<ClientStream> {
         let s = self.streams.remove(&stream)?;
+        if !s.request_ended {
+            self.closed_early(stream);
+        }
         self.metrics
             .latency
             .record(now.saturating_duration_since(s.arrived));
         Some(s)
+    }
+
+    /// Remembers that the client may still send on `stream`, closed here.
+    fn closed_early(&mut self, stream: u32) {
+        if self.closed_early.len() == MAX_CLOSED_EARLY {
+            self.closed_early.pop_front();
+        }
+        self.closed_early.push_back(stream);
+    }
+
+    /// Whether a header block on `stream` (not idle) is trailers to take or ignore: the
+    /// stream is open, or closed here before the client ended it.
+    fn may_get_trailers(&self, stream: u32) -> bool {
+        self.streams.contains_key(&stream) || self.closed_early.contains(&stream)
     }
 
     /// Forgets every stream (the connection is over at `now`).
@@ -512,12 +539,4 @@ impl Failure {
             Outcome::Failure
         }
     }
-}
-
-/// Connection-specific header fields (RFC 9113 section 8.2.2), which are never forwarded.
-fn is_connection_specific(name: &[u8]) -> bool {
-    matches!(
-        name,
-        b"connection" | b"keep-alive" | b"proxy-connection" | b"transfer-encoding" | b"upgrade"
-    )
 }

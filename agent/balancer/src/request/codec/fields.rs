@@ -29,9 +29,14 @@ impl HpackDecoder {
         self.input.clear();
         self.input.extend_from_slice(block);
         self.out.clear();
-        self.inner
-            .decode(&mut self.input, &mut self.out)
-            .map_err(|e| format!("{e:?}"))?;
+        // httlib-hpack 0.1.3 indexes past the end of a block cut short inside an integer or
+        // before a string (found by the `request_paths` fuzz target): a panic there is this
+        // block's decoding error, a connection error, and the decoder goes with the
+        // connection. Without this, any peer could end the connection's task with a panic.
+        let (inner, input, out) = (&mut self.inner, &mut self.input, &mut self.out);
+        let decoded = quiet_panics(|| inner.decode(input, out))
+            .unwrap_or(Err(httlib_hpack::DecoderError::IntegerUnderflow));
+        decoded.map_err(|e| format!("{e:?}"))?;
         for (n, v, _) in &self.out {
             f(n, v);
         }
@@ -39,18 +44,69 @@ impl HpackDecoder {
     }
 }
 
+/// Runs `f`, `None` if it panicked, without the panic hook's report (it is the peer's input
+/// that made the library panic, not a defect of ours to print).
+fn quiet_panics<T>(f: impl FnOnce() -> T) -> Option<T> {
+    thread_local! {
+        static QUIET: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
+    static HOOK: std::sync::Once = std::sync::Once::new();
+    HOOK.call_once(|| {
+        let report = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            if !QUIET.with(std::cell::Cell::get) {
+                report(info);
+            }
+        }));
+    });
+    QUIET.with(|q| q.set(true));
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).ok();
+    QUIET.with(|q| q.set(false));
+    result
+}
+
 /// One direction's HPACK encoding context.
 #[derive(Debug)]
 pub(crate) struct HpackEncoder {
     inner: httlib_hpack::Encoder<'static>,
     scratch: Vec<u8>,
+    /// Table size changes the next header block must start with (RFC 7541 section 4.2): the
+    /// smallest since the last block, then the last.
+    resize: Option<(u32, u32)>,
 }
+
+/// The most dynamic table an encoder uses, whatever its peer allows: RFC 7541's default.
+const MAX_TABLE: u32 = 4096;
 
 impl HpackEncoder {
     pub(crate) fn new() -> Self {
         Self {
-            inner: httlib_hpack::Encoder::with_dynamic_size(4096),
+            inner: httlib_hpack::Encoder::with_dynamic_size(MAX_TABLE),
             scratch: Vec::new(),
+            resize: None,
+        }
+    }
+
+    /// The peer's decoder allows `size` bytes of table (its SETTINGS_HEADER_TABLE_SIZE):
+    /// the encoder uses at most that, from the next header block on.
+    pub(crate) fn peer_table_size(&mut self, size: u32) {
+        let size = size.min(MAX_TABLE);
+        self.resize = Some(match self.resize {
+            Some((smallest, _)) => (smallest.min(size), size),
+            None => (size, size),
+        });
+    }
+
+    /// Starts a header block in `scratch`, with the table size changes due.
+    fn start_block(&mut self) {
+        self.scratch.clear();
+        if let Some((smallest, last)) = self.resize.take() {
+            let _ = self
+                .inner
+                .update_max_dynamic_size(smallest, &mut self.scratch);
+            if last != smallest {
+                let _ = self.inner.update_max_dynamic_size(last, &mut self.scratch);
+            }
         }
     }
 
@@ -61,6 +117,59 @@ impl HpackEncoder {
             .encode((name.to_vec(), value.to_vec(), flags), &mut self.scratch);
     }
 }
+
+/// Why a regular field (not a pseudo-header) makes its message malformed, if it does: a name
+/// that is not a lowercase token (RFC 9113 section 8.2.1 and RFC 9110 section 5.1: no
+/// uppercase letter, space, colon, control or non-ASCII byte, no delimiter), or a value with
+/// a control character other than HTAB (RFC 9110 section 5.5; RFC 9113 section 8.2.1 names
+/// NUL, CR and LF). Stricter than RFC 9113 alone, and on purpose: h2-based servers (tonic,
+/// hyper) refuse such a field with their whole connection, so forwarding one would fail every
+/// call the upstream connection carries. A value's leading or trailing whitespace is let
+/// through, as h2 and the HTTP/2 servers behind a Service let it through.
+pub(crate) fn invalid_field(name: &[u8], value: &[u8]) -> Option<&'static str> {
+    if name.is_empty() {
+        return Some("empty field name");
+    }
+    if name.iter().any(u8::is_ascii_uppercase) {
+        return Some("uppercase field name");
+    }
+    if !name.iter().all(|&b| TOKEN[usize::from(b)]) {
+        return Some("a field name that is not a token");
+    }
+    if value.iter().any(|&b| (b < 0x20 && b != b'\t') || b == 0x7f) {
+        return Some("a control character in a field value");
+    }
+    None
+}
+
+/// The bytes of a token (RFC 9110 section 5.6.2, `tchar`).
+pub(crate) const TOKEN: [bool; 256] = {
+    let mut t = [false; 256];
+    let mut b = 0;
+    while b < 256 {
+        let c = b as u8;
+        t[b] = c.is_ascii_alphanumeric()
+            || matches!(
+                c,
+                b'!' | b'#'
+                    | b'$'
+                    | b'%'
+                    | b'&'
+                    | b'\''
+                    | b'*'
+                    | b'+'
+                    | b'-'
+                    | b'.'
+                    | b'^'
+                    | b'_'
+                    | b'`'
+                    | b'|'
+                    | b'~'
+            );
+        b += 1;
+    }
+    t
+};
 
 /// Per-entry overhead of a header list's size (RFC 9113 section 6.5.2, RFC 7541 section 4.1).
 const ENTRY_OVERHEAD: usize = 32;
@@ -170,7 +279,7 @@ pub(crate) fn put_headers<'f>(
 ) {
     let at = out.len();
     out.put_slice(&[0; HEADER_LEN]);
-    encoder.scratch.clear();
+    encoder.start_block();
     for (name, value) in fields {
         encoder.encode(name, value);
     }
@@ -207,5 +316,86 @@ pub(crate) fn put_data(
         if last {
             return;
         }
+    }
+}
+
+/// Why a response's header block (`first`: its headers, else its trailers) is malformed
+/// (RFC 9113 section 8.3.2 and the checks of [`invalid_field`]), if it is: a pseudo-header
+/// other than one `:status` of three digits at the head of the headers, or an invalid field
+/// (connection-specific fields are dropped on the way, not refused). A server that sends one fails its call, not the client
+/// connection that would carry it (an h2-based client refuses such a field with the whole
+/// connection).
+pub(crate) fn malformed_response(fields: &Fields, first: bool) -> Option<&'static str> {
+    let mut status = false;
+    let mut regular = false;
+    for (name, value) in fields.iter() {
+        if name.first() == Some(&b':') {
+            if !first || regular || name != b":status" || std::mem::replace(&mut status, true) {
+                return Some("a pseudo-header a response cannot have there");
+            }
+            if value.len() != 3 || !value.iter().all(u8::is_ascii_digit) {
+                return Some("a :status that is not three digits");
+            }
+            continue;
+        }
+        regular = true;
+        if let Some(why) = invalid_field(name, value) {
+            return Some(why);
+        }
+    }
+    (first && !status).then_some("no :status")
+}
+
+/// Connection-specific header fields (RFC 9113 section 8.2.2), which are never forwarded.
+pub(crate) fn is_connection_specific(name: &[u8]) -> bool {
+    matches!(
+        name,
+        b"connection" | b"keep-alive" | b"proxy-connection" | b"transfer-encoding" | b"upgrade"
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Blocks cut short where httlib-hpack 0.1.3 indexes past their end: each is a decoding
+    /// error (the connection's COMPRESSION_ERROR), never a panic.
+    #[test]
+    fn a_block_cut_short_is_a_compression_error_not_a_panic() {
+        for block in [
+            // A literal with a new name, and no name.
+            &[0x00][..],
+            // Two indexed fields, then the same.
+            &[0xb5, 0xb5, 0x00],
+            // A literal whose name index needs more octets than the block has.
+            &[0x7f],
+            &[0x0f, 0xff],
+        ] {
+            let mut decoder = HpackDecoder::new(4096);
+            let mut fields = Fields::default();
+            assert!(
+                matches!(
+                    fields.decode(&mut decoder, block, 16 * 1024),
+                    Err(FieldsError::Compression(_))
+                ),
+                "{block:x?} does not decode"
+            );
+        }
+    }
+
+    /// The blocks that do decode still do after a block that made the library panic, on a
+    /// decoder of their own (a connection's decoder goes with the connection).
+    #[test]
+    fn decoding_goes_on_after_a_contained_panic() {
+        let mut decoder = HpackDecoder::new(4096);
+        let mut fields = Fields::default();
+        assert!(fields.decode(&mut decoder, &[0x00], 1024).is_err());
+        let mut fresh = HpackDecoder::new(4096);
+        // :method GET (static index 2), :path / (index 4).
+        fields
+            .decode(&mut fresh, &[0x82, 0x84], 1024)
+            .expect("a valid block decodes");
+        assert_eq!(fields.get(b":method"), Some(&b"GET"[..]));
+        assert_eq!(fields.get(b":path"), Some(&b"/"[..]));
     }
 }

@@ -326,13 +326,31 @@ pub(crate) fn apply_setting<S: Sending>(
     setting: Setting,
     limits: &mut SendLimits,
     streams: &mut super::StreamMap<S>,
-) {
+) -> Result<(), ErrorCode> {
     let delta = limits.apply(setting);
     if delta != 0 {
         for s in streams.values_mut() {
-            *s.outgoing().0 += delta;
+            let window = s.outgoing().0;
+            *window += delta;
+            if *window > MAX_WINDOW {
+                // A new initial window that takes a stream's beyond 2^31-1: a connection
+                // error (RFC 9113 section 6.9.2).
+                return Err(ErrorCode::FLOW_CONTROL_ERROR);
+            }
         }
     }
+    Ok(())
+}
+
+/// The largest a flow-control window may be (RFC 9113 section 6.9.1).
+const MAX_WINDOW: i64 = skewless_frame::MAX_WINDOW as i64;
+
+/// Which window a peer's WINDOW_UPDATE took beyond 2^31-1 (RFC 9113 section 6.9.1): the
+/// connection's (a connection error) or a stream's (a stream error), both FLOW_CONTROL_ERROR.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Overflow {
+    Connection,
+    Stream,
 }
 
 /// Applies a peer's WINDOW_UPDATE of `increment` on `stream` (0: the connection) to what may
@@ -342,12 +360,20 @@ pub(crate) fn open_window<S: Sending>(
     increment: i64,
     limits: &mut SendLimits,
     streams: &mut super::StreamMap<S>,
-) {
+) -> Result<(), Overflow> {
     if stream == 0 {
         limits.window += increment;
+        if limits.window > MAX_WINDOW {
+            return Err(Overflow::Connection);
+        }
     } else if let Some(s) = streams.get_mut(&stream) {
-        *s.outgoing().0 += increment;
+        let window = s.outgoing().0;
+        *window += increment;
+        if *window > MAX_WINDOW {
+            return Err(Overflow::Stream);
+        }
     }
+    Ok(())
 }
 
 /// Sends as much of `data` on `stream` (state `s`) as the windows take and holds the rest

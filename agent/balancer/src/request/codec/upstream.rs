@@ -777,7 +777,9 @@ impl Reader<'_> {
                 let credits = {
                     let mut state = self.shared.lock();
                     let st = &mut *state;
-                    frames::open_window(stream, inc, &mut st.limits, &mut st.routes);
+                    // A server that overflows a window is broken: its connection ends.
+                    frames::open_window(stream, inc, &mut st.limits, &mut st.routes)
+                        .map_err(|_| ErrorCode::FLOW_CONTROL_ERROR)?;
                     st.resume()
                 };
                 self.give_back(credits);
@@ -818,18 +820,13 @@ impl Reader<'_> {
             let mut state = self.shared.lock();
             let st = &mut *state;
             for s in settings.iter() {
-                frames::apply_setting(s, &mut st.limits, &mut st.routes);
+                frames::apply_setting(s, &mut st.limits, &mut st.routes)?;
                 match s.id {
                     SettingId::MAX_CONCURRENT_STREAMS => {
                         st.limit
                             .store(s.value.min(st.max_streams), Ordering::Relaxed);
                     }
-                    // The encoder keeps the 4096 of RFC 7541 unless told less; a server that
-                    // allows less is not served yet (no size update is sent).
-                    SettingId::HEADER_TABLE_SIZE if (s.value as usize) < HEADER_TABLE_SIZE => {
-                        tracing::debug!(size = s.value, "server allows a smaller HPACK table");
-                        st.closed = true;
-                    }
+                    SettingId::HEADER_TABLE_SIZE => st.encoder.peer_table_size(s.value),
                     _ => {}
                 }
             }
@@ -885,6 +882,13 @@ impl Reader<'_> {
         }
         if decoded.is_err() {
             // Too large a list: the call fails, the connection goes on.
+            self.fail(stream, &client, client_stream, lease);
+            return Ok(());
+        }
+        if let Some(why) = super::fields::malformed_response(self.fields, first) {
+            // A malformed response (RFC 9113 section 8.1.1): the call fails; passed on, it
+            // could cost the client its whole connection.
+            tracing::debug!(stream, why, "malformed response from upstream");
             self.fail(stream, &client, client_stream, lease);
             return Ok(());
         }

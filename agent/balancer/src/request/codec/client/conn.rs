@@ -50,6 +50,7 @@ pub(crate) async fn serve(pool: Arc<CodecPool>, stream: TcpStream, mut stop: Sto
         last_stream: 0,
         budgets: FrameBudgets::new(FloodLimits::default(), Instant::now()),
         settings_seen: false,
+        settings_unacked: 1,
         magic: 0,
         winding: Winding::No,
         pinged: false,
@@ -198,6 +199,8 @@ struct Conn {
     budgets: FrameBudgets,
     /// Its first frame after the magic came, a SETTINGS without ACK as it must be.
     settings_seen: bool,
+    /// Our SETTINGS frames the client has not acknowledged yet (the one sent at the start).
+    settings_unacked: u32,
     /// How much of the magic (the preface's first 24 bytes) has come.
     magic: usize,
     winding: Winding,
@@ -375,6 +378,15 @@ impl Conn {
         Ok(())
     }
 
+    /// A frame other than HEADERS or PRIORITY on a stream the client never opened is a
+    /// connection error (RFC 9113 section 5.1, "idle").
+    fn not_idle(&self, stream: u32) -> Result<(), ErrorCode> {
+        if stream.is_multiple_of(2) || stream > self.last_stream {
+            return Err(ErrorCode::PROTOCOL_ERROR);
+        }
+        Ok(())
+    }
+
     fn frame(&mut self, head: Head, payload: &[u8], now: Instant) -> Result<(), ErrorCode> {
         if self.blocks.open() || matches!(head.kind, Kind::Headers | Kind::Continuation) {
             if let Some((stream, end_stream, block)) = self.blocks.frame(head, payload)? {
@@ -385,10 +397,7 @@ impl Conn {
         match head.kind {
             Kind::Data => {
                 let data = frames::strip(head, payload)?;
-                if head.stream_id.is_multiple_of(2) || head.stream_id > self.last_stream {
-                    // On a stream the client never opened (RFC 9113 section 5.1: idle).
-                    return Err(ErrorCode::PROTOCOL_ERROR);
-                }
+                self.not_idle(head.stream_id)?;
                 self.data(
                     head.stream_id,
                     data,
@@ -400,6 +409,7 @@ impl Conn {
             Kind::RstStream => {
                 let rst =
                     RstStream::decode(&head, payload).map_err(|_| ErrorCode::PROTOCOL_ERROR)?;
+                self.not_idle(rst.stream_id)?;
                 self.cancel(rst.stream_id, now);
                 Ok(())
             }
@@ -407,21 +417,21 @@ impl Conn {
                 let settings =
                     Settings::decode(&head, payload).map_err(|_| ErrorCode::PROTOCOL_ERROR)?;
                 if settings.ack {
+                    // An acknowledgement of SETTINGS never sent: the client is broken (h2
+                    // refuses it the same way).
+                    self.settings_unacked = self
+                        .settings_unacked
+                        .checked_sub(1)
+                        .ok_or(ErrorCode::PROTOCOL_ERROR)?;
                     return Ok(());
                 }
                 let credits = {
                     let mut state = self.shared.lock();
                     let st = &mut *state;
                     for s in settings.iter() {
-                        frames::apply_setting(s, &mut st.limits, &mut st.streams);
-                        match s.id {
-                            SettingId::HEADER_TABLE_SIZE
-                                if (s.value as usize) < HEADER_TABLE_SIZE =>
-                            {
-                                // No size update can be sent yet: refuse the connection.
-                                return Err(ErrorCode::INTERNAL_ERROR);
-                            }
-                            _ => {}
+                        frames::apply_setting(s, &mut st.limits, &mut st.streams)?;
+                        if s.id == SettingId::HEADER_TABLE_SIZE {
+                            st.encoder.peer_table_size(s.value);
                         }
                     }
                     Settings::encode(true, &[], &mut st.out.buf);
@@ -443,18 +453,57 @@ impl Conn {
             }
             Kind::WindowUpdate => {
                 let (stream, inc) = frames::window_update(&head, payload)?;
-                let credits = {
+                if stream != 0 {
+                    self.not_idle(stream)?;
+                }
+                let (credits, overflow) = {
                     let mut state = self.shared.lock();
                     let st = &mut *state;
-                    frames::open_window(stream, inc, &mut st.limits, &mut st.streams);
-                    st.resume()
+                    let overflow =
+                        frames::open_window(stream, inc, &mut st.limits, &mut st.streams);
+                    (st.resume(), overflow)
                 };
                 self.give_back(credits);
+                match overflow {
+                    Ok(()) => Ok(()),
+                    Err(frames::Overflow::Connection) => Err(ErrorCode::FLOW_CONTROL_ERROR),
+                    Err(frames::Overflow::Stream) => {
+                        self.cancel(stream, now);
+                        self.refuse(stream, ErrorCode::FLOW_CONTROL_ERROR);
+                        Ok(())
+                    }
+                }
+            }
+            Kind::GoAway => {
+                // The client's GOAWAY changes nothing here (it opens no stream after it), but
+                // it is checked like any frame.
+                GoAway::decode(&head, payload).map_err(|_| ErrorCode::PROTOCOL_ERROR)?;
                 Ok(())
             }
-            Kind::GoAway => Ok(()),
             Kind::PushPromise => Err(ErrorCode::PROTOCOL_ERROR),
-            Kind::Headers | Kind::Continuation | Kind::Priority | Kind::Unknown(_) => Ok(()),
+            Kind::Priority => {
+                // Priority signals are ignored (RFC 9113 section 5.3.2), but the frame is
+                // still checked (section 6.3).
+                let stream = head.stream_id;
+                if stream == 0 {
+                    return Err(ErrorCode::PROTOCOL_ERROR);
+                }
+                let code = if payload.len() != 5 {
+                    ErrorCode::FRAME_SIZE_ERROR
+                } else if u32::from_be_bytes([payload[0], payload[1], payload[2], payload[3]])
+                    & MAX_STREAM_ID
+                    == stream
+                {
+                    // A stream cannot depend on itself.
+                    ErrorCode::PROTOCOL_ERROR
+                } else {
+                    return Ok(());
+                };
+                self.cancel(stream, now);
+                self.refuse(stream, code);
+                Ok(())
+            }
+            Kind::Headers | Kind::Continuation | Kind::Unknown(_) => Ok(()),
         }
     }
 
@@ -472,9 +521,16 @@ impl Conn {
         if let Err(fields::FieldsError::Compression(_)) = decoded {
             return Err(ErrorCode::COMPRESSION_ERROR);
         }
-        if stream.is_multiple_of(2) || stream <= self.last_stream {
-            // Trailers of an open request, or a stream id going back: trailers are
-            // forwarded, anything else is a protocol error.
+        if stream.is_multiple_of(2) {
+            // Clients open odd streams only (RFC 9113 section 5.1.1).
+            return Err(ErrorCode::PROTOCOL_ERROR);
+        }
+        if stream <= self.last_stream {
+            // Trailers of an open request are forwarded, those of a stream closed here first
+            // ignored; on any other stream the id went back (RFC 9113 section 5.1.1).
+            if !self.shared.lock().may_get_trailers(stream) {
+                return Err(ErrorCode::PROTOCOL_ERROR);
+            }
             return self.trailers(stream, end_stream, now);
         }
         // Opened, even if refused below: what the client still sends on it is not on an idle
@@ -570,15 +626,13 @@ impl Conn {
 
     /// Request trailers (a second header block on an open stream).
     fn trailers(&mut self, stream: u32, end_stream: bool, now: Instant) -> Result<(), ErrorCode> {
-        if !end_stream {
-            return Err(ErrorCode::PROTOCOL_ERROR);
-        }
-        if self
-            .fields
-            .iter()
-            .any(|(name, _)| name.first() == Some(&b':'))
+        if !end_stream
+            || self.fields.iter().any(|(name, value)| {
+                name.first() == Some(&b':') || invalid_field(name, value).is_some()
+            })
         {
-            // Pseudo-headers in trailers: a malformed request, reset both ways.
+            // Trailers that do not end the stream, or with pseudo-headers or invalid fields: a
+            // malformed request (RFC 9113 section 8.1), reset both ways.
             tracing::debug!(stream, "malformed request trailers");
             let gone = self.shared.lock().take(stream, now);
             if let Some(s) = gone {
@@ -595,9 +649,20 @@ impl Conn {
                     for request in [&mut s.parked, &mut s.replay].into_iter().flatten() {
                         request.body.hold_trailers(self.fields.iter());
                     }
-                    s.up.clone()
+                    Ok(s.up.clone())
                 }
-                _ => None,
+                // Trailers after the client ended the stream (half-closed): a stream error
+                // (RFC 9113 section 5.1).
+                Some(_) => Err(ErrorCode::STREAM_CLOSED),
+                None => Ok(None),
+            }
+        };
+        let target = match target {
+            Ok(target) => target,
+            Err(code) => {
+                self.cancel(stream, now);
+                self.refuse(stream, code);
+                return Ok(());
             }
         };
         let Some((up, up_stream)) = target else {
@@ -658,9 +723,31 @@ impl Conn {
                     }
                     Err(code) => Err(code),
                 },
-                _ => {
-                    // No stream to pass it on to: its window goes back at once.
+                // DATA after the client ended the stream (half-closed): a stream error (RFC
+                // 9113 section 5.1).
+                Some(_) => Err(ErrorCode::STREAM_CLOSED),
+                None => {
+                    // No stream to pass it on to: its window goes back at once. On a stream
+                    // closed here first the client may not know yet (ignored); on any other
+                    // closed one it breaks the protocol: a stream error (RFC 9113 section 5.1).
                     st.recv.release(flow_len, 0, &mut st.out.buf);
+                    if st.closed_early.contains(&stream) {
+                        return Ok(());
+                    }
+                    RstStream {
+                        stream_id: stream,
+                        error_code: ErrorCode::STREAM_CLOSED,
+                    }
+                    .encode(&mut st.out.buf);
+                    drop(state);
+                    // Every such reset spends from the client's RST_STREAM budget: a client
+                    // cannot make the balancer write resets without end.
+                    let rst = Head::new(Kind::RstStream, 0, stream, 4);
+                    if let Some(flood) = self.budgets.spend(&rst, now) {
+                        tracing::debug!(%flood, "client cut off");
+                        self.pool.metrics.client_error(flood.client_error_reason());
+                        return Err(ErrorCode::ENHANCE_YOUR_CALM);
+                    }
                     return Ok(());
                 }
             }
@@ -668,7 +755,7 @@ impl Conn {
         let (up, up_stream) = match target {
             Ok(target) => target,
             Err(code) => {
-                tracing::debug!(stream, "client overran the stream's flow-control window");
+                tracing::debug!(stream, ?code, "stream error on a client's DATA");
                 self.cancel(stream, now);
                 self.refuse(stream, code);
                 self.shared.lock().released(stream, flow_len);
@@ -728,7 +815,10 @@ impl Conn {
 
     fn refuse(&mut self, stream: u32, code: ErrorCode) {
         let mut state = self.shared.lock();
-        state.take(stream, Instant::now());
+        if state.take(stream, Instant::now()).is_none() {
+            // Refused as it opened: the client may still send its body and trailers.
+            state.closed_early(stream);
+        }
         RstStream {
             stream_id: stream,
             error_code: code,
@@ -754,9 +844,23 @@ impl Conn {
     }
 }
 
+/// Why a pseudo-header's value makes a request malformed, if it does: a `:method` that is not
+/// a token, a `:scheme`, `:authority` or `:path` with a byte outside visible ASCII (URI
+/// syntax, RFC 3986; an h2-based server refuses a value that is not UTF-8 with its whole
+/// connection).
+fn invalid_pseudo_value(index: usize, value: &[u8]) -> Option<&'static str> {
+    let valid = if index == 0 {
+        !value.is_empty() && value.iter().all(|&b| TOKEN[usize::from(b)])
+    } else {
+        value.iter().all(|&b| (0x21..0x7f).contains(&b))
+    };
+    (!valid).then_some("a pseudo-header value that is not valid")
+}
+
 /// Why a request's header list is malformed (RFC 9113 sections 8.2 and 8.3), if it is: a
 /// pseudo-header that is unknown, repeated or after a regular field; no `:method` or no
-/// `:path` (or an empty one); a field name with uppercase letters; a connection-specific
+/// `:scheme` or no `:path` (or an empty one); an invalid pseudo-header value
+/// ([`invalid_pseudo_value`]) or field ([`invalid_field`]); a connection-specific
 /// field, or a `te` other than `trailers`.
 fn malformed_request(fields: &Fields) -> Option<&'static str> {
     let mut regular = false;
@@ -777,14 +881,17 @@ fn malformed_request(fields: &Fields) -> Option<&'static str> {
             if std::mem::replace(&mut seen[i], true) {
                 return Some("repeated pseudo-header");
             }
+            if let Some(why) = invalid_pseudo_value(i, value) {
+                return Some(why);
+            }
             if i == 3 && value.is_empty() {
                 return Some("empty :path");
             }
             continue;
         }
         regular = true;
-        if name.iter().any(u8::is_ascii_uppercase) {
-            return Some("uppercase field name");
+        if let Some(why) = invalid_field(name, value) {
+            return Some(why);
         }
         if is_connection_specific(name) {
             return Some("connection-specific field");
@@ -793,8 +900,8 @@ fn malformed_request(fields: &Fields) -> Option<&'static str> {
             return Some("te other than trailers");
         }
     }
-    if !(seen[0] && seen[3]) {
-        return Some("no :method or no :path");
+    if !(seen[0] && seen[1] && seen[3]) {
+        return Some("no :method, :scheme or :path");
     }
     None
 }
