@@ -23,7 +23,7 @@ struct Cli {
 enum Cmd {
     /// Install the eBPF toolchain, network tools, benchmark peers and Python gRPC (idempotent).
     Setup,
-    /// Run the test tiers: fmt, clippy (host and bpf), docs, unit tests, fuzzing (20 s per
+    /// Run the test tiers: fmt, clippy (host and bpf), docs, unit tests, fuzzing (18 s per
     /// target), privileged tests.
     Test(test::Args),
     /// Run the cargo-fuzz targets (parsers of peer and user input) for longer than the test
@@ -54,7 +54,7 @@ struct FuzzArgs {
     #[arg(long, default_value_t = 300)]
     secs: u64,
     /// Only the targets whose name contains this (decode, annotations, services_file,
-    /// grpc_headers, health, relay, frames).
+    /// grpc_headers, health, relay, frames, request_paths).
     target: Option<String>,
     /// cargo-fuzz's sanitizer: `none` (coverage only; the fuzzed crates forbid unsafe code),
     /// or `address`, `leak`, `memory`, `thread` for a deeper run.
