@@ -14,7 +14,7 @@ use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 use super::fields::{
-    self, Fields, HpackDecoder, HpackEncoder, TOKEN, invalid_field, is_connection_specific,
+    self, Fields, HpackDecoder, HpackEncoder, all_token, invalid_field, is_connection_specific,
 };
 use super::frames::{self, DEFAULT_WINDOW, HeaderBlocks, Held, RecvWindow, SendLimits};
 use super::out::{HasOut, Out, Shared};
