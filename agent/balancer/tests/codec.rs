@@ -86,6 +86,23 @@ async fn stalled_upstream() -> std::net::SocketAddr {
     addr
 }
 
+/// A codec balancer over the one upstream at `up`, and a raw client connection to it that has
+/// sent its preface and SETTINGS (the balancer lives as long as what is returned).
+async fn raw_client_over(
+    up: SocketAddr,
+    name: &str,
+) -> (Serving<CodecBalancer>, tokio::net::TcpStream) {
+    let b = serve(vec![Endpoint::new(up, name)], |rx| {
+        CodecBalancer::new(Config::default(), rx)
+    })
+    .await;
+    let mut io = tokio::net::TcpStream::connect(b.addr)
+        .await
+        .expect("connect");
+    io.write_all(&hello()).await.expect("hello");
+    (b, io)
+}
+
 /// Opens streams on `io` (after its hello) until one goes upstream, and returns its id.
 async fn a_stream_upstream(io: &mut tokio::net::TcpStream) -> u32 {
     // POST /, a static-table header block, without END_STREAM: a request whose body follows.
@@ -120,14 +137,7 @@ async fn a_stream_upstream(io: &mut tokio::net::TcpStream) -> u32 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_overruns_its_stream_window_gets_a_flow_control_error() {
     let up = stalled_upstream().await;
-    let b = serve(vec![Endpoint::new(up, "stalled")], |rx| {
-        CodecBalancer::new(Config::default(), rx)
-    })
-    .await;
-    let mut io = tokio::net::TcpStream::connect(b.addr)
-        .await
-        .expect("connect");
-    io.write_all(&hello()).await.expect("hello");
+    let (_b, mut io) = raw_client_over(up, "stalled").await;
     let stream = a_stream_upstream(&mut io).await;
     // The upstream takes 65,535 bytes and no more; the balancer holds what the client sends
     // beyond, up to the 1 MiB stream window it gave the client, and gives nothing back while
@@ -163,14 +173,7 @@ async fn a_client_that_overruns_its_stream_window_gets_a_flow_control_error() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn frames_after_the_client_ended_a_stream_reset_it_with_stream_closed() {
     let up = stalled_upstream().await;
-    let b = serve(vec![Endpoint::new(up, "stalled")], |rx| {
-        CodecBalancer::new(Config::default(), rx)
-    })
-    .await;
-    let mut io = tokio::net::TcpStream::connect(b.addr)
-        .await
-        .expect("connect");
-    io.write_all(&hello()).await.expect("hello");
+    let (_b, mut io) = raw_client_over(up, "stalled").await;
     let first = a_stream_upstream(&mut io).await;
     // Its body ends, then more DATA comes.
     let mut out = frame(Kind::Data, flags::END_STREAM, first, b"end");
@@ -765,14 +768,7 @@ async fn ejected_endpoint_serves_again(config: Config) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_malformed_response_fails_its_call_not_the_client_connection() {
     let up = scripted_upstream(Answer::Malformed).await;
-    let b = serve(vec![Endpoint::new(up, "malformed")], |rx| {
-        CodecBalancer::new(Config::default(), rx)
-    })
-    .await;
-    let mut io = tokio::net::TcpStream::connect(b.addr)
-        .await
-        .expect("connect");
-    io.write_all(&hello()).await.expect("hello");
+    let (_b, mut io) = raw_client_over(up, "malformed").await;
     let mut decoder = httlib_hpack::Decoder::default();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
     let mut stream = 1u32;
