@@ -291,6 +291,10 @@ impl ClientState {
 
     /// Remembers that the client may still send on `stream`, closed here.
     fn closed_early(&mut self, stream: u32) {
+        if self.closed_early.back() == Some(&stream) {
+            // Taken, then refused: once is enough.
+            return;
+        }
         if self.closed_early.len() == MAX_CLOSED_EARLY {
             self.closed_early.pop_front();
         }

@@ -333,9 +333,9 @@ pub(crate) fn put_data(
 /// Why a response's header block (`first`: its headers, else its trailers) is malformed
 /// (RFC 9113 section 8.3.2 and the checks of [`invalid_field`]), if it is: a pseudo-header
 /// other than one `:status` of three digits at the head of the headers, or an invalid field
-/// (connection-specific fields are dropped on the way, not refused). A server that sends one fails its call, not the client
-/// connection that would carry it (an h2-based client refuses such a field with the whole
-/// connection).
+/// (connection-specific fields are dropped on the way, not refused). A server that sends one
+/// fails its call, not the client connection that would carry it (an h2-based client refuses
+/// such a field with the whole connection).
 pub(crate) fn malformed_response(fields: &Fields, first: bool) -> Option<&'static str> {
     let mut status = false;
     let mut regular = false;
