@@ -85,7 +85,8 @@ pub(crate) struct ClientState {
     closed_early: std::collections::VecDeque<u32>,
 }
 
-/// Streams [`ClientState::closed_early`] remembers (h2 remembers ten it reset).
+/// Streams [`ClientState::closed_early`] remembers (h2 remembers the last 50 it reset, for a
+/// second).
 const MAX_CLOSED_EARLY: usize = 64;
 
 impl HasOut for ClientState {
