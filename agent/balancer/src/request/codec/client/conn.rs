@@ -368,9 +368,16 @@ impl Conn {
             self.pool.metrics.client_error(ClientErrorReason::Malformed);
             return Err(ErrorCode::PROTOCOL_ERROR);
         }
-        if flood::budgeted(head)
-            && let Some(flood) = self.budgets.spend(head, now)
-        {
+        if flood::budgeted(head) {
+            self.spend(head, now)?;
+        }
+        Ok(())
+    }
+
+    /// Spends from the client's budget for a frame like `head`; a client that empties one
+    /// is counted and cut off (`Err` with its GOAWAY's code).
+    fn spend(&mut self, head: &Head, now: Instant) -> Result<(), ErrorCode> {
+        if let Some(flood) = self.budgets.spend(head, now) {
             tracing::debug!(%flood, "client cut off");
             self.pool.metrics.client_error(flood.client_error_reason());
             return Err(ErrorCode::ENHANCE_YOUR_CALM);
@@ -468,8 +475,7 @@ impl Conn {
                     Ok(()) => Ok(()),
                     Err(frames::Overflow::Connection) => Err(ErrorCode::FLOW_CONTROL_ERROR),
                     Err(frames::Overflow::Stream) => {
-                        self.cancel(stream, now);
-                        self.refuse(stream, ErrorCode::FLOW_CONTROL_ERROR);
+                        self.stream_error(stream, ErrorCode::FLOW_CONTROL_ERROR, now);
                         Ok(())
                     }
                 }
@@ -499,8 +505,7 @@ impl Conn {
                 } else {
                     return Ok(());
                 };
-                self.cancel(stream, now);
-                self.refuse(stream, code);
+                self.stream_error(stream, code, now);
                 Ok(())
             }
             Kind::Headers | Kind::Continuation | Kind::Unknown(_) => Ok(()),
@@ -660,8 +665,7 @@ impl Conn {
         let target = match target {
             Ok(target) => target,
             Err(code) => {
-                self.cancel(stream, now);
-                self.refuse(stream, code);
+                self.stream_error(stream, code, now);
                 return Ok(());
             }
         };
@@ -742,13 +746,7 @@ impl Conn {
                     drop(state);
                     // Every such reset spends from the client's RST_STREAM budget: a client
                     // cannot make the balancer write resets without end.
-                    let rst = Head::new(Kind::RstStream, 0, stream, 4);
-                    if let Some(flood) = self.budgets.spend(&rst, now) {
-                        tracing::debug!(%flood, "client cut off");
-                        self.pool.metrics.client_error(flood.client_error_reason());
-                        return Err(ErrorCode::ENHANCE_YOUR_CALM);
-                    }
-                    return Ok(());
+                    return self.spend(&Head::new(Kind::RstStream, 0, stream, 4), now);
                 }
             }
         };
@@ -756,8 +754,7 @@ impl Conn {
             Ok(target) => target,
             Err(code) => {
                 tracing::debug!(stream, ?code, "stream error on a client's DATA");
-                self.cancel(stream, now);
-                self.refuse(stream, code);
+                self.stream_error(stream, code, now);
                 self.shared.lock().released(stream, flow_len);
                 return Ok(());
             }
@@ -811,6 +808,12 @@ impl Conn {
         if dropped > 0 {
             self.shared.lock().released(stream, dropped);
         }
+    }
+
+    /// A stream error (RFC 9113 section 5.4.2): `stream` is reset with `code` both ways.
+    fn stream_error(&mut self, stream: u32, code: ErrorCode, now: Instant) {
+        self.cancel(stream, now);
+        self.refuse(stream, code);
     }
 
     fn refuse(&mut self, stream: u32, code: ErrorCode) {
