@@ -296,6 +296,14 @@ impl Written {
     }
 }
 
+/// [`GRPC_REQUEST`] as a header list to edit.
+fn grpc_request() -> Vec<(Vec<u8>, Vec<u8>)> {
+    GRPC_REQUEST
+        .iter()
+        .map(|(n, v)| (n.to_vec(), v.to_vec()))
+        .collect()
+}
+
 /// Whether h2's decoder refuses the field (its `Header::new`): an empty name, an unknown
 /// pseudo-header, a known one whose value does not parse, a name or value `http` refuses.
 fn h2_refuses(name: &[u8], value: &[u8]) -> bool {
@@ -324,10 +332,7 @@ fn client_frames(steps: &[Step]) -> Written {
                 messages,
                 trailers,
             } => {
-                let mut fields: Vec<(Vec<u8>, Vec<u8>)> = GRPC_REQUEST
-                    .iter()
-                    .map(|(n, v)| (n.to_vec(), v.to_vec()))
-                    .collect();
+                let mut fields = grpc_request();
                 for edit in edits.iter().take(4) {
                     let at = |i: &u8, len: usize| usize::from(*i) % len.max(1);
                     match edit {
@@ -720,10 +725,7 @@ fn harness() -> &'static Harness {
             // Both paths up and serving a plain call before any input.
             let mut ok = Written::default();
             let mut encoder = httlib_hpack::Encoder::with_dynamic_size(4096);
-            let fields: Vec<_> = GRPC_REQUEST
-                .iter()
-                .map(|(n, v)| (n.to_vec(), v.to_vec()))
-                .collect();
+            let fields = grpc_request();
             ok.headers(
                 &mut encoder,
                 flags::END_HEADERS | flags::END_STREAM,
