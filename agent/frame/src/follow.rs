@@ -164,6 +164,49 @@ impl Follower {
     }
 }
 
+impl Follower {
+    /// The first bytes of a frame header split across inputs, as far as they have come: empty
+    /// at a frame boundary, in the preface or in a payload.
+    #[must_use]
+    pub fn partial_header(&self) -> &[u8] {
+        &self.header[..usize::from(self.have)]
+    }
+
+    /// Forgets the partial header, whose bytes are to be fed again (a reader that holds them
+    /// back until the header is whole).
+    pub fn unread_partial_header(&mut self) {
+        self.have = 0;
+    }
+
+    /// As [`Follower::each_head`], also handing `f` the header's nine bytes when they lie whole
+    /// in `input`, to rewrite before `input` goes on (`None` for a header begun in an earlier
+    /// input). Steps with [`Follower::next_head`]: for a follower that rewrites now and then,
+    /// not for every read of a busy connection.
+    ///
+    /// # Errors
+    /// As [`Follower::next_head`].
+    pub fn each_head_mut(
+        &mut self,
+        input: &mut [u8],
+        mut f: impl FnMut(Head, Option<&mut [u8; HEADER_LEN]>),
+    ) -> Result<(), FrameError> {
+        let mut at = 0;
+        loop {
+            let split = self.have > 0;
+            let mut rest = &input[at..];
+            let Some(head) = self.next_head(&mut rest)? else {
+                return Ok(());
+            };
+            let end = input.len() - rest.len();
+            at = end;
+            let whole = (!split && end >= HEADER_LEN)
+                .then(|| input[end - HEADER_LEN..end].first_chunk_mut())
+                .flatten();
+            f(head, whole);
+        }
+    }
+}
+
 /// The complete frames at the front of a buffer, each with its payload; stops at the first
 /// incomplete one ([`Frames::rest`]) or at the first error.
 #[derive(Debug, Clone)]

@@ -397,6 +397,60 @@ proptest! {
         }
     }
 
+    /// `each_head_mut` yields what `each_head` does, and hands over the bytes of every header
+    /// that lies whole in its piece: rewriting them (the type, here) rewrites that header.
+    #[test]
+    fn each_head_mut_yields_each_head_and_the_bytes_of_the_whole_ones(
+        frames in proptest::collection::vec(any_frame(), 0..12),
+        client in any::<bool>(),
+        cuts in proptest::collection::vec(any::<prop::sample::Index>(), 0..20),
+    ) {
+        let mut stream = if client { PREFACE.to_vec() } else { Vec::new() };
+        for f in &frames {
+            stream.extend_from_slice(f);
+        }
+        let mut at: Vec<usize> = cuts.iter().map(|i| i.index(stream.len() + 1)).collect();
+        at.push(0);
+        at.push(stream.len());
+        at.sort_unstable();
+        let start = if client {
+            Follower::client(MAX_MAX_FRAME_SIZE)
+        } else {
+            Follower::new(MAX_MAX_FRAME_SIZE)
+        };
+        let (mut looped, mut rewriting) = (start.clone(), start.clone());
+        let (mut heads, mut expected, mut rewritten) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut wrong, mut handed) = (false, 0);
+        for w in at.windows(2) {
+            looped.each_head(&stream[w[0]..w[1]], |h| heads.push(h)).expect("valid");
+            let mut piece = stream[w[0]..w[1]].to_vec();
+            rewriting
+                .each_head_mut(&mut piece, |h, bytes| {
+                    let mut h = h;
+                    if let Some(bytes) = bytes {
+                        wrong |= Head::decode(bytes) != h;
+                        bytes[3] = 0xfe;
+                        h.kind = Kind::Unknown(0xfe);
+                        handed += 1;
+                    }
+                    expected.push(h);
+                })
+                .expect("valid");
+            prop_assert!(!wrong, "the bytes handed over are the header's");
+            prop_assert_eq!(&rewriting, &looped, "state after piece {}..{}", w[0], w[1]);
+            rewritten.extend(piece);
+        }
+        prop_assert_eq!(expected.len(), heads.len());
+        prop_assert!(
+            heads.len() - handed <= cuts.len(),
+            "only headers split by a cut are not handed over"
+        );
+        let mut again = start;
+        let mut seen = Vec::new();
+        again.each_head(&rewritten, |h| seen.push(h)).expect("valid");
+        prop_assert_eq!(seen, expected, "the rewrites landed on their headers");
+    }
+
     #[test]
     fn grpc_messages_round_trip_in_any_pieces(
         msgs in proptest::collection::vec((any::<bool>(), proptest::collection::vec(any::<u8>(), 0..100)), 0..8),
