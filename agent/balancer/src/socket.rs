@@ -23,9 +23,22 @@ pub(crate) trait ReadTap {
         false
     }
 
-    /// Sees the bytes one read brought (never empty). An error fails that read, and its bytes
-    /// are not handed on.
-    fn read(&mut self, bytes: &[u8]) -> io::Result<()>;
+    /// The end of earlier reads that the tap holds back (part of a frame header it must see
+    /// whole before h2 does, so at most 8 bytes): they go first in the next read.
+    fn held(&self) -> &[u8] {
+        &[]
+    }
+
+    /// Sees what one read brought, after the bytes the tap held (never only those), and may
+    /// rewrite it. Returns how many bytes at its end the tap holds back from now on. An error
+    /// fails that read, and its bytes are not handed on.
+    fn read(&mut self, bytes: &mut [u8]) -> io::Result<usize>;
+
+    /// The first `n` held bytes were handed on as they are (the read buffer had no room for
+    /// more, or the peer closed its side).
+    fn release(&mut self, n: usize) {
+        let _ = n;
+    }
 }
 
 /// How a [`Tapped`] socket closes when dropped.
@@ -92,16 +105,48 @@ impl<R: ReadTap + Unpin> AsyncRead for Tapped<R> {
             .as_mut()
             .expect("the stream is only taken on drop");
         let before = buf.filled().len();
-        let res = Pin::new(stream).poll_read(cx, buf);
-        if matches!(res, Poll::Ready(Ok(())))
-            && buf.filled().len() > before
-            && let Err(error) = this.tap.read(&buf.filled()[before..])
-        {
-            // What this read brought is not handed on.
-            buf.set_filled(before);
-            return Poll::Ready(Err(error));
+        loop {
+            let held = this.tap.held();
+            let n = held.len();
+            if n > 0 && buf.remaining() <= n {
+                // No room for what is held and more: it goes on as it is (h2 reads into buffers
+                // of kilobytes; this is not expected to happen).
+                let n = n.min(buf.remaining());
+                buf.put_slice(&held[..n]);
+                this.tap.release(n);
+                return Poll::Ready(Ok(()));
+            }
+            buf.put_slice(held);
+            match Pin::new(&mut *stream).poll_read(cx, buf) {
+                Poll::Ready(Ok(())) if buf.filled().len() > before + n => {
+                    match this.tap.read(&mut buf.filled_mut()[before..]) {
+                        Ok(keep) => {
+                            let end = buf.filled().len() - keep;
+                            buf.set_filled(end);
+                            if end > before {
+                                return Poll::Ready(Ok(()));
+                            }
+                            // All of it is held: an empty read would tell h2 the peer closed.
+                        }
+                        Err(error) => {
+                            // What this read brought is not handed on.
+                            buf.set_filled(before);
+                            return Poll::Ready(Err(error));
+                        }
+                    }
+                }
+                Poll::Ready(Ok(())) => {
+                    // The peer closed its side: what is held goes on, then the end.
+                    this.tap.release(n);
+                    return Poll::Ready(Ok(()));
+                }
+                other => {
+                    // Held bytes stay held until a read brings more.
+                    buf.set_filled(before);
+                    return other;
+                }
+            }
         }
-        res
     }
 }
 

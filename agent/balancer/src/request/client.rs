@@ -81,6 +81,7 @@ async fn serve(pool: Arc<Pool>, stream: TcpStream, mut stop: Stop<Config>) {
     let (preface_done, mut preface_in) = tokio::sync::oneshot::channel();
     let (cut_tx, mut cut_rx) = tokio::sync::oneshot::channel();
     let pinged = Arc::new(AtomicBool::new(false));
+    let winding_down = Arc::new(AtomicBool::new(false));
     let handshake = h2::server::Builder::new()
         // Fixed windows; see `upstream::STREAM_WINDOW`.
         .initial_window_size(upstream::STREAM_WINDOW)
@@ -97,6 +98,7 @@ async fn serve(pool: Arc<Pool>, stream: TcpStream, mut stop: Stop<Config>) {
                 preface_done,
                 cut_tx,
                 pinged.clone(),
+                winding_down.clone(),
             ),
             Close::Linger,
         ));
@@ -216,7 +218,9 @@ async fn serve(pool: Arc<Pool>, stream: TcpStream, mut stop: Stop<Config>) {
     // Two-phase GOAWAY (last stream id 2^31-1 and a PING, then the real last stream id): the
     // client stops opening streams on this connection and reconnects; streams in flight
     // finish within the grace period, and streams the client opened before it saw the GOAWAY
-    // are still served.
+    // are still served. The guard keeps h2 from failing the connection over the streams its
+    // final GOAWAY refuses (see `FinalGoAway`).
+    winding_down.store(true, Ordering::Relaxed);
     conn.graceful_shutdown();
     let drained = tokio::time::timeout(grace, async {
         while let Some(next) = conn.accept().await {

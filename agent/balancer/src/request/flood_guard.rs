@@ -23,7 +23,7 @@ use std::io;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use skewless_frame::{Follower, Kind};
+use skewless_frame::{Follower, HEADER_LEN, Head, Kind};
 use tokio::{sync::oneshot, time::Instant};
 
 use crate::flood::FrameBudgets;
@@ -53,6 +53,12 @@ impl Cut {
 #[derive(Debug)]
 pub(crate) struct FloodGuard {
     frames: Follower,
+    state: Followed,
+}
+
+/// What the guard learned from the frame headers so far.
+#[derive(Debug)]
+struct Followed {
     budgets: FrameBudgets,
     tripped: Option<Cut>,
     /// The client's first frame was a SETTINGS without ACK: its preface is complete (the
@@ -62,7 +68,36 @@ pub(crate) struct FloodGuard {
     first_seen: bool,
     /// A PING (not an ACK) came by since this was last cleared: the client keeps its
     /// connection alive (see `Config::idle_timeout`).
-    pub(crate) pinged: bool,
+    pinged: bool,
+    /// The highest stream id a HEADERS frame came by on.
+    last_headers: u32,
+}
+
+impl Followed {
+    /// One frame header: the preface check and what it spends. `now` is read from `clock`
+    /// once, when a first header needs it.
+    fn head(&mut self, head: &Head, now: &mut Option<Instant>, clock: &impl Fn() -> Instant) {
+        if self.tripped.is_some() {
+            return;
+        }
+        if !std::mem::replace(&mut self.first_seen, true) {
+            if head.kind == Kind::Settings && !head.is_ack() {
+                self.settings_seen = true;
+            } else {
+                self.tripped = Some(Cut::BadPreface);
+                return;
+            }
+        }
+        if head.kind == Kind::Headers {
+            self.last_headers = self.last_headers.max(head.stream_id);
+        }
+        if !matches!(head.kind, Kind::Ping | Kind::Settings | Kind::RstStream) {
+            return;
+        }
+        self.pinged |= head.kind == Kind::Ping && !head.is_ack();
+        let now = *now.get_or_insert_with(clock);
+        self.tripped = self.budgets.spend(head, now).map(Cut::Flood);
+    }
 }
 
 impl FloodGuard {
@@ -70,11 +105,14 @@ impl FloodGuard {
         Self {
             // Frame sizes are h2's to check: the follower accepts any.
             frames: Follower::client(skewless_frame::MAX_MAX_FRAME_SIZE),
-            budgets: FrameBudgets::new(limits, now),
-            tripped: None,
-            settings_seen: false,
-            first_seen: false,
-            pinged: false,
+            state: Followed {
+                budgets: FrameBudgets::new(limits, now),
+                tripped: None,
+                settings_seen: false,
+                first_seen: false,
+                pinged: false,
+                last_headers: 0,
+            },
         }
     }
 
@@ -85,39 +123,34 @@ impl FloodGuard {
     /// RST_STREAM) comes by, at most once per read: most reads carry none and need
     /// no clock (a call's reads are part of its CPU cost).
     pub(crate) fn feed(&mut self, bytes: &[u8], clock: impl Fn() -> Instant) -> Option<Cut> {
-        if self.tripped.is_some() {
-            return self.tripped;
+        if self.state.tripped.is_none() {
+            let mut now = None;
+            let Self { frames, state } = self;
+            // An error (a broken preface) ends the following; the headers before it count.
+            let _ = frames.each_head(bytes, |head| state.head(&head, &mut now, &clock));
         }
-        let mut now = None;
-        let Self {
-            frames,
-            budgets,
-            tripped,
-            settings_seen,
-            first_seen,
-            pinged,
-        } = self;
-        // An error (a broken preface) ends the following; the headers before it count.
-        let _ = frames.each_head(bytes, |head| {
-            if tripped.is_some() {
-                return;
-            }
-            if !std::mem::replace(first_seen, true) {
-                if head.kind == Kind::Settings && !head.is_ack() {
-                    *settings_seen = true;
-                } else {
-                    *tripped = Some(Cut::BadPreface);
-                    return;
+        self.state.tripped
+    }
+
+    /// As [`FloodGuard::feed`], also handing `f` each header (until a cut-off), with its bytes
+    /// when they lie whole in `bytes`, to rewrite (see [`Follower::each_head_mut`]).
+    pub(crate) fn feed_mut(
+        &mut self,
+        bytes: &mut [u8],
+        clock: impl Fn() -> Instant,
+        mut f: impl FnMut(&Head, Option<&mut [u8; HEADER_LEN]>),
+    ) -> Option<Cut> {
+        if self.state.tripped.is_none() {
+            let mut now = None;
+            let Self { frames, state } = self;
+            let _ = frames.each_head_mut(bytes, |head, whole| {
+                state.head(&head, &mut now, &clock);
+                if state.tripped.is_none() {
+                    f(&head, whole);
                 }
-            }
-            if !matches!(head.kind, Kind::Ping | Kind::Settings | Kind::RstStream) {
-                return;
-            }
-            *pinged |= head.kind == Kind::Ping && !head.is_ack();
-            let now = *now.get_or_insert_with(&clock);
-            *tripped = budgets.spend(&head, now).map(Cut::Flood);
-        });
-        *tripped
+            });
+        }
+        self.state.tripped
     }
 }
 
@@ -153,15 +186,19 @@ pub(crate) struct Guard {
     cut: Option<oneshot::Sender<Cut>>,
     /// Set when the client sends a PING, cleared by the connection's idle check.
     pinged: Arc<AtomicBool>,
+    final_go_away: FinalGoAway,
 }
 
 impl Guard {
+    /// `winding_down` is set by the connection's owner before it starts h2's graceful
+    /// shutdown (see [`FinalGoAway`]).
     pub(crate) fn new(
         limits: FloodLimits,
         counters: Arc<FloodCounters>,
         preface_done: oneshot::Sender<()>,
         cut: oneshot::Sender<Cut>,
         pinged: Arc<AtomicBool>,
+        winding_down: Arc<AtomicBool>,
     ) -> Self {
         Self {
             guard: FloodGuard::new(limits, Instant::now()),
@@ -169,21 +206,103 @@ impl Guard {
             preface_done: Some(preface_done),
             cut: Some(cut),
             pinged,
+            final_go_away: FinalGoAway {
+                winding_down,
+                refused_above: None,
+                held: [0; HEADER_LEN],
+                held_len: 0,
+            },
         }
+    }
+}
+
+/// A frame type no endpoint knows: a receiver ignores the frame (RFC 9113 section 4.1).
+const IGNORED_KIND: u8 = 0xfb;
+
+/// Keeps the client's WINDOW_UPDATEs for streams h2's final GOAWAY refused from h2.
+///
+/// h2's graceful shutdown sends GOAWAY (last stream 2^31-1) and a PING; when the client's PING
+/// ACK comes in, h2 sends the final GOAWAY with the last stream it took and ignores HEADERS
+/// above it. But h2 (0.4) does not count such a stream as opened, so a WINDOW_UPDATE for it
+/// (grpc-core sends one for a large message before it has read the final GOAWAY) looks to h2
+/// like one on an idle stream: a connection error, GOAWAY(PROTOCOL_ERROR), and every call
+/// still finishing on the connection fails. RFC 9113 section 6.8 says the frame is to be
+/// ignored; so it is made a frame of an unknown type before h2 reads it.
+///
+/// The stream h2 takes last is at most the highest stream a HEADERS frame came by on before
+/// the first PING ACK after the owner set `winding_down` (the balancer sends no PING of its
+/// own on a client connection). From then on the guard holds back the bytes of a frame header
+/// split across reads until it is whole, so that each can be rewritten.
+struct FinalGoAway {
+    winding_down: Arc<AtomicBool>,
+    /// Once the shutdown's PING came back: the streams above this one are refused.
+    refused_above: Option<u32>,
+    /// The start of a frame header held back from h2 (see [`ReadTap::held`]).
+    held: [u8; HEADER_LEN],
+    held_len: u8,
+}
+
+impl FinalGoAway {
+    /// Follows what a read brought (the held bytes, then the new ones; the follower has
+    /// forgotten the held ones) while the connection winds down; returns how many bytes at
+    /// its end to hold back.
+    fn feed(&mut self, guard: &mut FloodGuard, bytes: &mut [u8]) -> (Option<Cut>, usize) {
+        let mut last_headers = guard.state.last_headers;
+        let refused_above = &mut self.refused_above;
+        let cut = guard.feed_mut(bytes, Instant::now, |head, whole| match head.kind {
+            Kind::Headers => last_headers = last_headers.max(head.stream_id),
+            Kind::Ping if head.is_ack() && refused_above.is_none() => {
+                *refused_above = Some(last_headers);
+            }
+            Kind::WindowUpdate
+                if head.stream_id != 0 && refused_above.is_some_and(|l| head.stream_id > l) =>
+            {
+                if let Some(whole) = whole {
+                    whole[3] = IGNORED_KIND;
+                } else {
+                    tracing::debug!(
+                        stream = head.stream_id,
+                        "a WINDOW_UPDATE for a refused stream was handed on before it was whole"
+                    );
+                }
+            }
+            _ => {}
+        });
+        let partial = guard.frames.partial_header().len();
+        // Only a header begun in this read can be held back whole.
+        if self.refused_above.is_none() || cut.is_some() || partial == 0 || partial > bytes.len() {
+            return (cut, 0);
+        }
+        guard.frames.unread_partial_header();
+        self.held[..partial].copy_from_slice(&bytes[bytes.len() - partial..]);
+        // A header is 9 bytes.
+        self.held_len = partial as u8;
+        (cut, partial)
     }
 }
 
 impl ReadTap for Guard {
     fn stalled(&self) -> bool {
-        self.guard.tripped.is_some()
+        self.guard.state.tripped.is_some()
     }
 
-    fn read(&mut self, bytes: &[u8]) -> io::Result<()> {
-        let cut = self.guard.feed(bytes, Instant::now);
-        if std::mem::take(&mut self.guard.pinged) {
+    fn held(&self) -> &[u8] {
+        &self.final_go_away.held[..usize::from(self.final_go_away.held_len)]
+    }
+
+    fn read(&mut self, bytes: &mut [u8]) -> io::Result<usize> {
+        // Before the wind-down (almost every read) nothing is rewritten nor held.
+        let (cut, keep) = if self.final_go_away.winding_down.load(Ordering::Relaxed) {
+            self.final_go_away.held_len = 0;
+            self.final_go_away.feed(&mut self.guard, bytes)
+        } else {
+            (self.guard.feed(bytes, Instant::now), 0)
+        };
+        let state = &mut self.guard.state;
+        if std::mem::take(&mut state.pinged) {
             self.pinged.store(true, Ordering::Relaxed);
         }
-        if self.guard.settings_seen
+        if state.settings_seen
             && let Some(done) = self.preface_done.take()
         {
             let _ = done.send(());
@@ -197,7 +316,17 @@ impl ReadTap for Guard {
             tracing::debug!(?cut, "client cut off, closing its connection");
             let _ = tx.send(cut);
         }
-        Ok(())
+        Ok(keep)
+    }
+
+    fn release(&mut self, n: usize) {
+        let f = &mut self.final_go_away;
+        let len = usize::from(f.held_len);
+        // Handed on as they are: the follower takes them now (they complete no header).
+        self.guard.feed(&f.held[..n], Instant::now);
+        f.held.copy_within(n..len, 0);
+        // At most 9.
+        f.held_len = (len - n) as u8;
     }
 }
 
@@ -351,9 +480,9 @@ mod tests {
     async fn the_preface_is_complete_only_with_a_settings_frame_that_is_no_ack() {
         let mut g = FloodGuard::new(FloodLimits::default(), Instant::now());
         assert_eq!(g.feed(PREFACE, Instant::now), None, "the magic alone");
-        assert!(!g.settings_seen, "not complete after the magic");
+        assert!(!g.state.settings_seen, "not complete after the magic");
         assert_eq!(g.feed(&frame(Kind::Settings, 0, 0, 6), Instant::now), None);
-        assert!(g.settings_seen, "complete with the client's SETTINGS");
+        assert!(g.state.settings_seen, "complete with the client's SETTINGS");
         assert_eq!(
             g.feed(&frame(Kind::Settings, 0x1, 0, 0), Instant::now),
             None,
@@ -374,7 +503,137 @@ mod tests {
                 Some(Cut::BadPreface),
                 "{what} as the first frame is no preface"
             );
-            assert!(!g.settings_seen, "{what}: never complete");
+            assert!(!g.state.settings_seen, "{what}: never complete");
+        }
+    }
+
+    /// A guard whose connection winds down from its start, and the flag.
+    fn winding_guard() -> Guard {
+        Guard::new(
+            FloodLimits::default(),
+            Arc::default(),
+            oneshot::channel().0,
+            oneshot::channel().0,
+            Arc::default(),
+            Arc::new(AtomicBool::new(true)),
+        )
+    }
+
+    /// What a client sends across a wind-down, and what h2 must get: WINDOW_UPDATEs for
+    /// streams above the last HEADERS before the shutdown PING's ACK (stream 1) ignored, from
+    /// that ACK on; every other byte as sent.
+    fn across_the_final_go_away() -> (Vec<u8>, Vec<u8>) {
+        let window_update = |stream| frame(Kind::WindowUpdate, 0, stream, 4);
+        let (mut sent, mut ignored) = (hello(), Vec::new());
+        let mut put = |f: Vec<u8>, ignore: bool| {
+            if ignore {
+                ignored.push(sent.len() + 3);
+            }
+            sent.extend(f);
+        };
+        put(frame(Kind::Headers, 0x4, 1, 20), false);
+        put(window_update(1), false);
+        put(window_update(3), false);
+        put(frame(Kind::Ping, 0x1, 0, 8), false);
+        put(frame(Kind::Headers, 0x4, 3, 20), false);
+        put(window_update(3), true);
+        put(window_update(0), false);
+        put(window_update(1), false);
+        put(frame(Kind::Data, 0, 1, 30), false);
+        put(window_update(7), true);
+        put(frame(Kind::Ping, 0x1, 0, 8), false);
+        put(window_update(5), true);
+        let mut want = sent.clone();
+        for at in ignored {
+            want[at] = IGNORED_KIND;
+        }
+        (sent, want)
+    }
+
+    /// Passes `sent` through `guard` in reads of `cut` bytes as [`crate::socket::Tapped`]
+    /// does: what the guard holds goes first in the next read.
+    fn through(guard: &mut Guard, sent: &[u8], cut: usize) -> Vec<u8> {
+        let mut out = Vec::new();
+        for piece in sent.chunks(cut) {
+            let mut bytes = guard.held().to_vec();
+            bytes.extend_from_slice(piece);
+            let keep = guard.read(&mut bytes).expect("read");
+            out.extend_from_slice(&bytes[..bytes.len() - keep]);
+        }
+        assert!(
+            guard.held().is_empty(),
+            "the stream ends at a frame boundary"
+        );
+        out
+    }
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn window_updates_for_streams_the_final_goaway_refused_are_ignored_in_any_reads() {
+        let (sent, want) = across_the_final_go_away();
+        for cut in 1..=sent.len() {
+            assert_eq!(
+                through(&mut winding_guard(), &sent, cut),
+                want,
+                "in reads of {cut} bytes"
+            );
+        }
+        let mut before = winding_guard();
+        before
+            .final_go_away
+            .winding_down
+            .store(false, Ordering::Relaxed);
+        assert_eq!(
+            through(&mut before, &sent, 7),
+            sent,
+            "nothing is rewritten before the connection winds down"
+        );
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_tapped_socket_hands_on_held_bytes_first_and_in_order() {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let (sent, want) = across_the_final_go_away();
+        for read_size in [4096, 11, 5] {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+                .await
+                .expect("bind");
+            let mut client = tokio::net::TcpStream::connect(listener.local_addr().expect("addr"))
+                .await
+                .expect("connect");
+            let (server, _) = listener.accept().await.expect("accept");
+            let mut tapped =
+                crate::socket::Tapped::new(server, winding_guard(), crate::socket::Close::AtOnce);
+            let writer = {
+                let sent = sent.clone();
+                tokio::spawn(async move {
+                    // Pieces that split frame headers, each read on its own.
+                    for piece in sent.chunks(6) {
+                        client.write_all(piece).await.expect("write");
+                        tokio::time::sleep(Duration::from_millis(2)).await;
+                    }
+                })
+            };
+            let mut got = Vec::new();
+            let mut buf = vec![0u8; read_size];
+            loop {
+                let n = tapped.read(&mut buf).await.expect("read");
+                if n == 0 {
+                    break;
+                }
+                got.extend_from_slice(&buf[..n]);
+            }
+            writer.await.expect("writer");
+            if read_size > HEADER_LEN {
+                assert_eq!(got, want, "reads of at most {read_size} bytes");
+            } else {
+                // Too small a buffer for the held bytes and more: they go on as they are.
+                assert_eq!(got.len(), sent.len(), "reads of at most {read_size} bytes");
+                let differ: Vec<usize> = (0..sent.len()).filter(|&i| got[i] != sent[i]).collect();
+                assert!(
+                    differ.iter().all(|&i| want[i] == got[i]),
+                    "only rewrites differ: {differ:?}"
+                );
+            }
         }
     }
 }

@@ -89,7 +89,7 @@ impl FrameHeaders {
 }
 
 impl ReadTap for ServerFrames {
-    fn read(&mut self, bytes: &[u8]) -> io::Result<()> {
+    fn read(&mut self, bytes: &mut [u8]) -> io::Result<usize> {
         if let Some(tx) = self.spoke.take() {
             let _ = tx.send(());
         }
@@ -103,7 +103,7 @@ impl ReadTap for ServerFrames {
             // Stores a permit if nobody waits yet: the event is not lost.
             go_away.notify_one();
         }
-        Ok(())
+        Ok(0)
     }
 }
 

@@ -7,6 +7,7 @@ on_both_paths!(
     max_connection_age_rotates_client_connections_and_fails_no_call_it_received,
     max_connection_age_set_live_rotates_open_client_connections,
     what_a_client_sends_after_its_connection_is_rotated_is_read_not_reset,
+    window_updates_for_streams_the_final_goaway_refused_cost_no_call,
     broken_client_connections_are_closed_without_disturbing_other_clients,
     malformed_requests_are_reset_and_their_connection_serves_on,
     a_client_that_allows_no_hpack_table_is_answered_without_one,
@@ -251,6 +252,102 @@ async fn what_a_client_sends_after_its_connection_is_rotated_is_read_not_reset<P
         second.is_ok() && matches!(read, Ok(0)),
         "the balancer reads what arrives after its FIN instead of resetting the connection: \
          second late write {second:?}, read {read:?}"
+    );
+    b.stop().await;
+}
+
+/// A client whose streams cross the balancer's final GOAWAY: it opens a stream after it
+/// acknowledged the GOAWAY's PING and, before it reads the final GOAWAY that refuses that
+/// stream, sends a WINDOW_UPDATE for it (grpc-core does, for a large message). RFC 9113
+/// section 6.8 says such frames are ignored; the stream in flight before them must finish.
+async fn window_updates_for_streams_the_final_goaway_refused_cost_no_call<P: DataPath>() {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let pods = pods(1).await;
+    // The call in flight is answered well after the max age starts the wind-down.
+    pods[0].control.set_delay(Duration::from_millis(600));
+    let config = Config {
+        max_connection_age: Some(Duration::from_millis(200)),
+        ..Config::default()
+    };
+    let b = balancer_on::<P>(config, endpoints(&pods)).await;
+    let request = header_block(&[
+        (":method", "POST"),
+        (":scheme", "http"),
+        (":path", "/skewless.echo.v1.Echo/Echo"),
+        (":authority", "x"),
+        ("content-type", "application/grpc"),
+        ("te", "trailers"),
+    ]);
+    // An empty EchoRequest, in a gRPC message frame.
+    let message = support::frame(Kind::Data, skewless_frame::flags::END_STREAM, 1, &[0; 5]);
+    let mut tcp = tokio::net::TcpStream::connect(b.addr)
+        .await
+        .expect("connect");
+    let mut out = support::hello();
+    put_headers(&mut out, 1, skewless_frame::flags::END_HEADERS, &request);
+    out.extend(message);
+    tcp.write_all(&out).await.expect("the first call");
+    let (mut go_aways, mut finished, mut reset) = (Vec::new(), false, None);
+    let closed = tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            // Until the balancer closes the connection.
+            let mut header = [0u8; skewless_frame::HEADER_LEN];
+            if tcp.read_exact(&mut header).await.is_err() {
+                return;
+            }
+            let head = Head::decode(&header);
+            let mut payload = vec![0u8; head.len as usize];
+            if tcp.read_exact(&mut payload).await.is_err() {
+                return;
+            }
+            let mut answer = Vec::new();
+            match head.kind {
+                Kind::Settings if !head.is_ack() => answer = support::settings_ack(),
+                Kind::Ping if !head.is_ack() => {
+                    let ping = Ping::decode(&head, &payload).expect("PING");
+                    answer = support::ping(true, ping.opaque);
+                    // Written with the ACK, before the final GOAWAY can be read: stream 3,
+                    // then a WINDOW_UPDATE for it.
+                    put_headers(&mut answer, 3, skewless_frame::flags::END_HEADERS, &request);
+                    answer.extend(support::frame(
+                        Kind::WindowUpdate,
+                        0,
+                        3,
+                        &65_535u32.to_be_bytes(),
+                    ));
+                }
+                Kind::GoAway => {
+                    let g = GoAway::decode(&head, &payload).expect("GOAWAY");
+                    go_aways.push((g.last_stream_id, g.error_code));
+                }
+                Kind::RstStream if head.stream_id == 1 => {
+                    reset = Some(
+                        skewless_frame::RstStream::decode(&head, &payload)
+                            .expect("RST_STREAM")
+                            .error_code,
+                    );
+                }
+                Kind::Headers if head.stream_id == 1 && head.is_end_stream() => finished = true,
+                _ => {}
+            }
+            if !answer.is_empty() && tcp.write_all(&answer).await.is_err() {
+                return;
+            }
+        }
+    })
+    .await;
+    assert!(closed.is_ok(), "the balancer closes the connection");
+    assert!(
+        finished && reset.is_none(),
+        "the call in flight finishes (reset: {reset:?}); GOAWAYs {go_aways:?}"
+    );
+    assert_eq!(
+        go_aways,
+        [
+            (MAX_STREAM_ID, ErrorCode::NO_ERROR),
+            (1, ErrorCode::NO_ERROR)
+        ],
+        "a two-phase GOAWAY that takes stream 1 and refuses stream 3, and no connection error"
     );
     b.stop().await;
 }
