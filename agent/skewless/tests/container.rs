@@ -589,7 +589,10 @@ fn the_daemonset_in_a_container_balances_drains_hands_over_and_fails_open() {
         failed.first()
     );
 
-    // SIGKILL: nothing of the agent runs, the kernel closes its links, calls go direct.
+    // SIGKILL: nothing of the agent runs, the kernel closes its links, calls go direct. The
+    // client's reconnect backoff is 100 ms (as in `agent.rs`'s SIGKILL test): a reconnect that
+    // meets the dying agent waits grpcio's default first backoff, 1 s +-20 %, which would
+    // measure grpcio, not skewless.
     let log2 = TempPath::new(format!("skewless-container-calls2-{}.log", tb.id()));
     let log2_arg = log2.display().to_string();
     let client = spawn_long_client(
@@ -597,7 +600,16 @@ fn the_daemonset_in_a_container_balances_drains_hands_over_and_fails_open() {
         &gen_dir,
         vip,
         4,
-        &["--duration", "6", "--timeout", "5", "--log", &log2_arg],
+        &[
+            "--duration",
+            "6",
+            "--timeout",
+            "5",
+            "--reconnect-backoff-ms",
+            "100",
+            "--log",
+            &log2_arg,
+        ],
     );
     wait_until("the client is under load", || served(&second) > 60);
     second.signal("KILL");
