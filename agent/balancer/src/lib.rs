@@ -44,6 +44,7 @@ mod linger;
 pub mod metrics;
 mod request;
 pub mod server;
+mod settle;
 mod socket;
 mod upstream;
 pub mod workers;

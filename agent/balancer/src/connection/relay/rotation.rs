@@ -14,6 +14,7 @@ use tokio::time::Instant;
 
 use super::conn::{Out, Side};
 use crate::metrics::RotationReason;
+use crate::settle;
 
 /// Our PING's opaque data: no gRPC server uses it (grpc-go sends 0x0106010800030309, Java a
 /// counter), so its ACK is recognised and swallowed, every other ACK is forwarded.
@@ -55,19 +56,6 @@ pub(super) enum Phase {
     Final,
 }
 
-/// Settling: the check that the client has no stream it created and has not written yet (see
-/// [`Rotation::settle_step`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Check {
-    /// Nothing of ours in flight: the check starts when the client is quiet.
-    Idle,
-    /// Our empty SETTINGS is out; `highest` and `acks` (the client's PING ACKs so far) as
-    /// when it was sent.
-    Settings { highest: u32, acks: u32 },
-    /// Its ACK came in a write with no PING ACK; our quiet PING is out, sent at `highest`.
-    Ping { highest: u32 },
-}
-
 /// What became of a client's PING ACK.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Ack {
@@ -92,11 +80,7 @@ pub(super) struct Rotation {
     /// Our quiesce PING's ACK arrived (taken by the run loop).
     pub(super) quiesce_acked: bool,
     /// Settling: where the check for unwritten streams stands.
-    check: Check,
-    /// The quiet PING's ACK arrived (taken by [`Rotation::settle_step`]).
-    quiet_acked: bool,
-    /// Our SETTINGS' ACK arrived (taken by [`Rotation::settle_step`]).
-    settings_acked: bool,
+    check: settle::Check,
     /// The backend's SETTINGS frames the client has not acknowledged yet (it acknowledges in
     /// the order it received them).
     backend_settings: u32,
@@ -116,9 +100,7 @@ impl Rotation {
             final_at: None,
             ping_acked: false,
             quiesce_acked: false,
-            check: Check::Idle,
-            quiet_acked: false,
-            settings_acked: false,
+            check: settle::Check::new(),
             backend_settings: 0,
             ours_behind: None,
             client_ping_acks: 0,
@@ -152,7 +134,7 @@ impl Rotation {
         match self.ours_behind {
             Some(0) => {
                 self.ours_behind = None;
-                self.settings_acked = true;
+                self.check.settings_acked();
                 return Ack::Ours;
             }
             Some(n) => self.ours_behind = Some(n - 1),
@@ -170,13 +152,12 @@ impl Rotation {
     /// The client sent a PING ACK with `opaque`: whether it answers a PING of ours.
     pub(super) fn client_ping_ack(&mut self, opaque: [u8; 8]) -> Ack {
         self.client_ping_acks = self.client_ping_acks.wrapping_add(1);
-        let seen = match opaque {
-            OUR_PING => &mut self.ping_acked,
-            OUR_QUIESCE_PING => &mut self.quiesce_acked,
-            OUR_QUIET_PING => &mut self.quiet_acked,
+        match opaque {
+            OUR_PING => self.ping_acked = true,
+            OUR_QUIESCE_PING => self.quiesce_acked = true,
+            OUR_QUIET_PING => self.check.ping_acked(),
             _ => return Ack::Theirs,
-        };
-        *seen = true;
+        }
         Ack::Ours
     }
 
@@ -242,26 +223,11 @@ impl Rotation {
     /// Settling, called after every round of I/O with the highest stream the client opened
     /// and whether it is `quiet` (it has ended every stream it opened and is inside no header
     /// block): sends the final GOAWAY once the client has shown it has no stream left to
-    /// write, else the next frame of that check. Returns whether a frame was queued.
-    ///
-    /// The PING's ACK proves the client read GOAWAY(2^31-1), so it creates no stream any
-    /// more, but not that every stream it created before has reached us. grpc-core (its
-    /// `writing.cc`) writes the streams' frames only in a write that carries no PING ACK: a
-    /// write with an ACK is cut to the ACK and the connection's control frames. A stream it
-    /// created just before it read the GOAWAY may so come one or several writes after the
-    /// ACK, and after any number of further ACKs if PINGs keep coming (two quiet PINGs, the
-    /// previous rule, relied on the client starting its next write before it read the
-    /// second one). A final GOAWAY below such a stream makes the client fail or retry a call
-    /// it had sent (grpc-core cannot retry one larger than its retry buffer, 256 KiB).
-    ///
-    /// So once the client is quiet (nothing of its own is left to write ahead of a new
-    /// stream's HEADERS), the relay sends an empty SETTINGS. The client's ACK of it goes in a
-    /// write that also writes every stream it has queued; if no PING ACK came between our
-    /// SETTINGS and its ACK, that write was not cut. Then our quiet PING: its ACK comes in a
-    /// later write, so once it is here that whole write is too. The client quiet throughout
-    /// with no new stream: the final GOAWAY names the highest stream it opened. Otherwise the
-    /// check starts over when it is quiet again; a client that never goes quiet meets the
-    /// settle deadline instead (the run loop's, half the drain grace).
+    /// write, else the next frame of that check ([`settle`]: an empty SETTINGS, then our quiet
+    /// PING). Returns whether a frame was queued. A client that never goes quiet meets the
+    /// settle deadline instead (the run loop's, half the drain grace). The previous rule (two
+    /// quiet PINGs) relied on the client starting its next write before it read the second
+    /// one.
     pub(super) fn settle_step(&mut self, highest: u32, quiet: bool, out: &mut Out) -> bool {
         if self.phase != Phase::Settling {
             return false;
@@ -270,36 +236,22 @@ impl Rotation {
             // A GOAWAY of the backend's already said as much as ours would: nothing to wait for.
             return self.finalize(highest, out);
         }
-        match self.check {
-            Check::Settings { highest: at, acks } if std::mem::take(&mut self.settings_acked) => {
-                if quiet && at == highest && acks == self.client_ping_acks {
-                    self.check = Check::Ping { highest };
-                    self.quiet_acked = false;
-                    out.ping(OUR_QUIET_PING);
-                    return true;
-                }
-                self.check = Check::Idle;
+        match self.check.step(highest, quiet, self.client_ping_acks) {
+            settle::Next::Wait => false,
+            settle::Next::Settings => {
+                self.ours_behind = Some(self.backend_settings);
+                Settings::encode(false, &[], &mut out.buf);
+                true
             }
-            Check::Ping { highest: at } if std::mem::take(&mut self.quiet_acked) => {
-                if quiet && at == highest {
-                    tracing::debug!(last = highest, "client quiet, final GOAWAY");
-                    return self.finalize(highest, out);
-                }
-                self.check = Check::Idle;
+            settle::Next::Ping => {
+                out.ping(OUR_QUIET_PING);
+                true
             }
-            _ => {}
+            settle::Next::Final => {
+                tracing::debug!(last = highest, "client quiet, final GOAWAY");
+                self.finalize(highest, out)
+            }
         }
-        if quiet && self.check == Check::Idle {
-            self.check = Check::Settings {
-                highest,
-                acks: self.client_ping_acks,
-            };
-            self.settings_acked = false;
-            self.ours_behind = Some(self.backend_settings);
-            Settings::encode(false, &[], &mut out.buf);
-            return true;
-        }
-        false
     }
 
     /// Step 2: the final GOAWAY with `highest`, the highest stream id the client opened (never
