@@ -180,15 +180,16 @@ impl Follower {
 
     /// As [`Follower::each_head`], also handing `f` the header's nine bytes when they lie whole
     /// in `input`, to rewrite before `input` goes on (`None` for a header begun in an earlier
-    /// input). Steps with [`Follower::next_head`]: for a follower that rewrites now and then,
-    /// not for every read of a busy connection.
+    /// input), and what follows the header in `input` (where its payload starts). Steps with
+    /// [`Follower::next_head`]: for a follower that rewrites now and then, not for every read
+    /// of a busy connection.
     ///
     /// # Errors
     /// As [`Follower::next_head`].
     pub fn each_head_mut(
         &mut self,
         input: &mut [u8],
-        mut f: impl FnMut(Head, Option<&mut [u8; HEADER_LEN]>),
+        mut f: impl FnMut(Head, Option<&mut [u8; HEADER_LEN]>, &[u8]),
     ) -> Result<(), FrameError> {
         let mut at = 0;
         loop {
@@ -199,10 +200,11 @@ impl Follower {
             };
             let end = input.len() - rest.len();
             at = end;
+            let (before, after) = input.split_at_mut(end);
             let whole = (!split && end >= HEADER_LEN)
-                .then(|| input[end - HEADER_LEN..end].first_chunk_mut())
+                .then(|| before[end - HEADER_LEN..].first_chunk_mut())
                 .flatten();
-            f(head, whole);
+            f(head, whole, after);
         }
     }
 }

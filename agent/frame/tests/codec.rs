@@ -424,11 +424,17 @@ proptest! {
         for w in at.windows(2) {
             looped.each_head(&stream[w[0]..w[1]], |h| heads.push(h)).expect("valid");
             let mut piece = stream[w[0]..w[1]].to_vec();
+            let original = piece.clone();
             rewriting
-                .each_head_mut(&mut piece, |h, bytes| {
+                .each_head_mut(&mut piece, |h, bytes, after| {
                     let mut h = h;
+                    // What follows the header in the piece, untouched so far.
+                    let at = original.len() - after.len();
+                    wrong |= after != &original[at..];
                     if let Some(bytes) = bytes {
-                        wrong |= Head::decode(bytes) != h;
+                        wrong |= Head::decode(bytes) != h
+                            || at < HEADER_LEN
+                            || original[at - HEADER_LEN..at] != bytes[..];
                         bytes[3] = 0xfe;
                         h.kind = Kind::Unknown(0xfe);
                         handed += 1;
@@ -436,7 +442,7 @@ proptest! {
                     expected.push(h);
                 })
                 .expect("valid");
-            prop_assert!(!wrong, "the bytes handed over are the header's");
+            prop_assert!(!wrong, "the bytes handed over are the header's, then what follows it");
             prop_assert_eq!(&rewriting, &looped, "state after piece {}..{}", w[0], w[1]);
             rewritten.extend(piece);
         }
