@@ -17,6 +17,7 @@ use crate::request::config::Config;
 use crate::request::flood_guard::{Cut, FloodLimits, Guard};
 use crate::request::pool::Pool;
 use crate::request::proxy;
+use crate::request::wind_down::{Settling, WindDown};
 use crate::server::{Lifecycle, NewConnection, Stop};
 use crate::socket::{Close, Tapped};
 use crate::upstream;
@@ -24,7 +25,7 @@ use crate::upstream;
 /// Most streams one client connection may have open at once. A pinned client sends all its
 /// calls over one connection, so this is its concurrency; what it can make the balancer buffer
 /// is bounded by the connection's flow-control window, not by this.
-const MAX_CLIENT_STREAMS: u32 = 1024;
+pub(crate) const MAX_CLIENT_STREAMS: u32 = 1024;
 /// Streams the balancer may reset for a client's protocol errors before it closes the
 /// connection (h2's guard against reset floods; hyper's default).
 const MAX_LOCAL_ERROR_RESETS: usize = 1024;
@@ -81,7 +82,7 @@ async fn serve(pool: Arc<Pool>, stream: TcpStream, mut stop: Stop<Config>) {
     let (preface_done, mut preface_in) = tokio::sync::oneshot::channel();
     let (cut_tx, mut cut_rx) = tokio::sync::oneshot::channel();
     let pinged = Arc::new(AtomicBool::new(false));
-    let winding_down = Arc::new(AtomicBool::new(false));
+    let wind_down = Arc::new(WindDown::default());
     let handshake = h2::server::Builder::new()
         // Fixed windows; see `upstream::STREAM_WINDOW`.
         .initial_window_size(upstream::STREAM_WINDOW)
@@ -98,7 +99,7 @@ async fn serve(pool: Arc<Pool>, stream: TcpStream, mut stop: Stop<Config>) {
                 preface_done,
                 cut_tx,
                 pinged.clone(),
-                winding_down.clone(),
+                wind_down.clone(),
             ),
             Close::Linger,
         ));
@@ -218,19 +219,24 @@ async fn serve(pool: Arc<Pool>, stream: TcpStream, mut stop: Stop<Config>) {
     // Two-phase GOAWAY (last stream id 2^31-1 and a PING, then the real last stream id): the
     // client stops opening streams on this connection and reconnects; streams in flight
     // finish within the grace period, and streams the client opened before it saw the GOAWAY
-    // are still served. The guard keeps h2 from failing the connection over the streams its
-    // final GOAWAY refuses (see `FinalGoAway`).
-    winding_down.store(true, Ordering::Relaxed);
-    conn.graceful_shutdown();
+    // are still served: the final GOAWAY waits until the client has written them (see
+    // `wind_down`).
+    let mut settling = Settling::start(&mut conn, &wind_down, grace);
     let drained = tokio::time::timeout(grace, async {
-        while let Some(next) = conn.accept().await {
-            match next {
-                Ok(stream) => spawn_stream(stream),
-                Err(error) => {
-                    count_client_error(&pool, &error);
-                    tracing::debug!(%error, "client connection failed while draining");
-                    return;
-                }
+        loop {
+            settling.step(&mut conn);
+            tokio::select! {
+                biased;
+                next = conn.accept() => match next {
+                    Some(Ok(stream)) => spawn_stream(stream),
+                    Some(Err(error)) => {
+                        count_client_error(&pool, &error);
+                        tracing::debug!(%error, "client connection failed while draining");
+                        return;
+                    }
+                    None => return,
+                },
+                () = settling.wait() => {}
             }
         }
     })

@@ -23,11 +23,13 @@ use std::io;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use skewless_frame::{Follower, HEADER_LEN, Head, Kind};
+use skewless_frame::{Follower, HEADER_LEN, Head, Kind, Ping, flags};
+use tokio::io::ReadBuf;
 use tokio::{sync::oneshot, time::Instant};
 
 use crate::flood::FrameBudgets;
 pub(crate) use crate::flood::{Flood, FloodLimits};
+use crate::request::wind_down::{Ack, WindDown};
 use crate::socket::ReadTap;
 
 /// Why the guard cut a client off.
@@ -71,7 +73,17 @@ struct Followed {
     pinged: bool,
     /// The highest stream id a HEADERS frame came by on.
     last_headers: u32,
+    /// The client's streams it has not ended yet (END_STREAM or RST_STREAM), oldest first:
+    /// whether it is quiet when its connection winds down (see `request::wind_down`).
+    open: Vec<u32>,
+    /// More streams were open at once than `open` keeps: the client is never taken for quiet.
+    open_overflow: bool,
+    /// A header block is under way (HEADERS or CONTINUATION without END_HEADERS).
+    in_block: bool,
 }
+
+/// Most open streams [`Followed::open`] keeps: twice the streams h2 lets a client have.
+const MAX_OPEN_KEPT: usize = 2 * crate::request::client::MAX_CLIENT_STREAMS as usize;
 
 impl Followed {
     /// One frame header: the preface check and what it spends. `now` is read from `clock`
@@ -88,15 +100,54 @@ impl Followed {
                 return;
             }
         }
-        if head.kind == Kind::Headers {
-            self.last_headers = self.last_headers.max(head.stream_id);
-        }
-        if !matches!(head.kind, Kind::Ping | Kind::Settings | Kind::RstStream) {
-            return;
+        let ends = head.flags & flags::END_STREAM != 0;
+        match head.kind {
+            Kind::Headers => {
+                self.in_block = head.flags & flags::END_HEADERS == 0;
+                if head.stream_id > self.last_headers {
+                    // A new stream (h2 checks that it is odd and rising).
+                    self.last_headers = head.stream_id;
+                    if !ends {
+                        if self.open.len() < MAX_OPEN_KEPT {
+                            self.open.push(head.stream_id);
+                        } else {
+                            self.open_overflow = true;
+                        }
+                    }
+                } else if ends {
+                    self.ended(head.stream_id);
+                }
+                return;
+            }
+            Kind::Continuation => {
+                self.in_block = head.flags & flags::END_HEADERS == 0;
+                return;
+            }
+            Kind::Data if ends => {
+                self.ended(head.stream_id);
+                return;
+            }
+            Kind::RstStream => self.ended(head.stream_id),
+            Kind::Ping | Kind::Settings => {}
+            _ => return,
         }
         self.pinged |= head.kind == Kind::Ping && !head.is_ack();
         let now = *now.get_or_insert_with(clock);
         self.tripped = self.budgets.spend(head, now).map(Cut::Flood);
+    }
+}
+
+impl Followed {
+    /// The client ended stream `id`.
+    fn ended(&mut self, id: u32) {
+        if let Some(at) = self.open.iter().position(|&s| s == id) {
+            self.open.remove(at);
+        }
+    }
+
+    /// The client has ended every stream it opened and is inside no header block.
+    fn quiet(&self) -> bool {
+        self.open.is_empty() && !self.open_overflow && !self.in_block
     }
 }
 
@@ -112,6 +163,9 @@ impl FloodGuard {
                 first_seen: false,
                 pinged: false,
                 last_headers: 0,
+                open: Vec::new(),
+                open_overflow: false,
+                in_block: false,
             },
         }
     }
@@ -133,20 +187,21 @@ impl FloodGuard {
     }
 
     /// As [`FloodGuard::feed`], also handing `f` each header (until a cut-off), with its bytes
-    /// when they lie whole in `bytes`, to rewrite (see [`Follower::each_head_mut`]).
+    /// when they lie whole in `bytes`, to rewrite, and what follows it (see
+    /// [`Follower::each_head_mut`]).
     pub(crate) fn feed_mut(
         &mut self,
         bytes: &mut [u8],
         clock: impl Fn() -> Instant,
-        mut f: impl FnMut(&Head, Option<&mut [u8; HEADER_LEN]>),
+        mut f: impl FnMut(&Head, Option<&mut [u8; HEADER_LEN]>, &[u8]),
     ) -> Option<Cut> {
         if self.state.tripped.is_none() {
             let mut now = None;
             let Self { frames, state } = self;
-            let _ = frames.each_head_mut(bytes, |head, whole| {
+            let _ = frames.each_head_mut(bytes, |head, whole, after| {
                 state.head(&head, &mut now, &clock);
                 if state.tripped.is_none() {
-                    f(&head, whole);
+                    f(&head, whole, after);
                 }
             });
         }
@@ -186,19 +241,18 @@ pub(crate) struct Guard {
     cut: Option<oneshot::Sender<Cut>>,
     /// Set when the client sends a PING, cleared by the connection's idle check.
     pinged: Arc<AtomicBool>,
-    final_go_away: FinalGoAway,
+    closing: Closing,
 }
 
 impl Guard {
-    /// `winding_down` is set by the connection's owner before it starts h2's graceful
-    /// shutdown (see [`FinalGoAway`]).
+    /// `wind_down` is shared with the connection's owner (see [`Closing`]).
     pub(crate) fn new(
         limits: FloodLimits,
         counters: Arc<FloodCounters>,
         preface_done: oneshot::Sender<()>,
         cut: oneshot::Sender<Cut>,
         pinged: Arc<AtomicBool>,
-        winding_down: Arc<AtomicBool>,
+        wind_down: Arc<WindDown>,
     ) -> Self {
         Self {
             guard: FloodGuard::new(limits, Instant::now()),
@@ -206,8 +260,8 @@ impl Guard {
             preface_done: Some(preface_done),
             cut: Some(cut),
             pinged,
-            final_go_away: FinalGoAway {
-                winding_down,
+            closing: Closing {
+                shared: wind_down,
                 refused_above: None,
                 held: [0; HEADER_LEN],
                 held_len: 0,
@@ -219,40 +273,64 @@ impl Guard {
 /// A frame type no endpoint knows: a receiver ignores the frame (RFC 9113 section 4.1).
 const IGNORED_KIND: u8 = 0xfb;
 
-/// Keeps the client's WINDOW_UPDATEs for streams h2's final GOAWAY refused from h2.
+/// The tap's part in a connection's wind-down (`request::wind_down`), from the moment the
+/// owner starts it: it holds the shutdown PING's ACK back from h2 and hands h2 one made up
+/// from it when told; it reports the client's streams and ACKs; and it keeps from h2 the
+/// client's WINDOW_UPDATEs for streams h2's final GOAWAY refused.
 ///
-/// h2's graceful shutdown sends GOAWAY (last stream 2^31-1) and a PING; when the client's PING
-/// ACK comes in, h2 sends the final GOAWAY with the last stream it took and ignores HEADERS
-/// above it. But h2 (0.4) does not count such a stream as opened, so a WINDOW_UPDATE for it
-/// (grpc-core sends one for a large message before it has read the final GOAWAY) looks to h2
-/// like one on an idle stream: a connection error, GOAWAY(PROTOCOL_ERROR), and every call
-/// still finishing on the connection fails. RFC 9113 section 6.8 says the frame is to be
-/// ignored; so it is made a frame of an unknown type before h2 reads it.
+/// h2 (0.4) ignores HEADERS above its final GOAWAY's last stream without counting the stream
+/// as opened, so a WINDOW_UPDATE for it (grpc-core sends one for a large message before it
+/// has read the final GOAWAY) looks to h2 like one on an idle stream: a connection error,
+/// GOAWAY(PROTOCOL_ERROR), and every call still finishing on the connection fails. RFC 9113
+/// section 6.8 says the frame is to be ignored; so it is made a frame of an unknown type. The
+/// streams refused are those above the highest a HEADERS frame came on when h2 got the ACK.
 ///
-/// The stream h2 takes last is at most the highest stream a HEADERS frame came by on before
-/// the first PING ACK after the owner set `winding_down` (the balancer sends no PING of its
-/// own on a client connection). From then on the guard holds back the bytes of a frame header
-/// split across reads until it is whole, so that each can be rewritten.
-struct FinalGoAway {
-    winding_down: Arc<AtomicBool>,
-    /// Once the shutdown's PING came back: the streams above this one are refused.
+/// While winding down, the bytes of a frame header split across reads are held back until it
+/// is whole, so that each can be rewritten.
+struct Closing {
+    shared: Arc<WindDown>,
+    /// Once h2 has the ACK: the streams above this one are refused.
     refused_above: Option<u32>,
     /// The start of a frame header held back from h2 (see [`ReadTap::held`]).
     held: [u8; HEADER_LEN],
     held_len: u8,
 }
 
-impl FinalGoAway {
+impl Closing {
     /// Follows what a read brought (the held bytes, then the new ones; the follower has
     /// forgotten the held ones) while the connection winds down; returns how many bytes at
     /// its end to hold back.
     fn feed(&mut self, guard: &mut FloodGuard, bytes: &mut [u8]) -> (Option<Cut>, usize) {
+        let mut seen = self.shared.seen();
+        if let Ack::Capturing { mut opaque, have } = seen.ack {
+            // The rest of the held ACK's opaque data comes first (no header is held inside a
+            // payload).
+            let have = usize::from(have);
+            let n = (opaque.len() - have).min(bytes.len());
+            opaque[have..have + n].copy_from_slice(&bytes[..n]);
+            seen.ack = capturing(opaque, have + n);
+        }
         let mut last_headers = guard.state.last_headers;
         let refused_above = &mut self.refused_above;
-        let cut = guard.feed_mut(bytes, Instant::now, |head, whole| match head.kind {
+        let cut = guard.feed_mut(bytes, Instant::now, |head, whole, after| match head.kind {
             Kind::Headers => last_headers = last_headers.max(head.stream_id),
-            Kind::Ping if head.is_ack() && refused_above.is_none() => {
-                *refused_above = Some(last_headers);
+            Kind::Ping if head.is_ack() && seen.ack == Ack::Awaited => match whole {
+                Some(whole) if !seen.release && head.len == 8 => {
+                    whole[3] = IGNORED_KIND;
+                    let n = after.len().min(8);
+                    let mut opaque = [0; 8];
+                    opaque[..n].copy_from_slice(&after[..n]);
+                    seen.ack = capturing(opaque, n);
+                }
+                _ => {
+                    // h2 gets it as it came: its final GOAWAY takes the streams so far.
+                    seen.ack = Ack::Handed;
+                    *refused_above = Some(last_headers);
+                }
+            },
+            Kind::Ping if head.is_ack() => seen.ping_acks = seen.ping_acks.wrapping_add(1),
+            Kind::Settings if head.is_ack() => {
+                seen.settings_acks = seen.settings_acks.wrapping_add(1);
             }
             Kind::WindowUpdate
                 if head.stream_id != 0 && refused_above.is_some_and(|l| head.stream_id > l) =>
@@ -268,9 +346,13 @@ impl FinalGoAway {
             }
             _ => {}
         });
+        seen.highest = guard.state.last_headers;
+        seen.quiet = guard.state.quiet();
+        drop(seen);
+        self.shared.changed();
         let partial = guard.frames.partial_header().len();
         // Only a header begun in this read can be held back whole.
-        if self.refused_above.is_none() || cut.is_some() || partial == 0 || partial > bytes.len() {
+        if cut.is_some() || partial == 0 || partial > bytes.len() {
             return (cut, 0);
         }
         guard.frames.unread_partial_header();
@@ -278,6 +360,38 @@ impl FinalGoAway {
         // A header is 9 bytes.
         self.held_len = partial as u8;
         (cut, partial)
+    }
+
+    /// Once the owner said so: the held ACK, made up again, for h2 to read next, at a frame
+    /// boundary of the client's.
+    fn inject(&mut self, guard: &FloodGuard, buf: &mut ReadBuf<'_>) -> bool {
+        let frame_len = HEADER_LEN + 8;
+        if self.held_len > 0 || !guard.frames.at_boundary() || buf.remaining() < frame_len {
+            return false;
+        }
+        let mut seen = self.shared.seen();
+        let (Ack::Held(opaque), true) = (seen.ack, seen.release) else {
+            return false;
+        };
+        seen.ack = Ack::Handed;
+        self.refused_above = Some(seen.highest);
+        let mut frame = Vec::with_capacity(frame_len);
+        Ping { ack: true, opaque }.encode(&mut frame);
+        buf.put_slice(&frame);
+        true
+    }
+}
+
+/// The ACK's state with `have` bytes of its opaque data in `opaque`.
+fn capturing(opaque: [u8; 8], have: usize) -> Ack {
+    if have >= opaque.len() {
+        Ack::Held(opaque)
+    } else {
+        // Fewer than 8.
+        Ack::Capturing {
+            opaque,
+            have: have as u8,
+        }
     }
 }
 
@@ -287,14 +401,18 @@ impl ReadTap for Guard {
     }
 
     fn held(&self) -> &[u8] {
-        &self.final_go_away.held[..usize::from(self.final_go_away.held_len)]
+        &self.closing.held[..usize::from(self.closing.held_len)]
+    }
+
+    fn inject(&mut self, buf: &mut ReadBuf<'_>) -> bool {
+        self.closing.shared.started() && self.closing.inject(&self.guard, buf)
     }
 
     fn read(&mut self, bytes: &mut [u8]) -> io::Result<usize> {
         // Before the wind-down (almost every read) nothing is rewritten nor held.
-        let (cut, keep) = if self.final_go_away.winding_down.load(Ordering::Relaxed) {
-            self.final_go_away.held_len = 0;
-            self.final_go_away.feed(&mut self.guard, bytes)
+        let (cut, keep) = if self.closing.shared.started() {
+            self.closing.held_len = 0;
+            self.closing.feed(&mut self.guard, bytes)
         } else {
             (self.guard.feed(bytes, Instant::now), 0)
         };
@@ -320,7 +438,7 @@ impl ReadTap for Guard {
     }
 
     fn release(&mut self, n: usize) {
-        let f = &mut self.final_go_away;
+        let f = &mut self.closing;
         let len = usize::from(f.held_len);
         // Handed on as they are: the follower takes them now (they complete no header).
         self.guard.feed(&f.held[..n], Instant::now);
@@ -508,20 +626,25 @@ mod tests {
     }
 
     /// A guard whose connection winds down from its start, and the flag.
-    fn winding_guard() -> Guard {
+    /// A guard whose connection winds down from its start; `released`: the owner has already
+    /// said to hand h2 the shutdown PING's ACK as it comes (the settle deadline passed).
+    fn winding_guard(released: bool) -> Guard {
+        let wind_down = Arc::new(WindDown::default());
+        wind_down.start();
+        wind_down.seen().release = released;
         Guard::new(
             FloodLimits::default(),
             Arc::default(),
             oneshot::channel().0,
             oneshot::channel().0,
             Arc::default(),
-            Arc::new(AtomicBool::new(true)),
+            wind_down,
         )
     }
 
-    /// What a client sends across a wind-down, and what h2 must get: WINDOW_UPDATEs for
-    /// streams above the last HEADERS before the shutdown PING's ACK (stream 1) ignored, from
-    /// that ACK on; every other byte as sent.
+    /// What a client sends across a wind-down whose shutdown PING's ACK goes to h2 as it
+    /// comes, and what h2 must get: WINDOW_UPDATEs for streams above the last HEADERS before
+    /// that ACK (stream 1) ignored, from the ACK on; every other byte as sent.
     fn across_the_final_go_away() -> (Vec<u8>, Vec<u8>) {
         let window_update = |stream| frame(Kind::WindowUpdate, 0, stream, 4);
         let (mut sent, mut ignored) = (hello(), Vec::new());
@@ -572,16 +695,19 @@ mod tests {
         let (sent, want) = across_the_final_go_away();
         for cut in 1..=sent.len() {
             assert_eq!(
-                through(&mut winding_guard(), &sent, cut),
+                through(&mut winding_guard(true), &sent, cut),
                 want,
                 "in reads of {cut} bytes"
             );
         }
-        let mut before = winding_guard();
-        before
-            .final_go_away
-            .winding_down
-            .store(false, Ordering::Relaxed);
+        let mut before = Guard::new(
+            FloodLimits::default(),
+            Arc::default(),
+            oneshot::channel().0,
+            oneshot::channel().0,
+            Arc::default(),
+            Arc::default(),
+        );
         assert_eq!(
             through(&mut before, &sent, 7),
             sent,
@@ -601,8 +727,11 @@ mod tests {
                 .await
                 .expect("connect");
             let (server, _) = listener.accept().await.expect("accept");
-            let mut tapped =
-                crate::socket::Tapped::new(server, winding_guard(), crate::socket::Close::AtOnce);
+            let mut tapped = crate::socket::Tapped::new(
+                server,
+                winding_guard(true),
+                crate::socket::Close::AtOnce,
+            );
             let writer = {
                 let sent = sent.clone();
                 tokio::spawn(async move {
@@ -635,5 +764,57 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn the_shutdown_pings_ack_is_held_until_released_then_made_up_for_h2() {
+        let opaque = *b"shutdown";
+        let ack = |f: &mut Vec<u8>| {
+            Ping { ack: true, opaque }.encode(f);
+        };
+        let mut sent = hello();
+        sent.extend(frame(Kind::Headers, 0x4 | 0x1, 1, 20));
+        sent.extend(frame(Kind::Headers, 0x4, 3, 20));
+        let ack_at = sent.len();
+        ack(&mut sent);
+        sent.extend(frame(Kind::Headers, 0x4, 5, 20));
+        sent.extend(frame(Kind::Data, 0x1, 3, 10));
+        for cut in 1..=sent.len() {
+            let mut g = winding_guard(false);
+            let got = through(&mut g, &sent, cut);
+            let mut want = sent.clone();
+            want[ack_at + 3] = IGNORED_KIND;
+            assert_eq!(
+                got, want,
+                "the ACK is kept from h2, in reads of {cut} bytes"
+            );
+            {
+                let seen = g.closing.shared.seen();
+                assert_eq!(seen.ack, Ack::Held(opaque), "in reads of {cut} bytes");
+                assert_eq!((seen.highest, seen.quiet), (5, false), "stream 5 is open");
+            }
+            let mut space = [0u8; 64];
+            let mut buf = ReadBuf::new(&mut space);
+            assert!(!g.inject(&mut buf), "not before the owner says so");
+            g.closing.shared.seen().release = true;
+            assert!(g.inject(&mut buf));
+            let mut made_up = Vec::new();
+            ack(&mut made_up);
+            assert_eq!(buf.filled(), made_up, "the ACK, made up again");
+            assert_eq!(g.closing.shared.seen().ack, Ack::Handed);
+            assert!(!g.inject(&mut ReadBuf::new(&mut space)), "once");
+            // From then on the streams above 5 are refused.
+            let mut late = frame(Kind::WindowUpdate, 0, 7, 4);
+            late.extend(frame(Kind::WindowUpdate, 0, 5, 4));
+            let mut want = late.clone();
+            want[3] = IGNORED_KIND;
+            assert_eq!(through(&mut g, &late, cut), want, "in reads of {cut} bytes");
+        }
+        // Quiet once every stream is ended.
+        let mut g = winding_guard(false);
+        let mut ended = sent.clone();
+        ended.extend(frame(Kind::RstStream, 0, 5, 4));
+        through(&mut g, &ended, 7);
+        assert!(g.closing.shared.seen().quiet, "streams 1, 3 and 5 ended");
     }
 }

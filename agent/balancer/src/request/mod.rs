@@ -4,7 +4,7 @@
 //! the `retry_budget`); a client that floods its connection with control frames is cut off
 //! (`flood`). [`Balancer`] is one Service port's request-mode balancer on one worker.
 
-mod client;
+pub(crate) mod client;
 pub mod codec;
 pub mod config;
 pub(crate) mod flood_guard;
@@ -14,6 +14,7 @@ mod proxy;
 mod retry;
 mod retry_budget;
 pub mod status;
+mod wind_down;
 
 use std::future::Future;
 use std::net::SocketAddr;

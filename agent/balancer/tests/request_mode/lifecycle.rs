@@ -256,11 +256,47 @@ async fn what_a_client_sends_after_its_connection_is_rotated_is_read_not_reset<P
     b.stop().await;
 }
 
-/// A client whose streams cross the balancer's final GOAWAY: it opens a stream after it
-/// acknowledged the GOAWAY's PING and, before it reads the final GOAWAY that refuses that
-/// stream, sends a WINDOW_UPDATE for it (grpc-core does, for a large message). RFC 9113
-/// section 6.8 says such frames are ignored; the stream in flight before them must finish.
-async fn window_updates_for_streams_the_final_goaway_refused_cost_no_call<P: DataPath>() {
+/// What a raw client saw of a connection wound down by its max age (see [`wound_down`]).
+#[derive(Debug, Default)]
+struct WoundDown {
+    /// Every GOAWAY: last stream id and error code.
+    go_aways: Vec<(u32, ErrorCode)>,
+    /// Streams answered to their end (a HEADERS frame with END_STREAM).
+    finished: Vec<u32>,
+    /// Streams reset, with the code.
+    reset: Vec<(u32, ErrorCode)>,
+}
+
+/// The request a raw client sends in [`wound_down`]: HEADERS and an empty EchoRequest, ended.
+fn echo_request(stream: u32) -> Vec<u8> {
+    let block = header_block(&[
+        (":method", "POST"),
+        (":scheme", "http"),
+        (":path", "/skewless.echo.v1.Echo/Echo"),
+        (":authority", "x"),
+        ("content-type", "application/grpc"),
+        ("te", "trailers"),
+    ]);
+    let mut out = Vec::new();
+    put_headers(&mut out, stream, skewless_frame::flags::END_HEADERS, &block);
+    out.extend(support::frame(
+        Kind::Data,
+        skewless_frame::flags::END_STREAM,
+        stream,
+        &[0; 5],
+    ));
+    out
+}
+
+/// A raw client on data path `P` with a 200 ms max age, over one pod that answers in 600 ms:
+/// it calls on stream 1, and answers the first PING (the wind-down's) with what `at_ping`
+/// makes of the ACK, one write per element; every later SETTINGS and PING it acknowledges at
+/// once. On the final GOAWAY it writes what `at_final` makes of its last stream id. Returns
+/// what it saw until the balancer closed the connection (within 5 s).
+async fn wound_down<P: DataPath>(
+    at_ping: impl FnOnce(Vec<u8>) -> Vec<Vec<u8>>,
+    at_final: impl FnOnce(u32) -> Vec<u8>,
+) -> WoundDown {
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     let pods = pods(1).await;
     // The call in flight is answered well after the max age starts the wind-down.
@@ -270,24 +306,14 @@ async fn window_updates_for_streams_the_final_goaway_refused_cost_no_call<P: Dat
         ..Config::default()
     };
     let b = balancer_on::<P>(config, endpoints(&pods)).await;
-    let request = header_block(&[
-        (":method", "POST"),
-        (":scheme", "http"),
-        (":path", "/skewless.echo.v1.Echo/Echo"),
-        (":authority", "x"),
-        ("content-type", "application/grpc"),
-        ("te", "trailers"),
-    ]);
-    // An empty EchoRequest, in a gRPC message frame.
-    let message = support::frame(Kind::Data, skewless_frame::flags::END_STREAM, 1, &[0; 5]);
     let mut tcp = tokio::net::TcpStream::connect(b.addr)
         .await
         .expect("connect");
     let mut out = support::hello();
-    put_headers(&mut out, 1, skewless_frame::flags::END_HEADERS, &request);
-    out.extend(message);
+    out.extend(echo_request(1));
     tcp.write_all(&out).await.expect("the first call");
-    let (mut go_aways, mut finished, mut reset) = (Vec::new(), false, None);
+    let (mut at_ping, mut at_final) = (Some(at_ping), Some(at_final));
+    let mut seen = WoundDown::default();
     let closed = tokio::time::timeout(Duration::from_secs(5), async {
         loop {
             // Until the balancer closes the connection.
@@ -300,56 +326,108 @@ async fn window_updates_for_streams_the_final_goaway_refused_cost_no_call<P: Dat
             if tcp.read_exact(&mut payload).await.is_err() {
                 return;
             }
-            let mut answer = Vec::new();
+            let mut writes = Vec::new();
             match head.kind {
-                Kind::Settings if !head.is_ack() => answer = support::settings_ack(),
+                Kind::Settings if !head.is_ack() => writes.push(support::settings_ack()),
                 Kind::Ping if !head.is_ack() => {
-                    let ping = Ping::decode(&head, &payload).expect("PING");
-                    answer = support::ping(true, ping.opaque);
-                    // Written with the ACK, before the final GOAWAY can be read: stream 3,
-                    // then a WINDOW_UPDATE for it.
-                    put_headers(&mut answer, 3, skewless_frame::flags::END_HEADERS, &request);
-                    answer.extend(support::frame(
-                        Kind::WindowUpdate,
-                        0,
-                        3,
-                        &65_535u32.to_be_bytes(),
-                    ));
+                    let ack =
+                        support::ping(true, Ping::decode(&head, &payload).expect("PING").opaque);
+                    match at_ping.take() {
+                        Some(f) => writes = f(ack),
+                        None => writes.push(ack),
+                    }
                 }
                 Kind::GoAway => {
                     let g = GoAway::decode(&head, &payload).expect("GOAWAY");
-                    go_aways.push((g.last_stream_id, g.error_code));
+                    seen.go_aways.push((g.last_stream_id, g.error_code));
+                    if g.last_stream_id != MAX_STREAM_ID
+                        && let Some(f) = at_final.take()
+                    {
+                        writes.push(f(g.last_stream_id));
+                    }
                 }
-                Kind::RstStream if head.stream_id == 1 => {
-                    reset = Some(
-                        skewless_frame::RstStream::decode(&head, &payload)
-                            .expect("RST_STREAM")
-                            .error_code,
-                    );
+                Kind::RstStream => {
+                    let code = skewless_frame::RstStream::decode(&head, &payload)
+                        .expect("RST_STREAM")
+                        .error_code;
+                    seen.reset.push((head.stream_id, code));
                 }
-                Kind::Headers if head.stream_id == 1 && head.is_end_stream() => finished = true,
+                Kind::Headers if head.is_end_stream() => seen.finished.push(head.stream_id),
                 _ => {}
             }
-            if !answer.is_empty() && tcp.write_all(&answer).await.is_err() {
-                return;
+            for write in writes {
+                if tcp.write_all(&write).await.is_err() {
+                    return;
+                }
+                // Each its own write, as a client that writes its PING ACK apart does.
+                tokio::time::sleep(Duration::from_millis(5)).await;
             }
         }
     })
     .await;
-    assert!(closed.is_ok(), "the balancer closes the connection");
     assert!(
-        finished && reset.is_none(),
-        "the call in flight finishes (reset: {reset:?}); GOAWAYs {go_aways:?}"
+        closed.is_ok(),
+        "the balancer closes the connection: {seen:?}"
+    );
+    b.stop().await;
+    seen
+}
+
+/// A client whose streams cross the balancer's final GOAWAY: it opens a stream above the
+/// final GOAWAY's last stream and sends a WINDOW_UPDATE for it (grpc-core does, for a large
+/// message, when its frames cross the GOAWAY; here they follow it, to the same effect). RFC
+/// 9113 sections 6.8 and 5.1 say both are ignored; the stream in flight before them must
+/// finish.
+async fn window_updates_for_streams_the_final_goaway_refused_cost_no_call<P: DataPath>() {
+    let seen = wound_down::<P>(
+        |ack| vec![ack],
+        |last| {
+            let mut write = echo_request(last + 2);
+            write.extend(support::frame(
+                Kind::WindowUpdate,
+                0,
+                last + 2,
+                &65_535u32.to_be_bytes(),
+            ));
+            write
+        },
+    )
+    .await;
+    assert!(
+        seen.finished.contains(&1) && seen.reset.iter().all(|(s, _)| *s != 1),
+        "the call in flight finishes: {seen:?}"
     );
     assert_eq!(
-        go_aways,
+        seen.go_aways,
         [
             (MAX_STREAM_ID, ErrorCode::NO_ERROR),
             (1, ErrorCode::NO_ERROR)
         ],
-        "a two-phase GOAWAY that takes stream 1 and refuses stream 3, and no connection error"
+        "a two-phase GOAWAY that takes stream 1, and no connection error"
     );
-    b.stop().await;
+}
+
+/// A client that writes a stream it created before it read GOAWAY(2^31-1) only after its PING
+/// ACK, in a write of its own (grpc-core writes no stream frame in a write that carries a PING
+/// ACK): the final GOAWAY waits until the client has written everything it queued, and takes
+/// that stream (see `crate::settle`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_written_after_the_goaways_ping_ack_is_taken_by_the_final_goaway() {
+    let seen =
+        wound_down::<skewless_balancer::Balancer>(|ack| vec![ack, echo_request(3)], |_| Vec::new())
+            .await;
+    assert_eq!(
+        seen.go_aways,
+        [
+            (MAX_STREAM_ID, ErrorCode::NO_ERROR),
+            (3, ErrorCode::NO_ERROR)
+        ],
+        "the final GOAWAY takes stream 3: {seen:?}"
+    );
+    let mut finished = seen.finished.clone();
+    finished.sort_unstable();
+    assert_eq!(finished, [1, 3], "both calls are answered: {seen:?}");
+    assert!(seen.reset.is_empty(), "{seen:?}");
 }
 
 /// Connects to `addr`, writes `chunks`, and reads until the balancer closes the connection
