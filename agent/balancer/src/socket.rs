@@ -2,7 +2,9 @@
 //! [`ReadTap`] before h2 sees them, and which closes at once or lingers when dropped.
 //!
 //! Request mode's client connections have a flood guard on their reads
-//! ([`crate::request::flood_guard`]) and a lingering close ([`crate::linger`]); upstream
+//! ([`crate::request::flood_guard`]), which while the connection winds down also rewrites,
+//! holds back and makes up frames for h2 ([`crate::request::wind_down`]), and a lingering
+//! close ([`crate::linger`]); upstream
 //! connections (both modes) have their server's frames watched
 //! ([`crate::upstream::server_frames`]). The stream is wrapped once, with one pass-through of
 //! every `AsyncWrite` method; what differs is the tap and the way it closes.
