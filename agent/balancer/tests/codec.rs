@@ -287,10 +287,16 @@ async fn max_age_winds_a_codec_connection_down_with_two_goaways() {
         (g.last_stream_id, g.error_code)
     };
     let within = Duration::from_secs(5);
-    // First: GOAWAY with the highest stream id, then a PING.
+    // First: GOAWAY with the highest stream id, then a PING (the balancer's SETTINGS before
+    // them acknowledged, as clients do).
     let first = tokio::time::timeout(within, async {
         loop {
             let (head, payload) = next_frame(&mut io).await;
+            if head.kind == Kind::Settings && !head.is_ack() {
+                io.write_all(&support::settings_ack())
+                    .await
+                    .expect("SETTINGS ACK");
+            }
             if head.kind == Kind::GoAway {
                 return go_away(&payload);
             }
@@ -312,7 +318,34 @@ async fn max_age_winds_a_codec_connection_down_with_two_goaways() {
     }
     .encode(&mut ack);
     io.write_all(&ack).await.expect("PING ACK");
-    // Then, once the PING is back: GOAWAY with the last stream id taken (none), and the close.
+    // Then the settling check (the client is quiet: it has no stream): an empty SETTINGS, and
+    // once it is acknowledged a PING.
+    let (head, payload) = tokio::time::timeout(within, next_frame(&mut io))
+        .await
+        .expect("the settling SETTINGS");
+    assert!(
+        head.kind == Kind::Settings && !head.is_ack() && payload.is_empty(),
+        "an empty SETTINGS: {head:?}"
+    );
+    io.write_all(&support::settings_ack())
+        .await
+        .expect("SETTINGS ACK");
+    let (head, payload) = tokio::time::timeout(within, next_frame(&mut io))
+        .await
+        .expect("the settling PING");
+    assert!(
+        head.kind == Kind::Ping && !head.is_ack(),
+        "a PING: {head:?}"
+    );
+    let ping = Ping::decode(&head, &payload).expect("PING");
+    let mut ack = Vec::new();
+    Ping {
+        ack: true,
+        opaque: ping.opaque,
+    }
+    .encode(&mut ack);
+    io.write_all(&ack).await.expect("PING ACK");
+    // Then GOAWAY with the last stream id taken (none), and the close.
     let (head, payload) = tokio::time::timeout(within, next_frame(&mut io))
         .await
         .expect("the second GOAWAY");

@@ -8,6 +8,7 @@ on_both_paths!(
     max_connection_age_set_live_rotates_open_client_connections,
     what_a_client_sends_after_its_connection_is_rotated_is_read_not_reset,
     window_updates_for_streams_the_final_goaway_refused_cost_no_call,
+    a_stream_written_after_the_goaways_ping_ack_is_taken_by_the_final_goaway,
     broken_client_connections_are_closed_without_disturbing_other_clients,
     malformed_requests_are_reset_and_their_connection_serves_on,
     a_client_that_allows_no_hpack_table_is_answered_without_one,
@@ -411,11 +412,8 @@ async fn window_updates_for_streams_the_final_goaway_refused_cost_no_call<P: Dat
 /// ACK, in a write of its own (grpc-core writes no stream frame in a write that carries a PING
 /// ACK): the final GOAWAY waits until the client has written everything it queued, and takes
 /// that stream (see `crate::settle`).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stream_written_after_the_goaways_ping_ack_is_taken_by_the_final_goaway() {
-    let seen =
-        wound_down::<skewless_balancer::Balancer>(|ack| vec![ack, echo_request(3)], |_| Vec::new())
-            .await;
+async fn a_stream_written_after_the_goaways_ping_ack_is_taken_by_the_final_goaway<P: DataPath>() {
+    let seen = wound_down::<P>(|ack| vec![ack, echo_request(3)], |_| Vec::new()).await;
     assert_eq!(
         seen.go_aways,
         [

@@ -43,6 +43,9 @@ const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10
 /// The opaque data of the PING that follows the first GOAWAY of a wind-down: its ACK says the
 /// client has seen that GOAWAY.
 const WIND_DOWN_PING: [u8; 8] = *b"skewless";
+/// The opaque data of the PING of the settling check before the final GOAWAY
+/// ([`crate::settle`]).
+const SETTLE_PING: [u8; 8] = *b"skwl\x00fin";
 /// Largest request body kept to send a request again (as on the h2 path); a larger one is
 /// not sent again.
 const REPLAY_CAP: usize = 64 * 1024;

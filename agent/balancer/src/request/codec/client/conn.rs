@@ -53,6 +53,10 @@ pub(crate) async fn serve(pool: Arc<CodecPool>, stream: TcpStream, mut stop: Sto
         settings_unacked: 1,
         magic: 0,
         winding: Winding::No,
+        check: crate::settle::Check::new(),
+        settle_by: None,
+        ours_behind: None,
+        client_ping_acks: 0,
         pinged: false,
         parked: std::collections::VecDeque::new(),
         backoffs: Vec::new(),
@@ -171,6 +175,7 @@ pub(crate) async fn serve(pool: Arc<CodecPool>, stream: TcpStream, mut stop: Sto
                     }
                 }
             }
+            conn.settle(Instant::now());
             if conn.wound_down() {
                 tracing::debug!("client connection wound down");
                 break;
@@ -204,6 +209,14 @@ struct Conn {
     /// How much of the magic (the preface's first 24 bytes) has come.
     magic: usize,
     winding: Winding,
+    /// Settling: the check that the client has written every stream it created.
+    check: crate::settle::Check,
+    /// When the final GOAWAY goes even if the client has not settled.
+    settle_by: Option<Instant>,
+    /// Our settling SETTINGS is out, behind this many of ours the client has not acknowledged.
+    ours_behind: Option<u32>,
+    /// PING ACKs the client sent (wrapping).
+    client_ping_acks: u32,
     /// A PING (not an ACK) came since the last idle check: the client keeps the connection.
     pinged: bool,
     /// Streams waiting for a ready endpoint, with when each gives up, in arrival order.
@@ -227,8 +240,12 @@ enum Winding {
     /// GOAWAY with the highest stream id and a PING sent: streams the client opens before it
     /// sees them are still served.
     Pinged,
-    /// The PING came back (or the time ran out): GOAWAY with the last stream id taken sent;
-    /// streams above it are refused.
+    /// The PING came back: the client opens no new stream, but streams it created before may
+    /// still be on their way; the final GOAWAY waits until it has written them
+    /// ([`crate::settle`]), or half the drain grace.
+    Settling,
+    /// The client has settled (or the time ran out): GOAWAY with the last stream id taken
+    /// sent; streams above it are refused.
     Final {
         last: u32,
     },
@@ -324,6 +341,49 @@ impl Conn {
         drop(state);
         self.shared.flush();
         self.winding = Winding::Pinged;
+        self.settle_by = Some(Instant::now() + self.pool.drain_grace() / 2);
+    }
+
+    /// Settling, after every turn of the connection: the next frame of the check, or the
+    /// final GOAWAY once the client has written every stream it created or `settle_by` has
+    /// passed (as on the h2 path, `request::wind_down`).
+    fn settle(&mut self, now: Instant) {
+        if self.winding != Winding::Settling {
+            return;
+        }
+        if self.settle_by.is_some_and(|by| now >= by) {
+            tracing::debug!("client not quiet within half the grace, final GOAWAY");
+            self.final_go_away();
+            return;
+        }
+        let quiet =
+            !self.blocks.open() && self.shared.lock().streams.values().all(|s| s.request_ended);
+        let next = self
+            .check
+            .step(self.last_stream, quiet, self.client_ping_acks);
+        match next {
+            crate::settle::Next::Wait => {}
+            crate::settle::Next::Settings => {
+                let mut state = self.shared.lock();
+                self.ours_behind = Some(self.settings_unacked);
+                self.settings_unacked += 1;
+                Settings::encode(false, &[], &mut state.out.buf);
+                self.shared.flush_locked(&mut state);
+            }
+            crate::settle::Next::Ping => {
+                let mut state = self.shared.lock();
+                Ping {
+                    ack: false,
+                    opaque: SETTLE_PING,
+                }
+                .encode(&mut state.out.buf);
+                self.shared.flush_locked(&mut state);
+            }
+            crate::settle::Next::Final => {
+                tracing::debug!(last = self.last_stream, "client quiet, final GOAWAY");
+                self.final_go_away();
+            }
+        }
     }
 
     /// The second GOAWAY, with the last stream id taken: nothing above it is served.
@@ -430,6 +490,15 @@ impl Conn {
                         .settings_unacked
                         .checked_sub(1)
                         .ok_or(ErrorCode::PROTOCOL_ERROR)?;
+                    // The client acknowledges in the order it read them.
+                    match self.ours_behind {
+                        Some(0) => {
+                            self.ours_behind = None;
+                            self.check.settings_acked();
+                        }
+                        Some(n) => self.ours_behind = Some(n - 1),
+                        None => {}
+                    }
                     return Ok(());
                 }
                 let credits = {
@@ -449,8 +518,11 @@ impl Conn {
             }
             Kind::Ping if head.is_ack() => {
                 let ping = Ping::decode(&head, payload).map_err(|_| ErrorCode::PROTOCOL_ERROR)?;
+                self.client_ping_acks = self.client_ping_acks.wrapping_add(1);
                 if ping.opaque == WIND_DOWN_PING && self.winding == Winding::Pinged {
-                    self.final_go_away();
+                    self.winding = Winding::Settling;
+                } else if ping.opaque == SETTLE_PING {
+                    self.check.ping_acked();
                 }
                 Ok(())
             }
