@@ -18,6 +18,11 @@
 //! SETTINGS frame that is not an ACK (RFC 9113 section 3.4); h2 accepts any frame there, so a
 //! SETTINGS ACK would otherwise pass for a preface and escape the handshake deadline. Any
 //! other first frame cuts the client off the same way, with GOAWAY(PROTOCOL_ERROR).
+//!
+//! Once the connection winds down, the same tap takes part in its graceful close
+//! ([`crate::request::wind_down`]; `Closing` here): it holds the shutdown PING's ACK back from
+//! h2 until the client has settled, and keeps from h2 the WINDOW_UPDATEs that would make it
+//! fail the connection over the streams its final GOAWAY refused.
 
 use std::io;
 use std::sync::Arc;

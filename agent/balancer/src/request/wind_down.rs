@@ -8,10 +8,10 @@
 //! larger than its retry buffer. So the client socket's tap (`flood_guard::Guard`) holds that
 //! ACK back from h2 (the frame is made one of an unknown type) and keeps its opaque data;
 //! [`Settling`] runs the check connection mode's relay runs ([`crate::settle`]: the client
-//! quiet, an empty SETTINGS, a PING) with SETTINGS frames sent through h2, and then has the tap hand
-//! h2 the ACK, made up from what it kept, at a frame boundary: h2 sends the final GOAWAY with
-//! every stream the client wrote. A client that never goes quiet gets it half the drain grace
-//! after the first.
+//! quiet, an empty SETTINGS, a PING) with SETTINGS frames sent through h2, and then has the
+//! tap hand h2 the ACK, made up from what it kept, at a frame boundary: h2 sends the final
+//! GOAWAY with every stream the client wrote. A client that never goes quiet gets it half the
+//! drain grace after the first.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard};
