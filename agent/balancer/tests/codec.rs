@@ -310,14 +310,10 @@ async fn max_age_winds_a_codec_connection_down_with_two_goaways() {
         head.kind == Kind::Ping && !head.is_ack(),
         "a PING follows the first GOAWAY: {head:?}"
     );
-    let ping = Ping::decode(&head, &payload).expect("PING");
-    let mut ack = Vec::new();
-    Ping {
-        ack: true,
-        opaque: ping.opaque,
-    }
-    .encode(&mut ack);
-    io.write_all(&ack).await.expect("PING ACK");
+    let ack = |head: &skewless_frame::Head, payload: &[u8]| {
+        support::ping(true, Ping::decode(head, payload).expect("PING").opaque)
+    };
+    io.write_all(&ack(&head, &payload)).await.expect("PING ACK");
     // Then the settling check (the client is quiet: it has no stream): an empty SETTINGS, and
     // once it is acknowledged a PING.
     let (head, payload) = tokio::time::timeout(within, next_frame(&mut io))
@@ -337,14 +333,7 @@ async fn max_age_winds_a_codec_connection_down_with_two_goaways() {
         head.kind == Kind::Ping && !head.is_ack(),
         "a PING: {head:?}"
     );
-    let ping = Ping::decode(&head, &payload).expect("PING");
-    let mut ack = Vec::new();
-    Ping {
-        ack: true,
-        opaque: ping.opaque,
-    }
-    .encode(&mut ack);
-    io.write_all(&ack).await.expect("PING ACK");
+    io.write_all(&ack(&head, &payload)).await.expect("PING ACK");
     // Then GOAWAY with the last stream id taken (none), and the close.
     let (head, payload) = tokio::time::timeout(within, next_frame(&mut io))
         .await
