@@ -17,7 +17,7 @@ use std::{
 mod testbed_agent;
 
 use skewless_clients::{
-    ClientKind, ClientResult, ClientSpec, Harness,
+    ClientKind, ClientResult, ClientSpec, Failure, Harness,
     framelog::{self, Dir, LogLine, Withhold},
 };
 use skewless_testbed::{Place, Testbed};
@@ -381,6 +381,71 @@ pub fn assert_rotation_load_failed_no_call(r: &ClientResult) {
     );
     assert!(r.unary.ok > 50, "the load ran: {}", summary(r));
     assert!(r.large.ok >= 1, "4 MiB calls went through: {}", summary(r));
+}
+
+/// Whether `f`, a failure of a grpcio call, is what grpc-core's pick race makes of a call
+/// larger than its retry buffer: a call picked between the transport reading a GOAWAY (any)
+/// and its subchannel hearing of it is cancelled before it is on the wire and not retried.
+/// No server behaviour prevents it; grpc-core's own server's max age loses calls the same way
+/// (docs/connection-mode.md, "What the final GOAWAY cannot help").
+fn grpc_core_pick_race(r: &ClientResult, f: &Failure) -> bool {
+    r.client == "grpcio"
+        && f.code == "UNAVAILABLE"
+        && f.message.contains("GOAWAY received; Error code: 0")
+}
+
+/// As [`assert_rotation_load_failed_no_call`], except that a grpcio client may lose one 4 MiB
+/// call to grpc-core's pick race (see [`grpc_core_pick_race`]); every unary call, every
+/// stream and every other large call must succeed. Said on stderr when it happens.
+pub fn assert_rotation_load_failed_no_call_but_to_the_pick_race(r: &ClientResult) {
+    let raced = r.large.failed_total() == 1
+        && r.large
+            .failures
+            .first()
+            .is_some_and(|f| grpc_core_pick_race(r, f));
+    if raced {
+        eprintln!(
+            "{} {}: one 4 MiB call lost to grpc-core's pick race (allowed): {:?}",
+            r.client, r.version, r.large.failures[0]
+        );
+    }
+    assert_eq!(
+        r.failed_calls() - u64::from(raced),
+        0,
+        "no call may fail through the rotations (one large grpcio call lost to grpc-core's \
+         pick race aside): {}",
+        summary(r)
+    );
+    assert!(r.unary.ok > 50, "the load ran: {}", summary(r));
+    assert!(r.large.ok >= 1, "4 MiB calls went through: {}", summary(r));
+}
+
+/// Asserts that no final GOAWAY in a tap's log refused a stream the client had written: on
+/// every connection with a final GOAWAY (a second one), no client HEADERS above its last
+/// stream id. Returns how many connections had one.
+pub fn assert_no_stream_refused_by_a_final_goaway(log: &[LogLine]) -> usize {
+    let mut finals = 0;
+    for conn in framelog::http2_conns(log) {
+        let goaways: Vec<u32> = framelog::frames(log, conn, Dir::ToClient)
+            .iter()
+            .filter_map(|f| f.goaway.as_ref().map(|g| g.0))
+            .collect();
+        let Some(&last) = goaways.last().filter(|_| goaways.len() > 1) else {
+            continue;
+        };
+        finals += 1;
+        let refused: Vec<u32> = framelog::frames(log, conn, Dir::ToServer)
+            .iter()
+            .filter(|f| f.kind == "HEADERS" && f.stream > last)
+            .map(|f| f.stream)
+            .collect();
+        assert!(
+            refused.is_empty(),
+            "connection {conn}: the final GOAWAY (last stream {last}) refused streams the client \
+             had written: {refused:?}"
+        );
+    }
+    finals
 }
 
 /// Asserts the wire sequence of every rotated connection in a tap's log, as the client saw
