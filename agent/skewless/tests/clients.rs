@@ -12,7 +12,7 @@ use std::time::Duration;
 use client_bed::{
     Backends, ClientBed, PodTap, assert_connection_mode,
     assert_no_stream_refused_by_a_final_goaway,
-    assert_rotation_load_failed_no_call_but_to_the_pick_race, assert_two_phase_goaways,
+    assert_rotation_load_failed_no_call_but_a_known_race, assert_two_phase_goaways,
     bad_input_closes_only_that_connection, rotation_load, summary,
 };
 use skewless_clients::{
@@ -76,7 +76,7 @@ fn request_mode_one_second_max_age_rotates_real_clients_without_failing_a_call()
     bed.assert_never_failed_open();
     let (grpcio, tapped, grpc_js, tonic) = (&results[0], &results[1], &results[2], &results[3]);
     for r in [grpcio, grpc_js, tapped] {
-        assert_rotation_load_failed_no_call_but_to_the_pick_race(r);
+        assert_rotation_load_failed_no_call_but_a_known_race(r);
         assert_eq!(
             r.unary.pods.len(),
             4,

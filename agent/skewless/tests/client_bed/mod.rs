@@ -383,37 +383,49 @@ pub fn assert_rotation_load_failed_no_call(r: &ClientResult) {
     assert!(r.large.ok >= 1, "4 MiB calls went through: {}", summary(r));
 }
 
-/// Whether `f`, a failure of a grpcio call, is what grpc-core's pick race makes of a call
-/// larger than its retry buffer: a call picked between the transport reading a GOAWAY (any)
-/// and its subchannel hearing of it is cancelled before it is on the wire and not retried.
-/// No server behaviour prevents it; grpc-core's own server's max age loses calls the same way
-/// (docs/connection-mode.md, "What the final GOAWAY cannot help").
-fn grpc_core_pick_race(r: &ClientResult, f: &Failure) -> bool {
-    r.client == "grpcio"
-        && f.code == "UNAVAILABLE"
-        && f.message.contains("GOAWAY received; Error code: 0")
+/// Why `f`, a failed 4 MiB call of `r`'s client, is a known client-side loss at a GOAWAY that
+/// request mode's rotation does not prevent (docs/limits.md), if it is one:
+/// - grpcio: grpc-core's pick race. A call picked between the transport reading a GOAWAY (any)
+///   and its subchannel hearing of it is cancelled before it is on the wire and, above the
+///   256 KiB retry buffer, not retried. No server behaviour prevents it; grpc-core's own
+///   server's max age loses calls the same way (docs/connection-mode.md, "What the final
+///   GOAWAY cannot help").
+/// - grpc-js: nghttp2 refuses a request its application starts while it reads the input that
+///   holds the first GOAWAY, and grpc-js retries it only within its 1 MiB retry buffer.
+///   Connection mode's quiesce prevents it; request mode has none (seen under full CPU load).
+fn known_client_race(r: &ClientResult, f: &Failure) -> Option<&'static str> {
+    match r.client.as_str() {
+        "grpcio"
+            if f.code == "UNAVAILABLE" && f.message.contains("GOAWAY received; Error code: 0") =>
+        {
+            Some("grpc-core's pick race")
+        }
+        "grpc-js" if f.code == "UNAVAILABLE" && f.message.contains("Stream refused by server") => {
+            Some("nghttp2's refusal at the first GOAWAY (request mode has no quiesce)")
+        }
+        _ => None,
+    }
 }
 
-/// As [`assert_rotation_load_failed_no_call`], except that a grpcio client may lose one 4 MiB
-/// call to grpc-core's pick race (see [`grpc_core_pick_race`]); every unary call, every
-/// stream and every other large call must succeed. Said on stderr when it happens.
-pub fn assert_rotation_load_failed_no_call_but_to_the_pick_race(r: &ClientResult) {
-    let raced = r.large.failed_total() == 1
-        && r.large
-            .failures
-            .first()
-            .is_some_and(|f| grpc_core_pick_race(r, f));
-    if raced {
+/// As [`assert_rotation_load_failed_no_call`], except that a client may lose one 4 MiB call
+/// to a known client-side race (see [`known_client_race`]); every unary call, every stream
+/// and every other large call must succeed. Said on stderr when it happens.
+pub fn assert_rotation_load_failed_no_call_but_a_known_race(r: &ClientResult) {
+    let race = match (r.large.failed_total(), r.large.failures.first()) {
+        (1, Some(f)) => known_client_race(r, f),
+        _ => None,
+    };
+    if let Some(race) = race {
         eprintln!(
-            "{} {}: one 4 MiB call lost to grpc-core's pick race (allowed): {:?}",
+            "{} {}: one 4 MiB call lost to {race} (allowed): {:?}",
             r.client, r.version, r.large.failures[0]
         );
     }
     assert_eq!(
-        r.failed_calls() - u64::from(raced),
+        r.failed_calls() - u64::from(race.is_some()),
         0,
-        "no call may fail through the rotations (one large grpcio call lost to grpc-core's \
-         pick race aside): {}",
+        "no call may fail through the rotations (one large call lost to a known client race \
+         aside): {}",
         summary(r)
     );
     assert!(r.unary.ok > 50, "the load ran: {}", summary(r));
