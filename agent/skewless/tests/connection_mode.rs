@@ -12,7 +12,8 @@ mod client_bed;
 use std::time::Duration;
 
 use client_bed::{
-    Backends, ClientBed, PodTap, assert_connection_mode, assert_rotation_load_failed_no_call,
+    Backends, ClientBed, PodTap, assert_connection_mode,
+    assert_no_stream_sent_above_the_final_goaway, assert_rotation_load_failed_no_call,
     assert_two_phase_goaways, bad_input_closes_only_that_connection, first_seen, pods_between,
     rotation_load, run_withheld, server_fin_ms, summary, unix_now,
 };
@@ -720,40 +721,4 @@ fn connection_mode_rotation_every_second_fails_no_grpc_js_call() {
         .unwrap();
     eprintln!("{}", summary(&grpc_js));
     assert_no_call_failed_through_the_rotations(&bed, &[&grpc_js]);
-}
-
-/// For a client that follows GOAWAY (a real one through the tap): on every rotated
-/// connection, no HEADERS the client sent has a stream id above the final GOAWAY's
-/// last-stream-id, and no stream was refused (RST_STREAM(REFUSED_STREAM) to the client).
-fn assert_no_stream_sent_above_the_final_goaway(log: &[LogLine]) {
-    for conn in framelog::http2_conns(log) {
-        let down = framelog::frames(log, conn, Dir::ToClient);
-        let last = down
-            .iter()
-            .filter_map(|f| f.goaway.as_ref().map(|g| g.0))
-            .min()
-            .filter(|&l| l < skewless_frame::MAX_STREAM_ID);
-        let up = framelog::frames(log, conn, Dir::ToServer);
-        if let Some(last) = last {
-            let above: Vec<u32> = up
-                .iter()
-                .filter(|f| f.kind == "HEADERS" && f.stream > last)
-                .map(|f| f.stream)
-                .collect();
-            assert!(
-                above.is_empty(),
-                "connection {conn}: the final GOAWAY ({last}) is below streams the client \
-                 sent: {above:?}"
-            );
-        }
-        let rst: Vec<u32> = down
-            .iter()
-            .filter(|f| f.rst == Some(7))
-            .map(|f| f.stream)
-            .collect();
-        assert!(
-            rst.is_empty(),
-            "connection {conn}: streams refused (REFUSED_STREAM): {rst:?}"
-        );
-    }
 }

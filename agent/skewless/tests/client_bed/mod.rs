@@ -432,29 +432,41 @@ pub fn assert_rotation_load_failed_no_call_but_a_known_race(r: &ClientResult) {
     assert!(r.large.ok >= 1, "4 MiB calls went through: {}", summary(r));
 }
 
-/// Asserts that no final GOAWAY in a tap's log refused a stream the client had written: on
-/// every connection with a final GOAWAY (a second one), no client HEADERS above its last
-/// stream id. Returns how many connections had one.
-pub fn assert_no_stream_refused_by_a_final_goaway(log: &[LogLine]) -> usize {
+/// For a client that follows GOAWAY (a real one through the tap): on every rotated
+/// connection, no HEADERS the client sent has a stream id above the final GOAWAY's
+/// last-stream-id, and no stream was refused (RST_STREAM(REFUSED_STREAM) to the client).
+/// Returns how many connections had a final GOAWAY.
+pub fn assert_no_stream_sent_above_the_final_goaway(log: &[LogLine]) -> usize {
     let mut finals = 0;
     for conn in framelog::http2_conns(log) {
-        let goaways: Vec<u32> = framelog::frames(log, conn, Dir::ToClient)
+        let down = framelog::frames(log, conn, Dir::ToClient);
+        let last = down
             .iter()
             .filter_map(|f| f.goaway.as_ref().map(|g| g.0))
-            .collect();
-        let Some(&last) = goaways.last().filter(|_| goaways.len() > 1) else {
-            continue;
-        };
-        finals += 1;
-        let refused: Vec<u32> = framelog::frames(log, conn, Dir::ToServer)
+            .min()
+            .filter(|&l| l < skewless_frame::MAX_STREAM_ID);
+        let up = framelog::frames(log, conn, Dir::ToServer);
+        if let Some(last) = last {
+            finals += 1;
+            let above: Vec<u32> = up
+                .iter()
+                .filter(|f| f.kind == "HEADERS" && f.stream > last)
+                .map(|f| f.stream)
+                .collect();
+            assert!(
+                above.is_empty(),
+                "connection {conn}: the final GOAWAY ({last}) is below streams the client \
+                 sent: {above:?}"
+            );
+        }
+        let rst: Vec<u32> = down
             .iter()
-            .filter(|f| f.kind == "HEADERS" && f.stream > last)
+            .filter(|f| f.rst == Some(7))
             .map(|f| f.stream)
             .collect();
         assert!(
-            refused.is_empty(),
-            "connection {conn}: the final GOAWAY (last stream {last}) refused streams the client \
-             had written: {refused:?}"
+            rst.is_empty(),
+            "connection {conn}: streams refused (REFUSED_STREAM): {rst:?}"
         );
     }
     finals
