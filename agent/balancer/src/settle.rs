@@ -25,7 +25,8 @@
 pub(crate) enum Next {
     /// Nothing: wait for the client (quiet, or an ACK).
     Wait,
-    /// Send an empty SETTINGS (and report its ACK: [`Check::settings_acked`]).
+    /// Send an empty SETTINGS (and say behind how many unacknowledged ones it went:
+    /// [`Check::settings_sent`]; or report its ACK: [`Check::settings_acked`]).
     Settings,
     /// Send our PING (and report its ACK: [`Check::ping_acked`]).
     Ping,
@@ -53,6 +54,8 @@ pub(crate) struct Check {
     settings_acked: bool,
     /// Our PING's ACK arrived (taken by [`Check::step`]).
     ping_acked: bool,
+    /// Our SETTINGS is out, behind this many the client has not acknowledged yet.
+    ours_behind: Option<u32>,
 }
 
 impl Check {
@@ -61,12 +64,35 @@ impl Check {
             stage: Stage::Idle,
             settings_acked: false,
             ping_acked: false,
+            ours_behind: None,
         }
     }
 
     /// The client acknowledged our SETTINGS.
     pub(crate) fn settings_acked(&mut self) {
         self.settings_acked = true;
+    }
+
+    /// Our SETTINGS went out behind `behind` SETTINGS frames the client has not acknowledged.
+    pub(crate) fn settings_sent(&mut self, behind: u32) {
+        self.ours_behind = Some(behind);
+    }
+
+    /// The client acknowledged a SETTINGS: whether it was ours (it acknowledges in the order
+    /// it read them; see [`Check::settings_sent`]).
+    pub(crate) fn client_settings_ack(&mut self) -> bool {
+        match self.ours_behind {
+            Some(0) => {
+                self.ours_behind = None;
+                self.settings_acked();
+                true
+            }
+            Some(n) => {
+                self.ours_behind = Some(n - 1);
+                false
+            }
+            None => false,
+        }
     }
 
     /// The client acknowledged our PING.

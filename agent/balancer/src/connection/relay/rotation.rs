@@ -84,8 +84,6 @@ pub(super) struct Rotation {
     /// The backend's SETTINGS frames the client has not acknowledged yet (it acknowledges in
     /// the order it received them).
     backend_settings: u32,
-    /// Our SETTINGS is out, behind this many of the backend's: the client ACK that is ours.
-    ours_behind: Option<u32>,
     /// PING ACKs the client sent (wrapping): a write that carries one carries no stream.
     client_ping_acks: u32,
 }
@@ -102,7 +100,6 @@ impl Rotation {
             quiesce_acked: false,
             check: settle::Check::new(),
             backend_settings: 0,
-            ours_behind: None,
             client_ping_acks: 0,
         }
     }
@@ -131,14 +128,8 @@ impl Rotation {
     /// The client acknowledged a SETTINGS: whether it was ours (it acknowledges in the order
     /// it read them, and ours went out behind the backend's then unacknowledged).
     pub(super) fn client_settings_ack(&mut self) -> Ack {
-        match self.ours_behind {
-            Some(0) => {
-                self.ours_behind = None;
-                self.check.settings_acked();
-                return Ack::Ours;
-            }
-            Some(n) => self.ours_behind = Some(n - 1),
-            None => {}
+        if self.check.client_settings_ack() {
+            return Ack::Ours;
         }
         self.backend_settings = self.backend_settings.saturating_sub(1);
         Ack::Theirs
@@ -239,7 +230,7 @@ impl Rotation {
         match self.check.step(highest, quiet, self.client_ping_acks) {
             settle::Next::Wait => false,
             settle::Next::Settings => {
-                self.ours_behind = Some(self.backend_settings);
+                self.check.settings_sent(self.backend_settings);
                 Settings::encode(false, &[], &mut out.buf);
                 true
             }

@@ -55,7 +55,6 @@ pub(crate) async fn serve(pool: Arc<CodecPool>, stream: TcpStream, mut stop: Sto
         winding: Winding::No,
         check: crate::settle::Check::new(),
         settle_by: None,
-        ours_behind: None,
         client_ping_acks: 0,
         pinged: false,
         parked: std::collections::VecDeque::new(),
@@ -213,8 +212,6 @@ struct Conn {
     check: crate::settle::Check,
     /// When the final GOAWAY goes even if the client has not settled.
     settle_by: Option<Instant>,
-    /// Our settling SETTINGS is out, behind this many of ours the client has not acknowledged.
-    ours_behind: Option<u32>,
     /// PING ACKs the client sent (wrapping).
     client_ping_acks: u32,
     /// A PING (not an ACK) came since the last idle check: the client keeps the connection.
@@ -365,7 +362,7 @@ impl Conn {
             crate::settle::Next::Wait => {}
             crate::settle::Next::Settings => {
                 let mut state = self.shared.lock();
-                self.ours_behind = Some(self.settings_unacked);
+                self.check.settings_sent(self.settings_unacked);
                 self.settings_unacked += 1;
                 Settings::encode(false, &[], &mut state.out.buf);
                 self.shared.flush_locked(&mut state);
@@ -490,15 +487,7 @@ impl Conn {
                         .settings_unacked
                         .checked_sub(1)
                         .ok_or(ErrorCode::PROTOCOL_ERROR)?;
-                    // The client acknowledges in the order it read them.
-                    match self.ours_behind {
-                        Some(0) => {
-                            self.ours_behind = None;
-                            self.check.settings_acked();
-                        }
-                        Some(n) => self.ours_behind = Some(n - 1),
-                        None => {}
-                    }
+                    self.check.client_settings_ack();
                     return Ok(());
                 }
                 let credits = {
