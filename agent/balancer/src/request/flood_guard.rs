@@ -192,13 +192,13 @@ impl FloodGuard {
     }
 
     /// As [`FloodGuard::feed`], also handing `f` each header (until a cut-off), with its bytes
-    /// when they lie whole in `bytes`, to rewrite, and what follows it (see
-    /// [`Follower::each_head_mut`]).
-    pub(crate) fn feed_mut(
+    /// when they lie whole in `bytes`, to rewrite, what follows it (see
+    /// [`Follower::each_head_mut`]), and what the guard has followed up to it.
+    fn feed_mut(
         &mut self,
         bytes: &mut [u8],
         clock: impl Fn() -> Instant,
-        mut f: impl FnMut(&Head, Option<&mut [u8; HEADER_LEN]>, &[u8]),
+        mut f: impl FnMut(&Head, Option<&mut [u8; HEADER_LEN]>, &[u8], &Followed),
     ) -> Option<Cut> {
         if self.state.tripped.is_none() {
             let mut now = None;
@@ -206,7 +206,7 @@ impl FloodGuard {
             let _ = frames.each_head_mut(bytes, |head, whole, after| {
                 state.head(&head, &mut now, &clock);
                 if state.tripped.is_none() {
-                    f(&head, whole, after);
+                    f(&head, whole, after, state);
                 }
             });
         }
@@ -315,42 +315,44 @@ impl Closing {
             opaque[have..have + n].copy_from_slice(&bytes[..n]);
             seen.ack = capturing(opaque, have + n);
         }
-        let mut last_headers = guard.state.last_headers;
         let refused_above = &mut self.refused_above;
-        let cut = guard.feed_mut(bytes, Instant::now, |head, whole, after| match head.kind {
-            Kind::Headers => last_headers = last_headers.max(head.stream_id),
-            Kind::Ping if head.is_ack() && seen.ack == Ack::Awaited => match whole {
-                Some(whole) if !seen.release && head.len == 8 => {
-                    whole[3] = IGNORED_KIND;
-                    let n = after.len().min(8);
-                    let mut opaque = [0; 8];
-                    opaque[..n].copy_from_slice(&after[..n]);
-                    seen.ack = capturing(opaque, n);
+        let cut = guard.feed_mut(
+            bytes,
+            Instant::now,
+            |head, whole, after, followed| match head.kind {
+                Kind::Ping if head.is_ack() && seen.ack == Ack::Awaited => match whole {
+                    Some(whole) if !seen.release && head.len == 8 => {
+                        whole[3] = IGNORED_KIND;
+                        let n = after.len().min(8);
+                        let mut opaque = [0; 8];
+                        opaque[..n].copy_from_slice(&after[..n]);
+                        seen.ack = capturing(opaque, n);
+                    }
+                    _ => {
+                        // h2 gets it as it came: its final GOAWAY takes the streams so far.
+                        seen.ack = Ack::Handed;
+                        *refused_above = Some(followed.last_headers);
+                    }
+                },
+                Kind::Ping if head.is_ack() => seen.ping_acks = seen.ping_acks.wrapping_add(1),
+                Kind::Settings if head.is_ack() => {
+                    seen.settings_acks = seen.settings_acks.wrapping_add(1);
                 }
-                _ => {
-                    // h2 gets it as it came: its final GOAWAY takes the streams so far.
-                    seen.ack = Ack::Handed;
-                    *refused_above = Some(last_headers);
+                Kind::WindowUpdate
+                    if head.stream_id != 0 && refused_above.is_some_and(|l| head.stream_id > l) =>
+                {
+                    if let Some(whole) = whole {
+                        whole[3] = IGNORED_KIND;
+                    } else {
+                        tracing::debug!(
+                            stream = head.stream_id,
+                            "a WINDOW_UPDATE for a refused stream was handed on before it was whole"
+                        );
+                    }
                 }
+                _ => {}
             },
-            Kind::Ping if head.is_ack() => seen.ping_acks = seen.ping_acks.wrapping_add(1),
-            Kind::Settings if head.is_ack() => {
-                seen.settings_acks = seen.settings_acks.wrapping_add(1);
-            }
-            Kind::WindowUpdate
-                if head.stream_id != 0 && refused_above.is_some_and(|l| head.stream_id > l) =>
-            {
-                if let Some(whole) = whole {
-                    whole[3] = IGNORED_KIND;
-                } else {
-                    tracing::debug!(
-                        stream = head.stream_id,
-                        "a WINDOW_UPDATE for a refused stream was handed on before it was whole"
-                    );
-                }
-            }
-            _ => {}
-        });
+        );
         seen.highest = guard.state.last_headers;
         seen.quiet = guard.state.quiet();
         drop(seen);
