@@ -298,7 +298,7 @@ async fn wound_down<P: DataPath>(
     at_ping: impl FnOnce(Vec<u8>) -> Vec<Vec<u8>>,
     at_final: impl FnOnce(u32) -> Vec<u8>,
 ) -> WoundDown {
-    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    use tokio::io::AsyncWriteExt as _;
     let pods = pods(1).await;
     // The call in flight is answered well after the max age starts the wind-down.
     pods[0].control.set_delay(Duration::from_millis(600));
@@ -318,15 +318,9 @@ async fn wound_down<P: DataPath>(
     let closed = tokio::time::timeout(Duration::from_secs(5), async {
         loop {
             // Until the balancer closes the connection.
-            let mut header = [0u8; skewless_frame::HEADER_LEN];
-            if tcp.read_exact(&mut header).await.is_err() {
+            let Some((head, payload)) = support::frame_or_end(&mut tcp).await else {
                 return;
-            }
-            let head = Head::decode(&header);
-            let mut payload = vec![0u8; head.len as usize];
-            if tcp.read_exact(&mut payload).await.is_err() {
-                return;
-            }
+            };
             let mut writes = Vec::new();
             match head.kind {
                 Kind::Settings if !head.is_ack() => writes.push(support::settings_ack()),

@@ -217,15 +217,20 @@ pub fn go_away_codes(bytes: &[u8]) -> Vec<ErrorCode> {
 
 /// The next frame `io` carries (within [`STUCK`]).
 pub async fn next_frame(io: &mut (impl AsyncRead + Unpin)) -> (Head, Vec<u8>) {
-    let mut header = [0u8; HEADER_LEN];
-    tokio::time::timeout(STUCK, io.read_exact(&mut header))
+    tokio::time::timeout(STUCK, frame_or_end(io))
         .await
         .expect("the balancer is stuck")
-        .expect("a frame header");
+        .expect("a frame")
+}
+
+/// The next frame `io` carries; `None` once it ends (or breaks) before a whole frame.
+pub async fn frame_or_end(io: &mut (impl AsyncRead + Unpin)) -> Option<(Head, Vec<u8>)> {
+    let mut header = [0u8; HEADER_LEN];
+    io.read_exact(&mut header).await.ok()?;
     let head = Head::decode(&header);
     let mut payload = vec![0u8; head.len as usize];
-    io.read_exact(&mut payload).await.expect("the payload");
-    (head, payload)
+    io.read_exact(&mut payload).await.ok()?;
+    Some((head, payload))
 }
 
 /// An HTTP/2 client connection to `addr`, driven on its own task.
